@@ -144,7 +144,8 @@ def _timed(fn: Callable[[], Any]) -> float:
 # ---------------------------------------------------------------- receiver process
 
 
-def _receiver_main(endpoint: str, baseline: str, spec_json: str, syncs: int, threads: int, timeout_s: float) -> None:
+def _receiver_main(endpoint: str, baseline: str, spec_json: str, syncs: int, threads: int, timeout_s: float,
+                   into: bool) -> None:
     """The spawned engine stand-in: hwsync syncs, then stop-and-wait syncs, same destinations."""
     torch.set_num_threads(threads)
     from hwsync.receiver import WeightReceiver
@@ -174,8 +175,12 @@ def _receiver_main(endpoint: str, baseline: str, spec_json: str, syncs: int, thr
     with WeightReceiver(endpoint, timeout_s=timeout_s) as rx:
         for _ in range(syncs):
             copy_s[0] = 0.0
-            load_s.append(rx.receive(load).load_s)
-            engine_s.append(copy_s[0])
+            if into:  # hwsync copies each tensor's bytes straight into the engine's tensor
+                load_s.append(rx.receive(into=lambda name, dtype, shape: dest[name]).load_s)
+                engine_s.append(load_s[-1])
+            else:
+                load_s.append(rx.receive(load).load_s)
+                engine_s.append(copy_s[0])
     first_error = check()
     for t in dest.values():
         t.fill_(-1)
@@ -231,6 +236,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     named = build(spec, device)
     total = sum(t.numel() * t.element_size() for _, t in named)
     bucket = int(args.bucket_mb * (1 << 20))
+    baseline_bucket = int(args.baseline_bucket_mb * (1 << 20))
     memcpy = copy_gbps(args.copy_mib << 20)
     both = concurrent_copy_gbps(args.copy_mib << 20)
     ipc_dir = private_ipc_dir()
@@ -247,7 +253,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         sender = WeightSender(bucket_bytes=bucket, num_buffers=args.num_buffers, timeout_s=args.timeout)
         proc = mp.get_context("spawn").Process(
             target=_receiver_main, daemon=True,
-            args=(sender.endpoint, baseline_addr, json.dumps(spec), args.syncs, args.threads, args.timeout))
+            args=(sender.endpoint, baseline_addr, json.dumps(spec), args.syncs, args.threads, args.timeout,
+                  args.receive == "into"))
         proc.start()
         runs = []
         for v in range(args.syncs):
@@ -257,7 +264,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         sender.close()
         alive = proc.is_alive
         hello = await_reply(sock, alive, args.timeout)
-        saw = StopAndWait(sock, bucket, alive, args.timeout)
+        saw = StopAndWait(sock, baseline_bucket, alive, args.timeout)
         base = []
         for _ in range(args.syncs):
             base.append(saw.send(named))
@@ -288,6 +295,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "cpus": os.cpu_count(), "torch": torch.__version__, "device": str(device), "transport": runs[0].transport,
         "threads": args.threads, "bytes": total,
         "tensors": len(named), "dtype": args.dtype, "bucket_bytes": bucket, "num_buffers": args.num_buffers,
+        "receive": args.receive, "baseline_bucket_bytes": baseline_bucket, "pool": runs[-1].notes.get("pool"),
         "syncs": args.syncs, "hwsync_gbps": hw, "stop_and_wait_gbps": sw, "copy_gbps": memcpy,
         "concurrent_copy_gbps": both, "two_copy_ceiling_gbps": both / 2,
         "hwsync_vs_copy": hw / memcpy, "hwsync_vs_two_copy_ceiling": hw / (both / 2), "hwsync_vs_stop_and_wait": hw / sw,
@@ -307,8 +315,13 @@ def add_bench_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensors", type=int, default=None,
                         help="N equal tensors instead of the ~1.5B transformer's shapes")
     parser.add_argument("--syncs", type=int, default=5, help="syncs per transfer; the median excludes the first")
-    parser.add_argument("--bucket-mb", type=float, default=32.0, help="bucket size in MiB (both transfers)")
+    parser.add_argument("--bucket-mb", type=float, default=32.0, help="hwsync's bucket size in MiB")
     parser.add_argument("--num-buffers", type=int, default=2, help="hwsync's buffers (the baseline has 1)")
+    parser.add_argument("--baseline-bucket-mb", type=float, default=32.0,
+                        help="the stop-and-wait baseline's bucket size in MiB (its best here)")
+    parser.add_argument("--receive", choices=["into", "load"], default="into",
+                        help="how hwsync's receiver fills the engine's tensors: into= (copied straight in) or a "
+                             "load callback copying whole tensors (split ones reassembled first)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each process")
     parser.add_argument("--copy-mib", type=int, default=1024, help="size of the copy reference in MiB")
     parser.add_argument("--timeout", type=float, default=120.0, help="timeout_s of every wait")

@@ -23,7 +23,7 @@ import zmq
 from hwsync.errors import SyncTimeout
 
 #: bump when frames change incompatibly; a receiver refuses any other version
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 #: how often a wait wakes up to check that a same-host peer process still exists
 LIVENESS_SLICE_S = 0.5
 

@@ -1,9 +1,11 @@
 """WeightReceiver: the engine's side of a sync.
 
-It follows whatever geometry the sender announces (bucket size, buffers, transport), so
-nothing has to be configured alike on both sides. `load` sees complete tensors, once per
-bucket; whole tensors are zero-copy views of the shared buffer, valid during the call only, and
-tensors reassembled from chunks are valid until the next sync (their memory is reused).
+It follows whatever geometry the sender announces (bucket size, buffers, transport, doorbell
+or frames), so nothing has to be configured alike on both sides. `load` sees complete tensors,
+once per bucket; whole tensors are zero-copy views of the shared buffer, valid during the call
+only, and tensors reassembled from chunks are valid until the next sync (their memory is
+reused). `into` names the caller's own tensors to copy straight into, chunk by chunk: the
+fastest way for a receiver that owns preallocated destinations.
 A failure is reported to the sender as an error frame carrying the message, and leaves the
 receiver marked as holding an incomplete update until the next complete sync.
 """
@@ -21,9 +23,11 @@ from typing import Any
 import torch
 import zmq
 
-from hwsync.bucket import BucketReader
-from hwsync.control import PROTOCOL_VERSION, Endpoint, pack, peer_alive, receive_frame, remove_ipc_dir, unpack
-from hwsync.errors import ProtocolError, RemoteError, SyncError
+from hwsync.bucket import BucketReader, IntoFn
+from hwsync.control import LIVENESS_SLICE_S, PROTOCOL_VERSION, Endpoint, pack, peer_alive, receive_frame, \
+    remove_ipc_dir, unpack
+from hwsync.doorbell import Doorbell, doorbell_supported, spin_wait
+from hwsync.errors import ProtocolError, RemoteError, SyncError, SyncTimeout
 from hwsync.interfaces import Backend, Handles, ReceiveBuffers
 from hwsync.manifest import TensorSpec
 from hwsync.memory import local_memory
@@ -46,6 +50,9 @@ class WeightReceiver:
         self._sock: zmq.Socket | None = None
         self._buffers: ReceiveBuffers | None = None
         self._handles: Handles | None = None
+        self._doorbell: Doorbell | None = None
+        #: the sender's "done" frame, when it arrived while reading from the doorbell
+        self._done: dict[str, Any] | None = None
         #: last version received completely, or None
         self.version: int | None = None
         #: True when a sync broke after some bucket was loaded: the model holds a mix
@@ -65,26 +72,37 @@ class WeightReceiver:
 
     def receive(
         self,
-        load: LoadFn,
+        load: LoadFn | None = None,
         *,
+        into: IntoFn | None = None,
         on_done: Callable[[], None] | None = None,
         check_manifest: Callable[[list[TensorSpec]], None] | None = None,
         state: dict[str, Any] | None = None,
     ) -> SyncStats:
-        """Receive one sync; `state` is reported to the sender (e.g. the engine's sleep level)."""
+        """Receive one sync; `state` is reported to the sender (e.g. the engine's sleep level).
+
+        `into(name, dtype, shape)` may return the caller's own contiguous tensor of that dtype
+        and shape: the tensor's bytes are copied straight into it (no reassembly, no `load`).
+        Tensors it returns None for go to `load`.
+        """
+        if load is None and into is None:
+            raise ValueError("receive() needs load (called with each bucket's tensors), into (naming "
+                             "destination tensors), or both")
         start = time.perf_counter()
         stats = SyncStats()
         sync = None
+        self._done = None
         try:
             self._connect()
             self._send({"t": "ready", "token": self._endpoint.token, "proto": PROTOCOL_VERSION,
-                        "pid": os.getpid(), "host": socket.gethostname(), "state": self._state(state)})
+                        "pid": os.getpid(), "host": socket.gethostname(), "state": self._state(state),
+                        "doorbell": doorbell_supported()})
             offer = self._await("offer", None, "waiting for the sender's offer", None, stats)
             sync = offer["sync"]
             self._last_sync = sync
             peer = self._sender = (offer.get("pid"), offer.get("host"))
             self._accept(offer, check_manifest, stats)
-            self._receive_buckets(offer, peer, load, stats)
+            self._receive_buckets(offer, peer, load, into, stats)
             if on_done is not None:
                 t0 = time.perf_counter()
                 on_done()
@@ -124,6 +142,10 @@ class WeightReceiver:
             self._close_buffers()
             self._buffers = transports[offer["transport"]].open_receiver(offer["handles"])
             self._handles = offer["handles"]
+        bell = offer.get("doorbell")
+        if bell and (self._doorbell is None or self._doorbell.handle() != bell):
+            self._close_doorbell()
+            self._doorbell = Doorbell.attach(bell)
         if offer.get("manifest") is not None and check_manifest is not None:
             check_manifest([TensorSpec.from_wire(item) for item in offer["manifest"]])
         stats.version = offer["version"]
@@ -132,38 +154,87 @@ class WeightReceiver:
         stats.transport = offer["transport"]
         self._send({"t": "accept", "sync": offer["sync"]})
 
-    def _receive_buckets(self, offer: dict[str, Any], peer: tuple, load: LoadFn, stats: SyncStats) -> None:
+    def _receive_buckets(self, offer: dict[str, Any], peer: tuple, load: LoadFn | None, into: IntoFn | None,
+                         stats: SyncStats) -> None:
         assert self._buffers is not None
-        sync, reader = offer["sync"], self._reader
+        sync, reader, seq, rank = offer["sync"], self._reader, offer.get("first", 0), offer.get("rank", 0)
+        bell = self._doorbell if offer.get("doorbell") else None
         reader.begin()
         while True:
-            frame = self._await(("bucket", "done"), sync, f"waiting for bucket {stats.buckets}", peer, stats)
+            what = f"waiting for bucket {stats.buckets}"
+            if bell is None:
+                frame = self._await(("bucket", "done"), sync, what, peer, stats)
+            else:
+                frame = self._ring_next(bell, seq, sync, what, peer, stats)
             if frame["t"] == "done":
                 if reader.pending():
                     raise SyncError(f"the sync ended with tensors incomplete: {reader.pending()[:5]}")
                 return
+            if frame.get("sync") != sync or frame.get("seq", seq) != seq:
+                raise ProtocolError(f"bucket {seq} of sync {sync} was announced as {frame.get('seq')} of sync "
+                                    f"{frame.get('sync')}; the sender and receiver are out of step")
             t0 = time.perf_counter()
+            self.incomplete = True
             view = self._buffers.view(frame["buf"], frame["nbytes"])
-            tensors = reader.read(view, frame["entries"])
+            tensors = reader.read(view, frame["entries"], into)
             del view  # no view may outlive the buffer's release
             early = not reader.aliases_view  # only reassembled tensors: the sender may refill now
             if early:
-                self._release(sync, frame["buf"])
+                self._release(sync, frame["buf"], seq, bell, rank)
             if tensors:
-                self.incomplete = True
+                if load is None:
+                    raise ValueError(f"into() returned None for {tensors[0][0]!r} and no load was given; return "
+                                     "a destination for every tensor or pass load")
                 load(tensors)
             del tensors
             if not early:
-                self._release(sync, frame["buf"])
+                self._release(sync, frame["buf"], seq, bell, rank)
             stats.load_s += time.perf_counter() - t0
             stats.buckets += 1
             stats.tensors += sum(1 for e in frame["entries"] if e[4] + e[5] == e[6])
             stats.bytes += sum(e[5] for e in frame["entries"])
+            seq += 1
 
-    def _release(self, sync: int, buf: int) -> None:
+    def _ring_next(self, bell: Doorbell, seq: int, sync: int, what: str, peer: tuple,
+                   stats: SyncStats) -> dict[str, Any]:
+        """The next bucket's descriptor from the doorbell, or the sender's "done" frame."""
+        t0 = time.perf_counter()
+        try:
+            while True:
+                if bell.posted > seq:
+                    return unpack(bell.read(seq))
+                if self._done is not None:  # "done" follows the last post: nothing more will come
+                    return self._done
+                spin_wait(lambda: bell.posted > seq or self._done is not None,
+                          lambda: self._poll_sender(sync, what, peer), timeout_s=self.timeout_s, what=what,
+                          endpoint=str(self._endpoint.address))
+        finally:
+            stats.wait_s += time.perf_counter() - t0
+
+    def _poll_sender(self, sync: int, what: str, peer: tuple) -> None:
+        """While spinning on the doorbell: take "done", raise on "abort" or a sender that exited."""
+        assert self._sock is not None
+        while self._sock.poll(0, zmq.POLLIN):
+            frame = unpack(self._sock.recv())
+            if frame.get("sync") != sync:
+                continue
+            if frame["t"] == "abort":
+                raise RemoteError(f"sender aborted the sync: {frame.get('message')}")
+            if frame["t"] == "done":
+                self._done = frame
+        now = time.monotonic()
+        if now >= getattr(self, "_next_liveness", 0.0):
+            self._next_liveness = now + LIVENESS_SLICE_S
+            if not peer_alive(*peer):
+                raise SyncTimeout(f"peer process {peer[0]} exited {what} (endpoint {self._endpoint.address})")
+
+    def _release(self, sync: int, buf: int, seq: int, bell: Doorbell | None, rank: int) -> None:
         assert self._buffers is not None
         self._buffers.release(buf)
-        self._send({"t": "release", "sync": sync, "buf": buf})
+        if bell is not None:
+            bell.release(rank, seq)
+        else:
+            self._send({"t": "release", "sync": sync, "buf": buf, "seq": seq})
 
     def _await(self, kinds: str | tuple[str, ...], sync: int | None, what: str, peer: tuple | None,
                stats: SyncStats) -> dict[str, Any]:
@@ -219,7 +290,13 @@ class WeightReceiver:
             self._sock = None
             self._last_sync = 0  # a new socket sees no frame of earlier syncs
 
+    def _close_doorbell(self) -> None:
+        if self._doorbell is not None:
+            self._doorbell.close()
+            self._doorbell = None
+
     def _close_buffers(self) -> None:
+        self._close_doorbell()
         if self._buffers is not None:
             self._buffers.close()
             self._buffers = None

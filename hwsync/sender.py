@@ -3,8 +3,10 @@
 One sender is one session: its socket and buffers are set up once and serve every sync. A
 sync streams the caller's (name, tensor) iterable into the transport's buffers, bucket after
 bucket; while receivers load bucket k the sender packs bucket k+1 into another buffer, and a
-buffer is refilled only after every receiver has released it. Any failure tears the session
-down (segments unlinked; the bound socket stays) and the next send() builds it again.
+buffer is refilled only after every receiver has released it. Which buffer comes next is the
+BufferPool's choice; buckets are signalled through the shared doorbell where it works, else by
+a ZeroMQ frame each (sender_links). Any failure tears the session down (segments unlinked; the
+bound socket stays) and the next send() builds it again.
 """
 
 from __future__ import annotations
@@ -20,16 +22,19 @@ from typing import Any, Union
 import torch
 import zmq
 
-from hwsync.bucket import ALIGN, BucketWriter
-from hwsync.control import PROTOCOL_VERSION, Endpoint, new_token, pack, private_ipc_dir, receive_frame, \
-    remove_ipc_dir, unpack
-from hwsync.errors import ManifestError, ProtocolError, RemoteError
+from hwsync.bucket import ALIGN, BucketWriter, copy_bytes
+from hwsync.buffer_pool import BufferPool
+from hwsync.control import LIVENESS_SLICE_S, PROTOCOL_VERSION, Endpoint, new_token, pack, peer_alive, \
+    private_ipc_dir, receive_frame, remove_ipc_dir, unpack
+from hwsync.doorbell import DESCRIPTOR_BYTES, Doorbell, doorbell_supported
+from hwsync.errors import ManifestError, ProtocolError, RemoteError, SyncTimeout
 from hwsync.interfaces import Backend, SendBuffers, Transport
 from hwsync.manifest import TensorSpec
 from hwsync.memory import MemoryReport, choose_bucket_bytes, local_memory
 from hwsync.offload import onload as onload_params
 from hwsync.planner import TrainerModel, plan_for_engines
 from hwsync.registry import get_backend
+from hwsync.sender_links import BucketLink, DoorbellLink, FrameLink, timed_wait
 from hwsync.stats import SyncStats
 
 log = logging.getLogger("hwsync")
@@ -45,6 +50,8 @@ class _Peer:
     pid: int | None
     host: str | None
     state: dict[str, Any]
+    #: whether it can read buckets from a shared doorbell
+    doorbell: bool = False
 
 
 class WeightSender:
@@ -86,6 +93,10 @@ class WeightSender:
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
         self._buffers: SendBuffers | None = None
+        self._doorbell: Doorbell | None = None
+        self._pool: BufferPool | None = None
+        #: sequence number of the next bucket; grows across the syncs of one set of buffers
+        self._seq = 0
         self._syncs = 0
         #: "ready"/"gone" frames that arrived during a sync, for the next one
         self._early: list[tuple[bytes, dict[str, Any]]] = []
@@ -138,14 +149,14 @@ class WeightSender:
             source = self._source(named_tensors, peers, stats)
             if self._buffers is None:
                 self._size_buckets(peers, stats)
-                self._buffers = self.transport.open_sender(self.bucket_bytes, self.num_buffers)
+                self._open_buffers()
             stats.bucket_bytes = self.bucket_bytes
-            self._offer(peers, sync, version, manifest, stats)
+            link = self._offer(peers, sync, version, manifest, stats)
             if onload is None:
-                self._stream(peers, sync, source, manifest, stats)
+                self._stream(link, sync, source, manifest, stats)
             else:
                 with onload_params(onload, backend_device=self.backend.device()) as moved:
-                    self._stream(peers, sync, source, manifest, stats)
+                    self._stream(link, sync, source, manifest, stats)
                 stats.onload_s, stats.offload_s = moved.onload_s, moved.offload_s
                 stats.notes["onload"] = moved.to_dict()
             self._finish(peers, sync, stats)
@@ -178,6 +189,13 @@ class WeightSender:
         stats.notes["bucket"] = choice.reason
         log.info("hwsync bucket size: %s", choice.reason)
 
+    def _open_buffers(self) -> None:
+        self._buffers = self.transport.open_sender(self.bucket_bytes, self.num_buffers)
+        self._pool = BufferPool(self.num_buffers, self.bucket_bytes)
+        self._seq = 0
+        if doorbell_supported():
+            self._doorbell = Doorbell.create(self.num_receivers, self.num_buffers)
+
     def _await_ready(self, stats: SyncStats) -> list[_Peer]:
         peers: dict[bytes, _Peer] = {}
         t0 = time.perf_counter()
@@ -198,13 +216,16 @@ class WeightSender:
         if frame["t"] == "gone":
             peers.pop(identity, None)
         elif frame["t"] == "ready" and frame.get("token") == self._token:
-            peers[identity] = _Peer(identity, frame.get("pid"), frame.get("host"), frame.get("state") or {})
+            peers[identity] = _Peer(identity, frame.get("pid"), frame.get("host"), frame.get("state") or {},
+                                    bool(frame.get("doorbell")))
         elif frame["t"] == "ready":
             log.warning("hwsync: ignored a receiver that presented a wrong token")
 
     def _offer(self, peers: list[_Peer], sync: int, version: int, manifest: list[TensorSpec] | None,
-               stats: SyncStats) -> None:
+               stats: SyncStats) -> BucketLink:
+        """Announce the sync's geometry to each receiver (its rank, the signalling way) and await the accepts."""
         assert self._buffers is not None
+        link, bell = self._link(peers, sync)
         offer = {
             "t": "offer", "sync": sync, "proto": PROTOCOL_VERSION, "backend": self.backend.name,
             "transport": self.transport.name, "handles": self._buffers.handles(), "bucket_bytes": self.bucket_bytes,
@@ -212,52 +233,85 @@ class WeightSender:
             "manifest": None if manifest is None else [s.to_wire() for s in manifest],
             "tensors": None if manifest is None else len(manifest),
             "total_bytes": None if manifest is None else sum(s.nbytes for s in manifest),
+            "first": self._seq, "doorbell": None if bell is None else bell.handle(),
         }
-        self._broadcast(peers, offer)
+        for rank, peer in enumerate(peers):
+            assert self._sock is not None
+            self._sock.send_multipart([peer.identity, pack({**offer, "rank": rank})])
         self._await_each(peers, sync, "accept", "waiting for receivers to accept the offer", stats)
+        return link
 
-    def _stream(self, peers: list[_Peer], sync: int, source: NamedTensors, manifest: list[TensorSpec] | None,
+    def _link(self, peers: list[_Peer], sync: int) -> tuple[BucketLink, Doorbell | None]:
+        """The doorbell when every receiver shares this host and can use it, else a frame per bucket."""
+        here = socket.gethostname()
+        if self._doorbell is not None and all(p.doorbell and p.host == here for p in peers):
+            self._doorbell.start_sync(len(peers), self._seq)
+            poll = lambda what: self._poll_failures(peers, sync, what)  # noqa: E731
+            return DoorbellLink(self._doorbell, len(peers), poll, self.timeout_s, self.endpoint), self._doorbell
+        link = FrameLink([p.identity for p in peers], self._seq, lambda frame: self._broadcast(peers, frame),
+                         lambda what: self._recv(what, [(p.pid, p.host) for p in peers]),
+                         lambda frame: self._raise_if_error(frame, sync))
+        return link, None
+
+    def _poll_failures(self, peers: list[_Peer], sync: int, what: str) -> None:
+        """While spinning on the doorbell: raise on an error frame or a receiver that exited."""
+        assert self._sock is not None
+        while self._sock.poll(0, zmq.POLLIN):
+            identity, data = self._sock.recv_multipart()
+            frame = unpack(data)
+            if frame["t"] in ("ready", "gone"):
+                self._early.append((identity, frame))
+            self._raise_if_error(frame, sync)
+        now = time.monotonic()
+        if now >= getattr(self, "_next_liveness", 0.0):
+            self._next_liveness = now + LIVENESS_SLICE_S
+            for peer in peers:
+                if not peer_alive(peer.pid, peer.host):
+                    raise SyncTimeout(f"peer process {peer.pid} exited {what} (endpoint {self.endpoint})")
+
+    def _stream(self, link: BucketLink, sync: int, source: NamedTensors, manifest: list[TensorSpec] | None,
                 stats: SyncStats) -> None:
-        assert self._buffers is not None
-        busy: list[set[bytes]] = [set() for _ in range(self.num_buffers)]
-        writer = BucketWriter(self.bucket_bytes)
-        current = self._acquire(peers, sync, busy, 0, stats)
+        assert self._buffers is not None and self._pool is not None
+        buffers, pool = self._buffers, self._pool
+        writer = BucketWriter(self.bucket_bytes, max_wire_bytes=DESCRIPTOR_BYTES - 1024)
+        current: int | None = None  # the buffer being filled; taken when the first byte goes in
         seen: set[str] = set()
+        pool.begin_sync()
+
+        def take() -> int:
+            index, previous = pool.take(self._seq)
+            if previous >= 0:
+                stats.wait_s += timed_wait(link, previous, f"waiting for receivers to release buffer {index}")
+            return index
 
         def flush() -> None:
             nonlocal current
-            if not writer.entries:
+            if current is None:
                 return
-            self._buffers.publish(current, writer.used)
-            self._broadcast(peers, {"t": "bucket", "sync": sync, "index": stats.buckets, "buf": current,
-                                    "nbytes": writer.used, "entries": writer.wire_entries()})
-            busy[current] = {p.identity for p in peers}
+            buffers.publish(current, writer.used)
+            link.post(self._seq, {"t": "bucket", "sync": sync, "index": stats.buckets, "seq": self._seq,
+                                  "buf": current, "nbytes": writer.used, "entries": writer.wire_entries()})
+            pool.filled(writer.used)
+            self._seq += 1
             stats.buckets += 1
             writer.reset()
-            current = self._acquire(peers, sync, busy, (current + 1) % self.num_buffers, stats)
+            current = None
 
         for position, (name, tensor) in enumerate(source):
             self._check_item(position, name, tensor, manifest, seen)
-            t0 = time.perf_counter()
             nbytes = tensor.numel() * tensor.element_size()
-            if not writer.fits_whole(nbytes) and nbytes <= self.bucket_bytes:
-                stats.pack_s += time.perf_counter() - t0
+            if writer.entries and (writer.full or not writer.has_room(name, tensor.dim())
+                                   or (not writer.fits_whole(nbytes) and nbytes <= self.bucket_bytes)):
                 flush()  # a tensor that fits a bucket is never split: receivers get zero-copy views
-                t0 = time.perf_counter()
-            elif writer.full:
-                stats.pack_s += time.perf_counter() - t0
-                flush()
-                t0 = time.perf_counter()
-            buffer = self._buffers.buffer(current)
             pieces = 0
-            for pieces, (piece, entry) in enumerate(writer.chunks(name, tensor), 1):
-                buffer[entry.offset : entry.offset + entry.chunk_bytes].copy_(piece)
+            for pieces, (flat, entry) in enumerate(writer.chunks(name, tensor), 1):
+                if current is None:
+                    current = take()
+                t0 = time.perf_counter()
+                copy_bytes(buffers.buffer(current), entry.offset, flat, entry.chunk_offset, entry.chunk_bytes)
+                stats.pack_s += time.perf_counter() - t0
                 if writer.full:
-                    stats.pack_s += time.perf_counter() - t0
                     flush()
-                    buffer = self._buffers.buffer(current)
-                    t0 = time.perf_counter()
-            stats.pack_s += time.perf_counter() - t0
             if pieces > 1:
                 # A split tensor's tail ends its bucket: that bucket then holds no views, so
                 # receivers release it before loading the (large) reassembled tensor.
@@ -284,22 +338,13 @@ class WeightSender:
             raise ManifestError(f"tensor #{position} strays from the announced manifest: announced {spec}, "
                                 f"got {actual}")
 
-    def _acquire(self, peers: list[_Peer], sync: int, busy: list[set[bytes]], index: int, stats: SyncStats) -> int:
-        t0 = time.perf_counter()
-        while busy[index]:
-            identity, frame = self._recv(f"waiting for receivers to release buffer {index}",
-                                         [(p.pid, p.host) for p in peers])
-            self._raise_if_error(frame, sync)
-            if frame["t"] == "release" and frame.get("sync") == sync:
-                busy[frame["buf"]].discard(identity)
-        stats.wait_s += time.perf_counter() - t0
-        return index
-
     def _finish(self, peers: list[_Peer], sync: int, stats: SyncStats) -> None:
         self._broadcast(peers, {"t": "done", "sync": sync, "buckets": stats.buckets, "tensors": stats.tensors,
                                 "bytes": stats.bytes})
         replies = self._await_each(peers, sync, "complete", "waiting for receivers to finish loading", stats)
         reports = [r.get("stats") or {} for r in replies]
+        if self._pool is not None and self._pool.adaptive:
+            stats.notes["pool"] = self._pool.to_dict()
         stats.peer = reports[0] if len(reports) == 1 else {"receivers": reports}
         stats.load_s = max((r.get("load_s", 0.0) for r in reports), default=0.0)
 
@@ -346,14 +391,19 @@ class WeightSender:
                 self._broadcast(peers, {"t": "abort", "sync": sync, "message": f"{type(exc).__name__}: {exc}"})
             except zmq.ZMQError:
                 pass
+        self._close_buffers()
+
+    def _close_buffers(self) -> None:
+        if self._doorbell is not None:
+            self._doorbell.close()
+            self._doorbell = None
         if self._buffers is not None:
             self._buffers.close()
             self._buffers = None
+        self._pool = None
 
     def _teardown(self) -> None:
-        if self._buffers is not None:
-            self._buffers.close()
-            self._buffers = None
+        self._close_buffers()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None

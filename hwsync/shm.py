@@ -52,6 +52,10 @@ class SharedSegment:
         """Create a new uniquely named segment of `size` bytes."""
         return cls(f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}", size, create=True)
 
+    def mapping(self) -> mmap.mmap:
+        """The raw mapping (for ctypes counters laid over it)."""
+        return self._mmap
+
     def _unlink(self) -> None:
         try:
             os.unlink(os.path.join(SHM_DIR, self.name))
