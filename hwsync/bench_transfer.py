@@ -235,7 +235,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     device, _ = bench_device()
     named = build(spec, device)
     total = sum(t.numel() * t.element_size() for _, t in named)
-    bucket = int(args.bucket_mb * (1 << 20))
+    bucket = None if args.bucket_mb is None else int(args.bucket_mb * (1 << 20))
     baseline_bucket = int(args.baseline_bucket_mb * (1 << 20))
     memcpy = copy_gbps(args.copy_mib << 20)
     both = concurrent_copy_gbps(args.copy_mib << 20)
@@ -294,7 +294,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "cpus": os.cpu_count(), "torch": torch.__version__, "device": str(device), "transport": runs[0].transport,
         "threads": args.threads, "bytes": total,
-        "tensors": len(named), "dtype": args.dtype, "bucket_bytes": bucket, "num_buffers": args.num_buffers,
+        "tensors": len(named), "dtype": args.dtype, "bucket_bytes": runs[-1].bucket_bytes,
+        "num_buffers": runs[-1].num_buffers,
         "receive": args.receive, "baseline_bucket_bytes": baseline_bucket, "pool": runs[-1].notes.get("pool"),
         "syncs": args.syncs, "hwsync_gbps": hw, "stop_and_wait_gbps": sw, "copy_gbps": memcpy,
         "concurrent_copy_gbps": both, "two_copy_ceiling_gbps": both / 2,
@@ -315,8 +316,10 @@ def add_bench_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensors", type=int, default=None,
                         help="N equal tensors instead of the ~1.5B transformer's shapes")
     parser.add_argument("--syncs", type=int, default=5, help="syncs per transfer; the median excludes the first")
-    parser.add_argument("--bucket-mb", type=float, default=32.0, help="hwsync's bucket size in MiB")
-    parser.add_argument("--num-buffers", type=int, default=2, help="hwsync's buffers (the baseline has 1)")
+    parser.add_argument("--bucket-mb", type=float, default=None,
+                        help="hwsync's bucket size in MiB (default: the transport's, for how the receiver takes tensors)")
+    parser.add_argument("--num-buffers", type=int, default=None,
+                        help="hwsync's buffers (default: the transport's; the baseline has 1)")
     parser.add_argument("--baseline-bucket-mb", type=float, default=32.0,
                         help="the stop-and-wait baseline's bucket size in MiB (its best here)")
     parser.add_argument("--receive", choices=["into", "load"], default="into",
@@ -330,7 +333,7 @@ def add_bench_transfer_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench_transfer(args: argparse.Namespace) -> int:
     """Run the benchmark and print a table (or JSON); 0 on success."""
-    if args.syncs < 1 or args.num_buffers < 2 or args.threads < 1:
+    if args.syncs < 1 or (args.num_buffers is not None and args.num_buffers < 2) or args.threads < 1:
         raise SystemExit("--syncs and --threads must be at least 1, --num-buffers at least 2")
     try:
         r = measure(args)
@@ -343,7 +346,9 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
         return 0
     print(f"hwsync bench transfer: {r['cpus']} CPUs, torch {r['torch']}, tensors on {r['device']}, transport "
           f"{r['transport']}, {r['threads']} thread(s) per process; "
-          f"{r['bytes'] / 1e9:.2f} GB in {r['tensors']} tensors ({r['dtype']}); bucket {args.bucket_mb:g} MiB; "
+          f"{r['bytes'] / 1e9:.2f} GB in {r['tensors']} tensors ({r['dtype']}); hwsync buckets "
+          f"{r['bucket_bytes'] / 2**20:g} MiB x {r['num_buffers']}, receiving by {r['receive']}; stop-and-wait "
+          f"bucket {r['baseline_bucket_bytes'] / 2**20:g} MiB; "
           + (f"median of syncs 2-{r['syncs']}" if r["syncs"] > 1 else "one sync"))
     rows = [(f"hwsync ({r['num_buffers']} buffers)", f"{r['hwsync_gbps']:.2f}", f"{r['hwsync_s']:.3f}"),
             ("stop-and-wait (1 buffer)", f"{r['stop_and_wait_gbps']:.2f}", f"{r['stop_and_wait_s']:.3f}"),
@@ -359,6 +364,10 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
     p = r["hwsync_phases"]
     print(f"hwsync per sync: sender pack {p['pack_s']:.3f} s, wait {p['wait_s']:.3f} s; receiver buckets "
           f"{p['receiver_load_s']:.3f} s, of which load()'s copies {p['receiver_engine_copy_s']:.3f} s")
+    if r["pool"]:
+        rate = r["pool"]["gbps"]
+        print(f"buffer pool: using the {r['pool']['mode']} mode; last measured: hot pair {rate['hot']} GB/s, "
+              f"whole pool (cold) {rate['cold']} GB/s")
     return 0
 
 

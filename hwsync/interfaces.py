@@ -158,6 +158,9 @@ class Transport(ABC):
     name: str
     #: a bucket size that performs well on this transport when the user sets none
     default_bucket_bytes: int = 32 << 20
+    #: (bucket bytes, buffers) for when every receiver copies straight into its own tensors
+    #: (receive(into=...)), if that differs from default_bucket_bytes and 2 buffers
+    into_geometry: tuple[int, int] | None = None
 
     @abstractmethod
     def available(self) -> ProbeResult:

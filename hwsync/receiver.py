@@ -96,7 +96,7 @@ class WeightReceiver:
             self._connect()
             self._send({"t": "ready", "token": self._endpoint.token, "proto": PROTOCOL_VERSION,
                         "pid": os.getpid(), "host": socket.gethostname(), "state": self._state(state),
-                        "doorbell": doorbell_supported()})
+                        "doorbell": doorbell_supported(), "into": into is not None})
             offer = self._await("offer", None, "waiting for the sender's offer", None, stats)
             sync = offer["sync"]
             self._last_sync = sync

@@ -52,6 +52,8 @@ class _Peer:
     state: dict[str, Any]
     #: whether it can read buckets from a shared doorbell
     doorbell: bool = False
+    #: whether it copies straight into its own tensors (receive(into=...))
+    into: bool = False
 
 
 class WeightSender:
@@ -62,12 +64,15 @@ class WeightSender:
         endpoint: str | None = None,
         *,
         bucket_bytes: int | str | None = None,
-        num_buffers: int = 2,
+        num_buffers: int | None = None,
         transport: str | Transport | None = None,
         timeout_s: float = 60.0,
         num_receivers: int = 1,
         backend: Backend | None = None,
     ) -> None:
+        #: neither size given: the transport's defaults, chosen at the first send from how receivers take tensors
+        self._default_geometry = bucket_bytes is None and num_buffers is None
+        num_buffers = 2 if num_buffers is None else num_buffers
         if num_buffers < 2:
             raise ValueError(f"num_buffers={num_buffers}: at least 2 are needed to overlap packing with loading")
         if num_receivers < 1:
@@ -178,7 +183,13 @@ class WeightSender:
         return named_tensors(peers[0].state) if callable(named_tensors) else named_tensors
 
     def _size_buckets(self, peers: list[_Peer], stats: SyncStats) -> None:
-        """bucket_bytes="auto": size from the least free memory of this process and the receivers."""
+        """Default sizes: by how receivers take tensors; "auto": by the least free memory of all sides."""
+        geometry = self.transport.into_geometry
+        if self._default_geometry and geometry and all(p.into for p in peers):
+            self.bucket_bytes, self.num_buffers = geometry
+            stats.num_buffers = self.num_buffers
+            stats.notes["bucket"] = (f"{geometry[0] >> 20} MiB x {geometry[1]} buffers: every receiver copies into "
+                                     f"its own tensors, the {self.transport.name} transport's geometry for that")
         if not self._auto_bucket:
             return
         device = self.backend.device()
@@ -217,7 +228,7 @@ class WeightSender:
             peers.pop(identity, None)
         elif frame["t"] == "ready" and frame.get("token") == self._token:
             peers[identity] = _Peer(identity, frame.get("pid"), frame.get("host"), frame.get("state") or {},
-                                    bool(frame.get("doorbell")))
+                                    bool(frame.get("doorbell")), bool(frame.get("into")))
         elif frame["t"] == "ready":
             log.warning("hwsync: ignored a receiver that presented a wrong token")
 
