@@ -22,19 +22,20 @@ from typing import Any, Union
 import torch
 import zmq
 
-from hwsync.bucket import ALIGN, BucketWriter, copy_bytes
+from hwsync.bucket import ALIGN
+from hwsync.bucket_stream import BucketStream
 from hwsync.buffer_pool import BufferPool
 from hwsync.control import LIVENESS_SLICE_S, PROTOCOL_VERSION, Endpoint, new_token, pack, peer_alive, \
     private_ipc_dir, receive_frame, remove_ipc_dir, unpack
-from hwsync.doorbell import DESCRIPTOR_BYTES, Doorbell, doorbell_supported
-from hwsync.errors import ManifestError, ProtocolError, RemoteError, SyncTimeout
+from hwsync.doorbell import Doorbell, doorbell_supported
+from hwsync.errors import ProtocolError, RemoteError, SyncTimeout
 from hwsync.interfaces import Backend, SendBuffers, Transport
 from hwsync.manifest import TensorSpec
 from hwsync.memory import MemoryReport, choose_bucket_bytes, local_memory
 from hwsync.offload import onload as onload_params
 from hwsync.planner import TrainerModel, plan_for_engines
 from hwsync.registry import get_backend
-from hwsync.sender_links import BucketLink, DoorbellLink, FrameLink, timed_wait
+from hwsync.sender_links import BucketLink, DoorbellLink, FrameLink
 from hwsync.stats import SyncStats
 
 log = logging.getLogger("hwsync")
@@ -157,11 +158,13 @@ class WeightSender:
                 self._open_buffers()
             stats.bucket_bytes = self.bucket_bytes
             link = self._offer(peers, sync, version, manifest, stats)
+            assert self._buffers is not None and self._pool is not None
+            stream = BucketStream(link, self._buffers, self._pool, self.bucket_bytes, sync, self._seq, stats)
             if onload is None:
-                self._stream(link, sync, source, manifest, stats)
+                self._seq = stream.run(source, manifest)
             else:
                 with onload_params(onload, backend_device=self.backend.device()) as moved:
-                    self._stream(link, sync, source, manifest, stats)
+                    self._seq = stream.run(source, manifest)
                 stats.onload_s, stats.offload_s = moved.onload_s, moved.offload_s
                 stats.notes["onload"] = moved.to_dict()
             self._finish(peers, sync, stats)
@@ -185,11 +188,14 @@ class WeightSender:
     def _size_buckets(self, peers: list[_Peer], stats: SyncStats) -> None:
         """Default sizes: by how receivers take tensors; "auto": by the least free memory of all sides."""
         geometry = self.transport.into_geometry
-        if self._default_geometry and geometry and all(p.into for p in peers):
-            self.bucket_bytes, self.num_buffers = geometry
+        if self._default_geometry:  # decided afresh whenever buffers are opened: receivers may have changed
+            if geometry and all(p.into for p in peers):
+                self.bucket_bytes, self.num_buffers = geometry
+                stats.notes["bucket"] = (f"{geometry[0] >> 20} MiB x {geometry[1]} buffers: every receiver copies "
+                                         f"into its own tensors, the {self.transport.name} transport's geometry for that")
+            else:
+                self.bucket_bytes, self.num_buffers = self.transport.default_bucket_bytes, 2
             stats.num_buffers = self.num_buffers
-            stats.notes["bucket"] = (f"{geometry[0] >> 20} MiB x {geometry[1]} buffers: every receiver copies into "
-                                     f"its own tensors, the {self.transport.name} transport's geometry for that")
         if not self._auto_bucket:
             return
         device = self.backend.device()
@@ -279,75 +285,6 @@ class WeightSender:
             for peer in peers:
                 if not peer_alive(peer.pid, peer.host):
                     raise SyncTimeout(f"peer process {peer.pid} exited {what} (endpoint {self.endpoint})")
-
-    def _stream(self, link: BucketLink, sync: int, source: NamedTensors, manifest: list[TensorSpec] | None,
-                stats: SyncStats) -> None:
-        assert self._buffers is not None and self._pool is not None
-        buffers, pool = self._buffers, self._pool
-        writer = BucketWriter(self.bucket_bytes, max_wire_bytes=DESCRIPTOR_BYTES - 1024)
-        current: int | None = None  # the buffer being filled; taken when the first byte goes in
-        seen: set[str] = set()
-        pool.begin_sync()
-
-        def take() -> int:
-            index, previous = pool.take(self._seq)
-            if previous >= 0:
-                stats.wait_s += timed_wait(link, previous, f"waiting for receivers to release buffer {index}")
-            return index
-
-        def flush() -> None:
-            nonlocal current
-            if current is None:
-                return
-            buffers.publish(current, writer.used)
-            link.post(self._seq, {"t": "bucket", "sync": sync, "index": stats.buckets, "seq": self._seq,
-                                  "buf": current, "nbytes": writer.used, "entries": writer.wire_entries()})
-            pool.filled(writer.used)
-            self._seq += 1
-            stats.buckets += 1
-            writer.reset()
-            current = None
-
-        for position, (name, tensor) in enumerate(source):
-            self._check_item(position, name, tensor, manifest, seen)
-            nbytes = tensor.numel() * tensor.element_size()
-            if writer.entries and (writer.full or not writer.has_room(name, tensor.dim())
-                                   or (not writer.fits_whole(nbytes) and nbytes <= self.bucket_bytes)):
-                flush()  # a tensor that fits a bucket is never split: receivers get zero-copy views
-            pieces = 0
-            for pieces, (flat, entry) in enumerate(writer.chunks(name, tensor), 1):
-                if current is None:
-                    current = take()
-                t0 = time.perf_counter()
-                copy_bytes(buffers.buffer(current), entry.offset, flat, entry.chunk_offset, entry.chunk_bytes)
-                stats.pack_s += time.perf_counter() - t0
-                if writer.full:
-                    flush()
-            if pieces > 1:
-                # A split tensor's tail ends its bucket: that bucket then holds no views, so
-                # receivers release it before loading the (large) reassembled tensor.
-                flush()
-            stats.tensors += 1
-            stats.bytes += nbytes
-        if manifest is not None and stats.tensors != len(manifest):
-            raise ManifestError(f"the manifest announced {len(manifest)} tensors but the source yielded "
-                                f"{stats.tensors}; the next expected was {manifest[stats.tensors].name!r}")
-        flush()
-
-    @staticmethod
-    def _check_item(position: int, name: str, tensor: torch.Tensor, manifest: list[TensorSpec] | None,
-                    seen: set[str]) -> None:
-        if name in seen:
-            raise ManifestError(f"tensor {name!r} was yielded twice in one sync")
-        seen.add(name)
-        if manifest is None:
-            return
-        if position >= len(manifest):
-            raise ManifestError(f"tensor {name!r} is beyond the {len(manifest)} tensors the manifest announced")
-        spec, actual = manifest[position], TensorSpec.of(name, tensor)
-        if spec != actual:
-            raise ManifestError(f"tensor #{position} strays from the announced manifest: announced {spec}, "
-                                f"got {actual}")
 
     def _finish(self, peers: list[_Peer], sync: int, stats: SyncStats) -> None:
         self._broadcast(peers, {"t": "done", "sync": sync, "buckets": stats.buckets, "tensors": stats.tensors,
