@@ -315,7 +315,7 @@ def add_bench_transfer_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tensor dtype; mix: matrices bf16, norms and biases fp32")
     parser.add_argument("--tensors", type=int, default=None,
                         help="N equal tensors instead of the ~1.5B transformer's shapes")
-    parser.add_argument("--syncs", type=int, default=5, help="syncs per transfer; the median excludes the first")
+    parser.add_argument("--syncs", type=int, default=8, help="syncs per transfer; the median excludes the first")
     parser.add_argument("--bucket-mb", type=float, default=None,
                         help="hwsync's bucket size in MiB (default: the transport's, for how the receiver takes tensors)")
     parser.add_argument("--num-buffers", type=int, default=None,

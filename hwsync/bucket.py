@@ -99,12 +99,14 @@ class BucketWriter:
         self.entries: list[Entry] = []
         self.used = 0
         self.wire_bytes = 0
+        self._last_entry_bytes = 0
 
     def reset(self) -> None:
         """Start an empty bucket."""
         self.entries = []
         self.used = 0
         self.wire_bytes = 0
+        self._last_entry_bytes = 0
 
     def has_room(self, name: str, ndim: int, chunks: int = 1) -> bool:
         """Whether `chunks` more entries for this tensor fit the frame-size bound."""
@@ -129,7 +131,7 @@ class BucketWriter:
         flat = as_bytes(tensor)
         total = flat.numel()
         spec = (name, dtype_name(tensor.dtype), tuple(tensor.shape))
-        entry_bytes = entry_wire_bytes(name, tensor.dim())
+        entry_bytes = self._last_entry_bytes = entry_wire_bytes(name, tensor.dim())
         if total == 0:
             entry = Entry(*spec, align_up(self.used), 0, 0, 0)
             self.entries.append(entry)
@@ -153,9 +155,7 @@ class BucketWriter:
     @property
     def full(self) -> bool:
         """No aligned room left for another byte, or no room in the frame for another entry."""
-        if self.max_wire_bytes is not None and self.entries and \
-                self.wire_bytes + entry_wire_bytes(self.entries[-1].name, len(self.entries[-1].shape)) > \
-                self.max_wire_bytes:
+        if self.max_wire_bytes is not None and self.wire_bytes + self._last_entry_bytes > self.max_wire_bytes:
             return True
         return align_up(self.used) >= self.bucket_bytes
 

@@ -45,7 +45,8 @@ class BucketStream:
         for position, (name, tensor) in enumerate(source):
             check_item(position, name, tensor, manifest, seen)
             nbytes = tensor.numel() * tensor.element_size()
-            if writer.entries and (writer.full or not writer.has_room(name, tensor.dim())
+            room = writer.has_room(name, tensor.dim())  # raises for a name no descriptor can hold
+            if writer.entries and (writer.full or not room
                                    or (not writer.fits_whole(nbytes) and nbytes <= self.bucket_bytes)):
                 self.flush()  # a tensor that fits a bucket is never split
             pieces = 0

@@ -85,6 +85,8 @@ class Doorbell:
 
     def min_released(self, ranks: int) -> int:
         """The fewest buckets any of the first `ranks` receivers has released."""
+        if ranks == 1:
+            return self._released[0].value
         return min(self._released[i].value for i in range(ranks))
 
     def start_sync(self, ranks: int, first: int) -> None:

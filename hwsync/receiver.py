@@ -143,8 +143,9 @@ class WeightReceiver:
             self._buffers = transports[offer["transport"]].open_receiver(offer["handles"])
             self._handles = offer["handles"]
         bell = offer.get("doorbell")
-        if bell and (self._doorbell is None or self._doorbell.handle() != bell):
-            self._close_doorbell()
+        if not bell or (self._doorbell is not None and self._doorbell.handle() != bell):
+            self._close_doorbell()  # frames this time, or another doorbell: unmap the old one
+        if bell and self._doorbell is None:
             self._doorbell = Doorbell.attach(bell)
         if offer.get("manifest") is not None and check_manifest is not None:
             check_manifest([TensorSpec.from_wire(item) for item in offer["manifest"]])

@@ -201,12 +201,6 @@ def test_many_long_names_need_several_buckets_and_too_long_a_name_is_refused(bac
     assert not leftover_segments(os.getpid())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: the name-length check (BucketWriter.has_room) runs only when the bucket already has entries "
-    "(hwsync/bucket_stream.py: `if writer.entries and (... not writer.has_room(...))`), so a too-long name that "
-    "starts a bucket is never checked: a 40,000-character name first in a sync or right after a full "
-    "bucket is sent, and a 70,000-character one fails with 'bucket descriptor ... exceeds the slot' on "
-    "the doorbell (and is sent over frames) instead of 'shorten the name'"))
 def test_too_long_a_name_is_refused_wherever_it_falls(backend, monkeypatch):
     set_doorbell(monkeypatch, True)
     cases = {
