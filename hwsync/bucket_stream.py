@@ -2,7 +2,9 @@
 
 A tensor that fits a bucket is never split, so receivers get it as a zero-copy view; a larger
 one is cut over consecutive buckets, and its tail ends its bucket (that bucket then holds no
-views, so receivers release it before loading the reassembled tensor). A buffer is taken only
+views, so receivers release it before loading the reassembled tensor). When every receiver
+copies straight into its own tensors (receive(into=...)), nothing is reassembled and nothing is
+viewed, so buckets are packed dense instead: every bucket full, tensors cut wherever it ends. A buffer is taken only
 when the first byte goes into it, and only once the bucket it held before has been released.
 """
 
@@ -30,9 +32,10 @@ class BucketStream:
     """Streams one sync's (name, tensor) pairs through the buffers; `run` returns the next sequence number."""
 
     def __init__(self, link: BucketLink, buffers: SendBuffers, pool: BufferPool, bucket_bytes: int, sync: int,
-                 first_seq: int, stats: SyncStats) -> None:
+                 first_seq: int, stats: SyncStats, dense: bool = False) -> None:
         self.link, self.buffers, self.pool, self.sync, self.stats = link, buffers, pool, sync, stats
         self.bucket_bytes = bucket_bytes
+        self.dense = dense
         self.seq = first_seq
         self.writer = BucketWriter(bucket_bytes, max_wire_bytes=DESCRIPTOR_BYTES - _FRAME_OVERHEAD)
         self.current: int | None = None  # the buffer being filled
@@ -46,9 +49,9 @@ class BucketStream:
             check_item(position, name, tensor, manifest, seen)
             nbytes = tensor.numel() * tensor.element_size()
             room = writer.has_room(name, tensor.dim())  # raises for a name no descriptor can hold
-            if writer.entries and (writer.full or not room
-                                   or (not writer.fits_whole(nbytes) and nbytes <= self.bucket_bytes)):
-                self.flush()  # a tensor that fits a bucket is never split
+            if writer.entries and (writer.full or not room or (
+                    not self.dense and not writer.fits_whole(nbytes) and nbytes <= self.bucket_bytes)):
+                self.flush()  # a tensor that fits a bucket is never split (unless dense)
             pieces = 0
             for pieces, (flat, entry) in enumerate(writer.chunks(name, tensor), 1):
                 if self.current is None:
@@ -59,7 +62,7 @@ class BucketStream:
                 stats.pack_s += time.perf_counter() - t0
                 if writer.full:
                     self.flush()
-            if pieces > 1:
+            if pieces > 1 and not self.dense:
                 self.flush()  # a split tensor's tail ends its bucket
             stats.tensors += 1
             stats.bytes += nbytes

@@ -7,7 +7,8 @@ not (a VM whose two vCPUs the host placed on different dies, say), writing lines
 has just read costs a cross-die invalidation per line and the hot pair is several times slower
 than going through memory; cycling through the whole pool, whose lines have gone cold by the
 time they are reused, is then the faster way. Which case holds can change mid-run, so the pool
-measures both as it goes and uses the faster one, trying the other now and then.
+measures both as it goes and uses the faster one, trying the other now and then. A try is a
+short window (a quarter of a normal one): the wrong mode can cost 3x while it lasts.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class BufferPool:
         #: measured seconds per byte of each mode (None: not measured yet)
         self.cost: dict[str, float | None] = {HOT: None, COLD: None}
         self._window_bytes = window_buckets * bucket_bytes
+        self._probe_bytes = max(2, window_buckets // 4) * bucket_bytes
+        #: windows scored so far (tries included)
+        self.windows = 0
         self._window_start = 0.0
         self._window_filled = 0
         self._windows_in_mode = 0
@@ -65,11 +69,12 @@ class BufferPool:
         if not self.adaptive:
             return
         self._window_filled += nbytes
-        if self._window_filled < self._window_bytes:
+        if self._window_filled < (self._probe_bytes if self._trying else self._window_bytes):
             return
         now = time.perf_counter()
         cost = (now - self._window_start) / self._window_filled
         self._window_start, self._window_filled = now, 0
+        self.windows += 1
         self.cost[self.mode] = cost
         self._windows_in_mode += 1
         other = COLD if self.mode == HOT else HOT

@@ -159,7 +159,8 @@ class WeightSender:
             stats.bucket_bytes = self.bucket_bytes
             link = self._offer(peers, sync, version, manifest, stats)
             assert self._buffers is not None and self._pool is not None
-            stream = BucketStream(link, self._buffers, self._pool, self.bucket_bytes, sync, self._seq, stats)
+            stream = BucketStream(link, self._buffers, self._pool, self.bucket_bytes, sync, self._seq, stats,
+                                  dense=all(p.into for p in peers))
             if onload is None:
                 self._seq = stream.run(source, manifest)
             else:

@@ -145,7 +145,7 @@ class ShmTransport(Transport):
     # Receivers copying into their own tensors never reassemble, so small buckets cost nothing
     # and two of them stay in the CPU cache between the two copies; 32 buffers give the pool
     # room to go through memory instead when the cache is not shared (see buffer_pool).
-    into_geometry = (2 << 20, 32)
+    into_geometry = (4 << 20, 16)
 
     def available(self) -> ProbeResult:
         """Usable where /dev/shm is a writable directory."""

@@ -39,15 +39,15 @@ def new_pool(clock: Clock, num_buffers: int = 8) -> tuple[BufferPool, list[int]]
 
 
 def run_window(pool: BufferPool, seq: list[int], clock: Clock, seconds: dict[str, float]) -> str:
-    """Fill one window's buckets, the clock moving by the window's cost in the mode in use; returns that mode."""
-    mode = pool.mode
-    for _ in range(WINDOW):
+    """Fill buckets until the pool scores a window, the clock moving by each bucket's cost in the mode
+    in use (a normal window of the mode costs `seconds[mode]`); returns that mode."""
+    mode, scored = pool.mode, pool.windows
+    while pool.windows == scored:
+        assert pool.mode == mode, "the mode changes only at the end of a window"
         pool.take(seq[0])
         seq[0] += 1
         clock.now += seconds[mode] / WINDOW
         pool.filled(BUCKET)
-        if seq[0] % WINDOW:
-            assert pool.mode == mode, "the mode changes only at the end of a window"
     return mode
 
 
@@ -165,3 +165,19 @@ def test_begin_sync_leaves_the_gap_between_syncs_out(clock):
         clock.now += 0.25
         pool.filled(BUCKET)
     assert pool.to_dict()["gbps"][HOT] == 1.0, "1 GB in 1 s, the idle 100 s not counted"
+
+
+def test_a_try_of_the_other_mode_is_a_quarter_window(clock):
+    pool = BufferPool(8, BUCKET, window_buckets=16)
+    pool.begin_sync()
+    lengths = []
+    for _ in range(3):
+        scored, n = pool.windows, 0
+        while pool.windows == scored:
+            pool.take(n)
+            clock.now += 1.0 if pool.mode == HOT else 2.0
+            pool.filled(BUCKET)
+            n += 1
+        lengths.append((n, pool.mode))
+    # hot for a full window, then cold tried for 4 buckets (slower: back to hot), then hot again
+    assert lengths == [(16, COLD), (4, HOT), (16, HOT)]
