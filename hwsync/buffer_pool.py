@@ -8,7 +8,8 @@ has just read costs a cross-die invalidation per line and the hot pair is severa
 than going through memory; cycling through the whole pool, whose lines have gone cold by the
 time they are reused, is then the faster way. Which case holds can change mid-run, so the pool
 measures both as it goes and uses the faster one, trying the other now and then. A try is a
-short window (a quarter of a normal one): the wrong mode can cost 3x while it lasts.
+short window (a quarter of a normal one), cut short after any bucket that shows it losing by
+half: the wrong mode has been seen to cost 8x while it lasts.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any
 #: figure each time the other loses again (a wrong try costs up to 3x for one window)
 RETRY_FIRST, RETRY_MOST = 4, 64
 HOT, COLD = "hot", "cold"
+#: a try ends early once its cost per byte exceeds the other mode's by this factor
+LOSING = 1.5
 
 
 class BufferPool:
@@ -69,9 +72,16 @@ class BufferPool:
         if not self.adaptive:
             return
         self._window_filled += nbytes
-        if self._window_filled < (self._probe_bytes if self._trying else self._window_bytes):
-            return
-        now = time.perf_counter()
+        if not self._trying:
+            if self._window_filled < self._window_bytes:
+                return
+            now = time.perf_counter()
+        else:
+            now = time.perf_counter()
+            other = self.cost[COLD if self.mode == HOT else HOT]
+            losing = other is not None and (now - self._window_start) / self._window_filled > LOSING * other
+            if self._window_filled < self._probe_bytes and not losing:
+                return
         cost = (now - self._window_start) / self._window_filled
         self._window_start, self._window_filled = now, 0
         self.windows += 1

@@ -175,9 +175,24 @@ def test_a_try_of_the_other_mode_is_a_quarter_window(clock):
         scored, n = pool.windows, 0
         while pool.windows == scored:
             pool.take(n)
-            clock.now += 1.0 if pool.mode == HOT else 2.0
+            clock.now += 1.0 if pool.mode == HOT else 1.2  # slower, yet not by half: the try runs its course
             pool.filled(BUCKET)
             n += 1
         lengths.append((n, pool.mode))
     # hot for a full window, then cold tried for 4 buckets (slower: back to hot), then hot again
     assert lengths == [(16, COLD), (4, HOT), (16, HOT)]
+
+
+def test_a_losing_try_ends_after_one_bucket(clock):
+    pool = BufferPool(8, BUCKET, window_buckets=16)
+    pool.begin_sync()
+    lengths = []
+    for _ in range(3):
+        scored, n = pool.windows, 0
+        while pool.windows == scored:
+            pool.take(n)
+            clock.now += 1.0 if pool.mode == HOT else 8.0  # cold costs 8x: the try is cut at once
+            pool.filled(BUCKET)
+            n += 1
+        lengths.append((n, pool.mode))
+    assert lengths == [(16, COLD), (1, HOT), (16, HOT)]
