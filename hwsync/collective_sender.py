@@ -165,7 +165,9 @@ class CollectiveSender:
         t0 = time.perf_counter()
         plan = make_plan(manifest, self.bucket_bytes, self.num_senders)
         stats.plan_s = time.perf_counter() - t0
-        hub.send({"t": "plan", **this_process(), "epoch": self._epoch, "version": version, "plan": plan.to_wire()})
+        # the receivers' state travels with the plan: a callable source is called with it on every sender rank
+        hub.send({"t": "plan", **this_process(), "epoch": self._epoch, "version": version, "plan": plan.to_wire(),
+                  "state": receivers[0].state})
         hub.wait_for("accept", receivers, "waiting for the receivers to accept the plan")
         hub.send({"t": "go"})
         self._stream(plan, source, stats, hub.pump_until)
@@ -214,7 +216,7 @@ class CollectiveSender:
         link.wait(("go",), "waiting for the receivers to accept the plan")
         stats.wait_s += time.perf_counter() - t0
         plan = CollectivePlan.from_wire(frame["plan"])
-        source = named_tensors({}) if callable(named_tensors) else named_tensors
+        source = named_tensors(frame.get("state") or {}) if callable(named_tensors) else named_tensors
         self._stream(plan, source, stats, lambda done, what: link.wait((), what, done))
         link.send({"t": "sent"})
         t0 = time.perf_counter()

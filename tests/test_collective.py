@@ -258,3 +258,43 @@ def test_a_receivers_load_error_reaches_every_rank(cpu_backend):
         assert all(r[3] == "ok" for r in reports if r[2] == 1), reports
     finally:
         cluster.close()
+
+
+def _stateful_receiver(endpoint: str, out, rank: int, versions: list[int]) -> None:
+    os.environ["HWSYNC_BACKEND"] = "cpu"
+    rx = CollectiveReceiver(endpoint, rank=rank, timeout_s=TIMEOUT)
+    out.put(("up", rank))
+    for v in versions:
+        got: dict[str, torch.Tensor] = {}
+        rx.receive(lambda tensors: got.update({n: t.clone() for n, t in tensors}), state={"marker": 70 + v})
+        out.put(("receiver", rank, v, "ok" if _exact(got, v) else "MISMATCH"))
+    rx.close()
+
+
+def _callable_sender(endpoint: str, out, rank: int, senders: int, receivers: int, versions: list[int]) -> None:
+    os.environ["HWSYNC_BACKEND"] = "cpu"
+    tx = CollectiveSender(endpoint, rank=rank, num_senders=senders, num_receivers=receivers, group_host=HOST,
+                          timeout_s=TIMEOUT)
+    out.put(("up", -rank))
+    for v in versions:
+        seen: list = []
+        tx.send(lambda state: seen.append(state.get("marker")) or _tensors(v), version=v)
+        out.put(("sender", rank, v, seen))
+    tx.close()
+
+
+def test_a_callable_source_gets_the_receivers_state_on_every_sender_rank(cpu_backend):
+    cluster = Cluster(2, 1)
+    try:
+        cluster.spawn(_stateful_receiver, 0, [0, 1])
+        cluster.spawn(_callable_sender, 1, 2, 1, [0, 1])
+        cluster.wait_up(2)
+        for v in (0, 1):
+            seen: list = []
+            cluster.tx.send(lambda state: seen.append(state.get("marker")) or _tensors(v), version=v)
+            assert seen == [70 + v]
+        reports = cluster.reports(4)
+        assert sorted(r[3] for r in reports if r[0] == "receiver") == ["ok", "ok"], reports
+        assert sorted((r[2], r[3]) for r in reports if r[0] == "sender") == [(0, [70]), (1, [71])], reports
+    finally:
+        cluster.close()

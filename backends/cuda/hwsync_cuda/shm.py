@@ -69,6 +69,10 @@ class CudaShmReceiveBuffers(ShmReceiveBuffers):
 class CudaShmTransport(ShmTransport):
     """POSIX shared memory between processes on one node, with GPU copies on both sides."""
 
+    # The core's small-bucket geometry for into= receivers pays off by keeping buckets in the CPU
+    # cache between two host copies; here each bucket costs two GPU synchronizations instead.
+    into_geometry = None
+
     def __init__(self, stage_on_device: bool = True) -> None:
         self.stage_on_device = stage_on_device
 
