@@ -22,8 +22,10 @@ def collect_info() -> dict[str, Any]:
     transports = {}
     for name, transport in backend.transports().items():
         result = transport.available()
+        into = transport.into_geometry
         transports[name] = {"usable": result.usable, "reason": result.reason,
-                            "default_bucket_bytes": transport.default_bucket_bytes}
+                            "default_bucket_bytes": transport.default_bucket_bytes,
+                            "into_geometry": None if into is None else {"bucket_bytes": into[0], "buffers": into[1]}}
     return {
         "selected": backend.name,
         "reason": selection.reason,
@@ -50,7 +52,10 @@ def render(info: dict[str, Any]) -> str:
     lines += ["", "transports:"]
     for name, t in info["transports"].items():
         state = "usable" if t["usable"] else "not usable"
-        lines.append(f"  {name:10s} {state:11s} {t['reason']}  (default bucket {t['default_bucket_bytes'] >> 20} MiB)")
+        into = t["into_geometry"]
+        extra = f"; {into['bucket_bytes'] >> 20} MiB x {into['buffers']} for into= receivers" if into else ""
+        lines.append(f"  {name:10s} {state:11s} {t['reason']}  (default bucket {t['default_bucket_bytes'] >> 20} MiB"
+                     f"{extra})")
     if info.get("pre_torch_notes"):
         lines += ["", "set before torch was imported:"] + [f"  {note}" for note in info["pre_torch_notes"]]
     return "\n".join(lines)
