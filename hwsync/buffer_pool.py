@@ -9,7 +9,9 @@ than going through memory; cycling through the whole pool, whose lines have gone
 time they are reused, is then the faster way. Which case holds can change mid-run, so the pool
 measures both as it goes and uses the faster one, trying the other now and then. A try is a
 short window (a quarter of a normal one), cut short after any bucket that shows it losing by
-half: the wrong mode has been seen to cost 8x while it lasts.
+half: the wrong mode has been seen to cost 8x while it lasts. The first bucket after a switch
+is left out of a try's timing: it pays for the switch (buffers untouched for a while), not for
+the mode, and timing it made the whole pool look 8x slower than it was.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from collections import deque
 from typing import Any
 
 #: windows in the preferred mode before the other one is tried again: doubles from the first
-#: figure each time the other loses again (a wrong try costs up to 3x for one window)
-RETRY_FIRST, RETRY_MOST = 4, 64
+#: figure each time the other loses again, back to the first when a mode is left for being slow
+RETRY_FIRST, RETRY_MOST = 4, 32
 HOT, COLD = "hot", "cold"
 #: a try ends early once its cost per byte exceeds the other mode's by this factor
 LOSING = 1.5
@@ -48,6 +50,7 @@ class BufferPool:
         self._windows_in_mode = 0
         self._retry_every = RETRY_FIRST
         self._trying = False
+        self._try_buckets = 0
 
     def begin_sync(self) -> None:
         """Start timing afresh: the gap between syncs is not transfer time."""
@@ -78,6 +81,10 @@ class BufferPool:
             now = time.perf_counter()
         else:
             now = time.perf_counter()
+            self._try_buckets += 1
+            if self._try_buckets == 1:  # the switch's own bucket: time the try from here
+                self._window_start, self._window_filled = now, 0
+                return
             other = self.cost[COLD if self.mode == HOT else HOT]
             losing = other is not None and (now - self._window_start) / self._window_filled > LOSING * other
             if self._window_filled < self._probe_bytes and not losing:
@@ -99,8 +106,10 @@ class BufferPool:
         elif other_cost is None or self._windows_in_mode >= self._retry_every:
             self._switch(other)
             self._trying = True
-        elif other_cost < cost:
+            self._try_buckets = 0
+        elif other_cost < cost:  # this mode got slower: the machine changed, and may change back soon
             self._switch(other)
+            self._retry_every = RETRY_FIRST
 
     def _switch(self, mode: str) -> None:
         self.mode = mode

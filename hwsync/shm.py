@@ -37,7 +37,9 @@ class SharedSegment:
                 os.ftruncate(fd, size)
             elif os.fstat(fd).st_size < size:
                 raise ValueError(f"shared segment {name} is smaller than the announced {size} bytes")
-            self._mmap = mmap.mmap(fd, size)
+            # Populate the whole mapping now: a buffer first used in the middle of a sync would
+            # otherwise pay a page fault per 4 KiB there (and skew the buffer pool's timing).
+            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         except BaseException:
             os.close(fd)
             if create:

@@ -117,11 +117,12 @@ def test_one_window_in_each_mode_then_the_cheaper_one(clock, hot_s, cold_s, sett
 def test_a_failed_retry_doubles_the_interval_and_a_won_one_resets_it(clock):
     pool, seq = new_pool(clock)
     cost = {HOT: 1.0, COLD: 3.0}
-    modes = [run_window(pool, seq, clock, cost) for _ in range(2 + 8 + 1 + 16 + 1 + 32 + 1 + 64 + 1 + 64 + 1)]
+    modes = [run_window(pool, seq, clock, cost) for _ in range(2 + 8 + 1 + 16 + 1 + 3 * (RETRY_MOST + 1))]
     assert modes[:2] == [HOT, COLD]
-    # each cold window is a retry that lost: hot for twice as long before the next one, 64 windows at most
+    # each cold window is a retry that lost: hot for twice as long before the next one, RETRY_MOST at most
     runs = "".join("h" if m == HOT else "c" for m in modes[2:]).split("c")
-    assert [len(r) for r in runs] == [2 * RETRY_FIRST, 16, 32, RETRY_MOST, RETRY_MOST, 0]
+    assert RETRY_MOST == 32
+    assert [len(r) for r in runs] == [2 * RETRY_FIRST, 16, RETRY_MOST, RETRY_MOST, RETRY_MOST, 0]
 
     # cold turns cheap while hot stays below the cold figure measured last: only the next retry can tell
     cost = {HOT: 2.5, COLD: 1.0}
@@ -138,8 +139,9 @@ def test_a_mode_slower_than_the_others_last_figure_is_left_at_once(clock):
     cost = {HOT: 4.0, COLD: 2.0}  # hot becomes slower than cold was
     assert run_window(pool, seq, clock, cost) == HOT
     assert pool.mode == COLD, "no waiting for the retry interval"
-    modes = [run_window(pool, seq, clock, cost) for _ in range(8 + 1)]
-    assert modes == [COLD] * 8 + [HOT] and pool.mode == COLD
+    # the machine just changed and may change back: hot is tried again after the first interval, not 8
+    modes = [run_window(pool, seq, clock, cost) for _ in range(RETRY_FIRST + 1 + 8 + 1)]
+    assert modes == [COLD] * RETRY_FIRST + [HOT] + [COLD] * 8 + [HOT] and pool.mode == COLD
 
 
 def test_to_dict_reports_gigabytes_per_second(clock):
@@ -179,11 +181,12 @@ def test_a_try_of_the_other_mode_is_a_quarter_window(clock):
             pool.filled(BUCKET)
             n += 1
         lengths.append((n, pool.mode))
-    # hot for a full window, then cold tried for 4 buckets (slower: back to hot), then hot again
-    assert lengths == [(16, COLD), (4, HOT), (16, HOT)]
+    # hot for a full window, then cold tried: its first bucket untimed, then 4 timed (slower: back
+    # to hot), then hot again
+    assert lengths == [(16, COLD), (1 + 4, HOT), (16, HOT)]
 
 
-def test_a_losing_try_ends_after_one_bucket(clock):
+def test_a_losing_try_ends_after_its_first_timed_bucket(clock):
     pool = BufferPool(8, BUCKET, window_buckets=16)
     pool.begin_sync()
     lengths = []
@@ -195,4 +198,23 @@ def test_a_losing_try_ends_after_one_bucket(clock):
             pool.filled(BUCKET)
             n += 1
         lengths.append((n, pool.mode))
-    assert lengths == [(16, COLD), (1, HOT), (16, HOT)]
+    assert lengths == [(16, COLD), (1 + 1, HOT), (16, HOT)]
+    assert pool.cost[COLD] == pytest.approx(8.0 / BUCKET)
+
+
+def test_the_switch_bucket_is_left_out_of_a_tries_timing(clock):
+    pool = BufferPool(8, BUCKET, window_buckets=16)
+    pool.begin_sync()
+    for n in range(16):  # a full hot window at 1 s per bucket
+        pool.take(n)
+        clock.now += 1.0
+        pool.filled(BUCKET)
+    assert pool.mode == COLD
+    pool.take(16)
+    clock.now += 50.0  # the switch's own bucket is very slow ...
+    pool.filled(BUCKET)
+    for n in range(17, 21):  # ... the mode itself is faster than hot
+        pool.take(n)
+        clock.now += 0.5
+        pool.filled(BUCKET)
+    assert pool.mode == COLD and pool.cost[COLD] == pytest.approx(0.5 / BUCKET)
