@@ -53,6 +53,8 @@ class WeightReceiver:
         self._doorbell: Doorbell | None = None
         #: the sender's "done" frame, when it arrived while reading from the doorbell
         self._done: dict[str, Any] | None = None
+        #: when spinning on the doorbell, the next time to check that the sender still exists
+        self._next_liveness = 0.0
         #: last version received completely, or None
         self.version: int | None = None
         #: True when a sync broke after some bucket was loaded: the model holds a mix
@@ -224,7 +226,7 @@ class WeightReceiver:
             if frame["t"] == "done":
                 self._done = frame
         now = time.monotonic()
-        if now >= getattr(self, "_next_liveness", 0.0):
+        if now >= self._next_liveness:
             self._next_liveness = now + LIVENESS_SLICE_S
             if not peer_alive(*peer):
                 raise SyncTimeout(f"peer process {peer[0]} exited {what} (endpoint {self._endpoint.address})")

@@ -104,6 +104,8 @@ class WeightSender:
         #: sequence number of the next bucket; grows across the syncs of one set of buffers
         self._seq = 0
         self._syncs = 0
+        #: when spinning on the doorbell, the next time to check that receivers still exist
+        self._next_liveness = 0.0
         #: "ready"/"gone" frames that arrived during a sync, for the next one
         self._early: list[tuple[bytes, dict[str, Any]]] = []
         self._bind()
@@ -281,7 +283,7 @@ class WeightSender:
                 self._early.append((identity, frame))
             self._raise_if_error(frame, sync)
         now = time.monotonic()
-        if now >= getattr(self, "_next_liveness", 0.0):
+        if now >= self._next_liveness:
             self._next_liveness = now + LIVENESS_SLICE_S
             for peer in peers:
                 if not peer_alive(peer.pid, peer.host):

@@ -169,35 +169,33 @@ def test_begin_sync_leaves_the_gap_between_syncs_out(clock):
     assert pool.to_dict()["gbps"][HOT] == 1.0, "1 GB in 1 s, the idle 100 s not counted"
 
 
-def test_a_try_of_the_other_mode_is_a_quarter_window(clock):
+def window_lengths(clock: Clock, per_bucket: dict[str, float], windows: int = 3
+                   ) -> tuple[list[tuple[int, str]], BufferPool]:
+    """(buckets in each scored window, the mode after it) for a pool of 8 with 16-bucket windows, and the pool."""
     pool = BufferPool(8, BUCKET, window_buckets=16)
     pool.begin_sync()
-    lengths = []
-    for _ in range(3):
+    lengths, seq = [], 0
+    for _ in range(windows):
         scored, n = pool.windows, 0
         while pool.windows == scored:
-            pool.take(n)
-            clock.now += 1.0 if pool.mode == HOT else 1.2  # slower, yet not by half: the try runs its course
+            pool.take(seq)
+            clock.now += per_bucket[pool.mode]
             pool.filled(BUCKET)
-            n += 1
+            n, seq = n + 1, seq + 1
         lengths.append((n, pool.mode))
+    return lengths, pool
+
+
+def test_a_try_of_the_other_mode_is_a_quarter_window(clock):
+    # cold is slower, yet not by half: the try runs its course
+    lengths, _ = window_lengths(clock, {HOT: 1.0, COLD: 1.2})
     # hot for a full window, then cold tried: its first bucket untimed, then 4 timed (slower: back
     # to hot), then hot again
     assert lengths == [(16, COLD), (1 + 4, HOT), (16, HOT)]
 
 
 def test_a_losing_try_ends_after_its_first_timed_bucket(clock):
-    pool = BufferPool(8, BUCKET, window_buckets=16)
-    pool.begin_sync()
-    lengths = []
-    for _ in range(3):
-        scored, n = pool.windows, 0
-        while pool.windows == scored:
-            pool.take(n)
-            clock.now += 1.0 if pool.mode == HOT else 8.0  # cold costs 8x: the try is cut at once
-            pool.filled(BUCKET)
-            n += 1
-        lengths.append((n, pool.mode))
+    lengths, pool = window_lengths(clock, {HOT: 1.0, COLD: 8.0})  # cold costs 8x: the try is cut at once
     assert lengths == [(16, COLD), (1 + 1, HOT), (16, HOT)]
     assert pool.cost[COLD] == pytest.approx(8.0 / BUCKET)
 
