@@ -108,15 +108,15 @@ class BucketWriter:
         self.wire_bytes = 0
         self._last_entry_bytes = 0
 
-    def has_room(self, name: str, ndim: int, chunks: int = 1) -> bool:
-        """Whether `chunks` more entries for this tensor fit the frame-size bound."""
+    def has_room(self, name: str, ndim: int) -> bool:
+        """Whether one more entry for this tensor fits the frame-size bound."""
         if self.max_wire_bytes is None:
             return True
         need = entry_wire_bytes(name, ndim)
         if need > self.max_wire_bytes // 2:
             raise ValueError(f"tensor name of {len(name)} characters is too long for a bucket descriptor "
                              f"({self.max_wire_bytes // 2 - 10 * ndim - 80} at most); shorten the name")
-        return self.wire_bytes + chunks * need <= self.max_wire_bytes
+        return self.wire_bytes + need <= self.max_wire_bytes
 
     def fits_whole(self, nbytes: int) -> bool:
         """Whether a tensor of `nbytes` fits in what is left of this bucket."""

@@ -96,6 +96,21 @@ def new_token() -> str:
     return secrets.token_hex(16)
 
 
+def timeout_error(timeout_s: float, what: str, endpoint: str) -> SyncTimeout:
+    """The error every wait raises at its deadline, naming the phase and the endpoint."""
+    return SyncTimeout(
+        f"timed out after {timeout_s:.1f}s {what} (endpoint {endpoint}); the peer is dead, stalled "
+        "or never started. Check the other side's log, or raise timeout_s for slow peers."
+    )
+
+
+def raise_if_exited(peers: list[tuple[int | None, str | None]], *, what: str, endpoint: str) -> None:
+    """Raise SyncTimeout naming the first same-host peer process that no longer exists."""
+    for pid, host in peers:
+        if not peer_alive(pid, host):
+            raise SyncTimeout(f"peer process {pid} exited {what} (endpoint {endpoint})")
+
+
 def receive_frame(
     sock: zmq.Socket, timeout_s: float, *, what: str, endpoint: str, peers: list[tuple[int | None, str | None]] = ()
 ) -> list[bytes]:
@@ -104,12 +119,7 @@ def receive_frame(
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise SyncTimeout(
-                f"timed out after {timeout_s:.1f}s {what} (endpoint {endpoint}); the peer is dead, stalled "
-                "or never started. Check the other side's log, or raise timeout_s for slow peers."
-            )
+            raise timeout_error(timeout_s, what, endpoint)
         if sock.poll(int(min(left, LIVENESS_SLICE_S) * 1000), zmq.POLLIN):
             return sock.recv_multipart()
-        for pid, host in peers:
-            if not peer_alive(pid, host):
-                raise SyncTimeout(f"peer process {pid} exited {what} (endpoint {endpoint})")
+        raise_if_exited(list(peers), what=what, endpoint=endpoint)

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hwsync.errors import SyncTimeout
+from hwsync.control import timeout_error
 from hwsync.shm import SharedSegment
 
 #: bytes of one descriptor slot; a bucket whose entries would not fit is flushed early
@@ -130,7 +130,8 @@ def spin_wait(ready: Callable[[], bool], check: Callable[[], None], *, timeout_s
               endpoint: str) -> None:
     """Wait until `ready()`; spin first, then sleep briefly; call `check()` every few ms.
 
-    `check` raises when the peer failed or died (an error frame, a vanished process). Spinning
+    `check` raises when the peer failed or died (an error frame, a vanished process); every 5 ms
+    is often enough, and cheap (a non-blocking socket poll, a /proc read per peer). Spinning
     is right here: the peer is copying on another core and answers within microseconds, and a
     sleep costs at least the kernel's 50 us timer slack, about a bucket's worth of copying.
     """
@@ -152,9 +153,6 @@ def spin_wait(ready: Callable[[], bool], check: Callable[[], None], *, timeout_s
             check()
             next_check = now + 0.005
         if now >= deadline:
-            raise SyncTimeout(
-                f"timed out after {timeout_s:.1f}s {what} (endpoint {endpoint}); the peer is dead, stalled "
-                "or never started. Check the other side's log, or raise timeout_s for slow peers."
-            )
+            raise timeout_error(timeout_s, what, endpoint)
         pause = min(max(pause * 2, 50e-6), 1e-3)
         time.sleep(pause)

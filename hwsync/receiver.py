@@ -24,10 +24,10 @@ import torch
 import zmq
 
 from hwsync.bucket import BucketReader, IntoFn
-from hwsync.control import LIVENESS_SLICE_S, PROTOCOL_VERSION, Endpoint, pack, peer_alive, receive_frame, \
+from hwsync.control import PROTOCOL_VERSION, Endpoint, pack, peer_alive, raise_if_exited, receive_frame, \
     remove_ipc_dir, unpack
 from hwsync.doorbell import Doorbell, doorbell_supported, spin_wait
-from hwsync.errors import ProtocolError, RemoteError, SyncError, SyncTimeout
+from hwsync.errors import ProtocolError, RemoteError, SyncError
 from hwsync.interfaces import Backend, Handles, ReceiveBuffers
 from hwsync.manifest import TensorSpec
 from hwsync.memory import local_memory
@@ -53,8 +53,6 @@ class WeightReceiver:
         self._doorbell: Doorbell | None = None
         #: the sender's "done" frame, when it arrived while reading from the doorbell
         self._done: dict[str, Any] | None = None
-        #: when spinning on the doorbell, the next time to check that the sender still exists
-        self._next_liveness = 0.0
         #: last version received completely, or None
         self.version: int | None = None
         #: True when a sync broke after some bucket was loaded: the model holds a mix
@@ -225,11 +223,7 @@ class WeightReceiver:
                 raise RemoteError(f"sender aborted the sync: {frame.get('message')}")
             if frame["t"] == "done":
                 self._done = frame
-        now = time.monotonic()
-        if now >= self._next_liveness:
-            self._next_liveness = now + LIVENESS_SLICE_S
-            if not peer_alive(*peer):
-                raise SyncTimeout(f"peer process {peer[0]} exited {what} (endpoint {self._endpoint.address})")
+        raise_if_exited([peer], what=what, endpoint=str(self._endpoint.address))
 
     def _release(self, sync: int, buf: int, seq: int, bell: Doorbell | None, rank: int) -> None:
         assert self._buffers is not None

@@ -25,10 +25,10 @@ import zmq
 from hwsync.bucket import ALIGN
 from hwsync.bucket_stream import BucketStream
 from hwsync.buffer_pool import BufferPool
-from hwsync.control import LIVENESS_SLICE_S, PROTOCOL_VERSION, Endpoint, new_token, pack, peer_alive, \
-    private_ipc_dir, receive_frame, remove_ipc_dir, unpack
+from hwsync.control import PROTOCOL_VERSION, Endpoint, new_token, pack, private_ipc_dir, raise_if_exited, \
+    receive_frame, remove_ipc_dir, unpack
 from hwsync.doorbell import Doorbell, doorbell_supported
-from hwsync.errors import ProtocolError, RemoteError, SyncTimeout
+from hwsync.errors import ProtocolError, RemoteError
 from hwsync.interfaces import Backend, SendBuffers, Transport
 from hwsync.manifest import TensorSpec
 from hwsync.memory import MemoryReport, choose_bucket_bytes, local_memory
@@ -104,8 +104,6 @@ class WeightSender:
         #: sequence number of the next bucket; grows across the syncs of one set of buffers
         self._seq = 0
         self._syncs = 0
-        #: when spinning on the doorbell, the next time to check that receivers still exist
-        self._next_liveness = 0.0
         #: "ready"/"gone" frames that arrived during a sync, for the next one
         self._early: list[tuple[bytes, dict[str, Any]]] = []
         self._bind()
@@ -278,16 +276,9 @@ class WeightSender:
         assert self._sock is not None
         while self._sock.poll(0, zmq.POLLIN):
             identity, data = self._sock.recv_multipart()
-            frame = unpack(data)
-            if frame["t"] in ("ready", "gone"):
-                self._early.append((identity, frame))
+            frame = self._keep_early(identity, unpack(data))
             self._raise_if_error(frame, sync)
-        now = time.monotonic()
-        if now >= self._next_liveness:
-            self._next_liveness = now + LIVENESS_SLICE_S
-            for peer in peers:
-                if not peer_alive(peer.pid, peer.host):
-                    raise SyncTimeout(f"peer process {peer.pid} exited {what} (endpoint {self.endpoint})")
+        raise_if_exited([(p.pid, p.host) for p in peers], what=what, endpoint=self.endpoint)
 
     def _finish(self, peers: list[_Peer], sync: int, stats: SyncStats) -> None:
         self._broadcast(peers, {"t": "done", "sync": sync, "buckets": stats.buckets, "tensors": stats.tensors,
@@ -320,10 +311,13 @@ class WeightSender:
         assert self._sock is not None
         identity, data = receive_frame(self._sock, self.timeout_s, what=what, endpoint=self.endpoint, peers=peers)
         frame = unpack(data)
-        if peers and frame["t"] in ("ready", "gone"):
-            # mid-sync, one receiver may already be ready for the next sync: keep that for it
+        return identity, (self._keep_early(identity, frame) if peers else frame)
+
+    def _keep_early(self, identity: bytes, frame: dict[str, Any]) -> dict[str, Any]:
+        """Mid-sync, one receiver may already be ready for the next sync: keep that frame for it."""
+        if frame["t"] in ("ready", "gone"):
             self._early.append((identity, frame))
-        return identity, frame
+        return frame
 
     def _broadcast(self, peers: list[_Peer], frame: dict[str, Any]) -> None:
         assert self._sock is not None
