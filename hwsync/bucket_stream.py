@@ -4,8 +4,9 @@ A tensor that fits a bucket is never split, so receivers get it as a zero-copy v
 one is cut over consecutive buckets, and its tail ends its bucket (that bucket then holds no
 views, so receivers release it before loading the reassembled tensor). When every receiver
 copies straight into its own tensors (receive(into=...)), nothing is reassembled and nothing is
-viewed, so buckets are packed dense instead: every bucket full, tensors cut wherever it ends. A buffer is taken only
-when the first byte goes into it, and only once the bucket it held before has been released.
+viewed, so buckets are packed dense instead: every bucket full, tensors cut wherever it ends.
+A buffer is taken only when the first byte goes into it, and only once the bucket it held
+before has been released.
 """
 
 from __future__ import annotations

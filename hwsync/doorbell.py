@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from hwsync.bucket import align_up
 from hwsync.control import timeout_error
 from hwsync.shm import SharedSegment
 
@@ -85,9 +86,7 @@ class Doorbell:
 
     def min_released(self, ranks: int) -> int:
         """The fewest buckets any of the first `ranks` receivers has released."""
-        if ranks == 1:
-            return self._released[0].value
-        return min(self._released[i].value for i in range(ranks))
+        return min(counter.value for counter in self._released[:ranks])
 
     def start_sync(self, ranks: int, first: int) -> None:
         """Sender, before the offer: the sync's buckets start at `first`; every receiver is caught up."""
@@ -123,7 +122,7 @@ class Doorbell:
 
 
 def _slots_offset(num_receivers: int) -> int:
-    return (_LINE * (1 + num_receivers) + 4095) // 4096 * 4096
+    return align_up(_LINE * (1 + num_receivers), 4096)
 
 
 def spin_wait(ready: Callable[[], bool], check: Callable[[], None], *, timeout_s: float, what: str,

@@ -70,8 +70,6 @@ class DoorbellLink:
     def wait_released(self, seq: int, what: str) -> None:
         """Spin on the receivers' counters until all are past `seq`."""
         bell, ranks = self._bell, self._ranks
-        if bell.min_released(ranks) > seq:  # the usual case: no wait at all
-            return
         spin_wait(lambda: bell.min_released(ranks) > seq, lambda: self._poll(what), timeout_s=self._timeout_s, what=what,
                   endpoint=self._endpoint)
 
