@@ -5,7 +5,7 @@
 On a real cluster the actors land on different nodes (use placement groups or node
 resources); here `ray.init()` starts a local cluster. Each engine actor stands for an engine
 node: it receives with a CollectiveReceiver; in production its load would forward into the
-local vLLM engine (see hwsync.collective.LocalForwarder and docs/disaggregated.md). Every rank
+local vLLM engine (see hwsync.disaggregated.LocalForwarder and docs/disaggregated.md). Every rank
 runs on the CPU backend here (gloo); on GPUs the same code runs with NCCL, on Ascend with HCCL.
 """
 
@@ -39,7 +39,7 @@ class Trainer:
 
     def __init__(self, rank: int, senders: int, engines: int, endpoint: str | None, bucket_bytes: int) -> None:
         os.environ.setdefault("HWSYNC_BACKEND", "cpu")
-        from hwsync.collective import CollectiveSender
+        from hwsync.disaggregated import CollectiveSender
 
         ip = node_ip()
         self.sender = CollectiveSender(endpoint or f"tcp://{ip}:0", rank=rank, num_senders=senders,
@@ -61,7 +61,7 @@ class Engine:
 
     def __init__(self, rank: int, endpoint: str) -> None:
         os.environ.setdefault("HWSYNC_BACKEND", "cpu")
-        from hwsync.collective import CollectiveReceiver
+        from hwsync.disaggregated import CollectiveReceiver
 
         self.receiver = CollectiveReceiver(endpoint, rank=rank, timeout_s=60)
         self.weights: dict[str, torch.Tensor] = {}

@@ -11,6 +11,7 @@ from hwsync.errors import (
     ManifestError,
     ProtocolError,
     RemoteError,
+    SourceError,
     SyncError,
     SyncTimeout,
 )
@@ -27,10 +28,10 @@ from hwsync.memory import (
 )
 from hwsync.offload import OnloadStats, onload
 from hwsync.planner import EngineState, SendSet, SyncMode, SyncPlan, TrainerModel, plan_for_engines, plan_sync
-from hwsync.receiver import WeightReceiver
 from hwsync.registry import get_backend, select_backend
-from hwsync.sender import WeightSender
 from hwsync.stats import SyncStats
+from hwsync.colocated import WeightReceiver, WeightSender  # noqa: I001 - the paths build on the core above
+from hwsync.disaggregated import CollectiveReceiver, CollectiveSender, LocalForwarder
 
 __version__ = "0.1.0"
 
@@ -40,5 +41,6 @@ __all__ = [
     "WeightReceiver", "WeightSender", "get_backend", "manifest_from_module", "manifest_from_tensors",
     "select_backend", "BalanceResult", "BucketChoice", "MemoryImbalanceError", "MemoryReport", "check_balance",
     "choose_bucket_bytes", "memory_report", "OnloadStats", "onload", "EngineState", "SendSet", "SyncMode", "SyncPlan",
-    "TrainerModel", "plan_for_engines", "plan_sync",
+    "TrainerModel", "plan_for_engines", "plan_sync", "SourceError", "CollectiveReceiver", "CollectiveSender",
+    "LocalForwarder",
 ]

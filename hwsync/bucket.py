@@ -1,21 +1,22 @@
 """Packing named tensors into flat byte buckets, and taking them out again.
 
-Each bucket entry is [name, dtype, shape, offset, chunk_offset, chunk_bytes, total_bytes].
-A tensor that fits a bucket is never split, so the receiver can hand out zero-copy views; a
-tensor larger than a bucket is cut into chunks over consecutive buckets and reassembled on the
-receiving side before anyone sees it. Bucket size is a performance knob, never a limit.
+Where each tensor's bytes go is decided by one rule (BucketPacker), which both the same-host
+sender and the disaggregated plan follow; each placement is a protocol.Entry. A tensor that
+fits a bucket is never split, so the receiver can hand out zero-copy views; a tensor larger
+than a bucket is cut into chunks over consecutive buckets and reassembled on the receiving
+side before anyone sees it (BucketReader). Bucket size is a performance knob, never a limit.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from hwsync.manifest import dtype_from_name, dtype_name
+from hwsync.manifest import dtype_from_name
+from hwsync.protocol import Entry
 
 #: into(name, dtype, shape): the caller's own tensor to receive straight into, or None
 IntoFn = Callable[[str, torch.dtype, tuple[int, ...]], "torch.Tensor | None"]
@@ -55,113 +56,91 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-@dataclass
-class Entry:
-    """Where one tensor (or one chunk of it) sits in a bucket."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    chunk_offset: int
-    chunk_bytes: int
-    total_bytes: int
-
-    def to_wire(self) -> list[Any]:
-        """Compact list form for a frame."""
-        return [self.name, self.dtype, list(self.shape), self.offset, self.chunk_offset, self.chunk_bytes,
-                self.total_bytes]
-
-    @classmethod
-    def from_wire(cls, item: list[Any]) -> "Entry":
-        """Inverse of to_wire."""
-        name, dtype, shape, offset, chunk_offset, chunk_bytes, total = item
-        return cls(name, dtype, tuple(shape), offset, chunk_offset, chunk_bytes, total)
-
-
 def entry_wire_bytes(name: str, ndim: int) -> int:
     """An upper bound of one entry's size in a msgpack frame."""
     return len(name.encode()) + 10 * ndim + 80
 
 
-class BucketWriter:
-    """Fills one buffer at a time; the caller flushes it when `full` says so.
+@dataclass(frozen=True)
+class Piece:
+    """Copy `entry.chunk_bytes` from byte `entry.chunk_offset` of the tensor to `entry.offset` of the open bucket."""
 
-    `max_wire_bytes` bounds the size of the bucket's entries as a frame (the doorbell's
-    descriptor slot): `has_room` turns false before they would outgrow it.
+    entry: Entry
+
+
+@dataclass(frozen=True)
+class Closed:
+    """The open bucket is complete: post it (`nbytes` used, laid out as `entries`)."""
+
+    nbytes: int
+    entries: list[Entry]
+
+
+class BucketPacker:
+    """The one packing rule, for the colocated sender's stream and the disaggregated plan alike.
+
+    `place` says, for one tensor, where each of its pieces goes and when a bucket is complete:
+    - a tensor that fits a bucket is never split: if it does not fit what is left, the open
+      bucket is closed first (so receivers get it as a zero-copy view);
+    - a larger tensor is cut over consecutive buckets, and its tail ends its bucket (that bucket
+      then holds no views, so a receiver may release it before loading the reassembled tensor);
+    - `dense` (every receiver copies into its own tensors: nothing is viewed or reassembled)
+      drops both rules: every bucket is filled to the end;
+    - a bucket is closed as soon as it is full, so it can be posted before the next tensor is
+      even produced; `max_wire_bytes` also bounds its entries as a frame (a doorbell slot).
     """
 
-    def __init__(self, bucket_bytes: int, max_wire_bytes: int | None = None) -> None:
+    def __init__(self, bucket_bytes: int, *, dense: bool = False, max_wire_bytes: int | None = None) -> None:
         if bucket_bytes < ALIGN:
             raise ValueError(f"bucket_bytes={bucket_bytes} is below the minimum of {ALIGN}")
         self.bucket_bytes = bucket_bytes
+        self.dense = dense
         self.max_wire_bytes = max_wire_bytes
+        #: entries and used bytes of the open bucket
         self.entries: list[Entry] = []
         self.used = 0
-        self.wire_bytes = 0
-        self._last_entry_bytes = 0
+        self._wire_bytes = 0
 
-    def reset(self) -> None:
-        """Start an empty bucket."""
-        self.entries = []
-        self.used = 0
-        self.wire_bytes = 0
-        self._last_entry_bytes = 0
-
-    def has_room(self, name: str, ndim: int) -> bool:
-        """Whether one more entry for this tensor fits the frame-size bound."""
-        if self.max_wire_bytes is None:
-            return True
-        need = entry_wire_bytes(name, ndim)
-        if need > self.max_wire_bytes // 2:
-            raise ValueError(f"tensor name of {len(name)} characters is too long for a bucket descriptor "
-                             f"({self.max_wire_bytes // 2 - 10 * ndim - 80} at most); shorten the name")
-        return self.wire_bytes + need <= self.max_wire_bytes
-
-    def fits_whole(self, nbytes: int) -> bool:
-        """Whether a tensor of `nbytes` fits in what is left of this bucket."""
-        return align_up(self.used) + nbytes <= self.bucket_bytes
-
-    def chunks(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[torch.Tensor, Entry]]:
-        """Plan a tensor's pieces from the current fill level on: (its flat bytes, entry) each.
-
-        The caller copies `entry.chunk_bytes` from `entry.chunk_offset` of the flat bytes to
-        `entry.offset` of the buffer, and flushes the bucket whenever `full` is true after a piece.
-        """
-        flat = as_bytes(tensor)
-        total = flat.numel()
-        spec = (name, dtype_name(tensor.dtype), tuple(tensor.shape))
-        entry_bytes = self._last_entry_bytes = entry_wire_bytes(name, tensor.dim())
-        if total == 0:
-            entry = Entry(*spec, align_up(self.used), 0, 0, 0)
-            self.entries.append(entry)
-            self.wire_bytes += entry_bytes
-            yield flat, entry
-            return
-        done = 0
-        while done < total:
-            start = align_up(self.used)
-            room = self.bucket_bytes - start
-            if room <= 0:
-                raise RuntimeError("bucket is full: flush it before placing more bytes")
-            take = min(room, total - done)
-            entry = Entry(*spec, start, done, take, total)
-            self.entries.append(entry)
-            self.wire_bytes += entry_bytes
-            self.used = start + take
-            yield flat, entry
-            done += take
-
-    @property
-    def full(self) -> bool:
-        """No aligned room left for another byte, or no room in the frame for another entry."""
-        if self.max_wire_bytes is not None and self.wire_bytes + self._last_entry_bytes > self.max_wire_bytes:
+    def _full(self, next_entry_bytes: int) -> bool:
+        if self.max_wire_bytes is not None and self._wire_bytes + next_entry_bytes > self.max_wire_bytes:
             return True
         return align_up(self.used) >= self.bucket_bytes
 
-    def wire_entries(self) -> list[list[Any]]:
-        """The entries of the current bucket as frame lists."""
-        return [e.to_wire() for e in self.entries]
+    def close(self) -> Closed | None:
+        """Close the open bucket (None when it holds nothing)."""
+        if not self.entries:
+            return None
+        closed = Closed(self.used, self.entries)
+        self.entries, self.used, self._wire_bytes = [], 0, 0
+        return closed
+
+    def place(self, name: str, dtype: str, shape: tuple[int, ...], nbytes: int) -> list[Piece | Closed]:
+        """The pieces of one tensor and the buckets closed around them, in order."""
+        entry_bytes = entry_wire_bytes(name, len(shape))
+        if self.max_wire_bytes is not None and entry_bytes > self.max_wire_bytes // 2:
+            raise ValueError(f"tensor name of {len(name)} characters is too long for a bucket descriptor "
+                             f"({self.max_wire_bytes // 2 - 10 * len(shape) - 80} at most); shorten the name")
+        steps: list[Piece | Closed] = []
+        whole_fits = nbytes <= self.bucket_bytes
+        if self.entries and (self._full(entry_bytes) or (
+                not self.dense and whole_fits and align_up(self.used) + nbytes > self.bucket_bytes)):
+            steps.append(self.close())  # type: ignore[arg-type]
+        done, pieces = 0, 0
+        while True:
+            start = align_up(self.used)
+            take = min(self.bucket_bytes - start, nbytes - done)
+            entry = Entry(name, dtype, shape, start, done, take, nbytes)
+            self.entries.append(entry)
+            self._wire_bytes += entry_bytes
+            self.used = start + take
+            steps.append(Piece(entry))
+            done, pieces = done + take, pieces + 1
+            if done >= nbytes:
+                break
+            steps.append(self.close())  # type: ignore[arg-type]  # full: the tensor goes on in the next bucket
+        if self._full(entry_bytes) or (pieces > 1 and not self.dense):
+            steps.append(self.close())  # type: ignore[arg-type]  # full, or a split tensor's tail ends its bucket
+        return steps
 
 
 class BucketReader:
@@ -206,7 +185,7 @@ class BucketReader:
         """Names of tensors whose chunks have not all arrived."""
         return list(self._partial)
 
-    def read(self, view: torch.Tensor, entries: list[list[Any]], into: IntoFn | None = None
+    def read(self, view: torch.Tensor, entries: list[Entry], into: IntoFn | None = None
              ) -> list[tuple[str, torch.Tensor]]:
         """Complete tensors of one bucket for `load`; whole ones are zero-copy views into `view`.
 
@@ -214,21 +193,20 @@ class BucketReader:
         """
         out: list[tuple[str, torch.Tensor]] = []
         self.aliases_view = False
-        for item in entries:
-            e = Entry.from_wire(item)
+        for e in entries:
             dtype = dtype_from_name(e.dtype)
             if into is not None:
                 dest = self._destination(e, dtype, into)
                 if dest is not None:
                     copy_bytes(dest, e.chunk_offset, view, e.offset, e.chunk_bytes)
-                    if e.chunk_offset + e.chunk_bytes == e.total_bytes:
+                    if e.is_last:
                         del self._into[e.name]
                     continue
             if e.total_bytes == 0:
                 out.append((e.name, torch.empty(e.shape, dtype=dtype, device=view.device)))
                 continue
             piece = view[e.offset : e.offset + e.chunk_bytes]
-            if e.chunk_bytes == e.total_bytes:
+            if e.is_whole:
                 out.append((e.name, piece.view(dtype).view(e.shape)))
                 self.aliases_view = True
                 continue

@@ -1,9 +1,8 @@
-"""The control plane: ZeroMQ sockets carrying msgpack frames, with a timeout on every wait.
+"""The control plane's sockets: endpoints and tokens, and waits with a timeout and a liveness check.
 
-The sender binds a ROUTER socket; receivers connect DEALER sockets. Frames are msgpack maps
-with a type "t" and the sync id "sync"; nothing is ever pickled. An ipc:// endpoint lives in
-a private 0700 directory; every endpoint carries a random token that receivers must present,
-which is what protects a tcp:// endpoint on a shared network.
+The sender binds a ZeroMQ ROUTER socket; receivers connect DEALER sockets. What travels on
+them is defined in hwsync.protocol. An ipc:// endpoint lives in a private 0700 directory;
+every endpoint carries a random token that receivers must present.
 """
 
 from __future__ import annotations
@@ -15,30 +14,11 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any
 
-import msgpack
 import zmq
 
 from hwsync.errors import SyncTimeout
-
-#: bump when frames change incompatibly; a receiver refuses any other version
-PROTOCOL_VERSION = 2
-#: how often a wait wakes up to check that a same-host peer process still exists
-LIVENESS_SLICE_S = 0.5
-
-
-def pack(frame: dict[str, Any]) -> bytes:
-    """Encode a control frame."""
-    return msgpack.packb(frame, use_bin_type=True)
-
-
-def unpack(data: bytes) -> dict[str, Any]:
-    """Decode a control frame (never executes anything it reads)."""
-    frame = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    if not isinstance(frame, dict) or "t" not in frame:
-        raise ValueError("malformed control frame")
-    return frame
+from hwsync.timing import LIVENESS_SLICE_S
 
 
 @dataclass(frozen=True)

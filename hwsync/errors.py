@@ -29,3 +29,7 @@ class RemoteError(SyncError):
 
 class ManifestError(SyncError):
     """The announced tensors do not match the receiving model, or iteration strayed from them."""
+
+
+class SourceError(HwsyncError, ValueError):
+    """What the caller passed as a sync's source is unusable; the message names the item and the fix."""

@@ -65,10 +65,16 @@ class TensorSpec:
         return [self.name, self.dtype, list(self.shape)]
 
     @classmethod
-    def from_wire(cls, item: list[Any]) -> "TensorSpec":
-        """Inverse of to_wire."""
+    def from_wire(cls, item: Any) -> "TensorSpec":
+        """Inverse of to_wire; ValueError names what is wrong with a malformed item."""
+        if not isinstance(item, list) or len(item) != 3:
+            raise ValueError(f"a manifest item must be [name, dtype, shape], got {type(item).__name__}")
         name, dtype, shape = item
-        return cls(str(name), str(dtype), tuple(int(d) for d in shape))
+        if not isinstance(name, str) or dtype not in WIRE_DTYPES:
+            raise ValueError(f"manifest item {name!r}: a str name and a known dtype are needed, got dtype {dtype!r}")
+        if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape):
+            raise ValueError(f"manifest item {name!r}: the shape must be a list of non-negative ints")
+        return cls(name, dtype, tuple(shape))
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> "TensorSpec":

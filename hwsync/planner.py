@@ -21,6 +21,7 @@ from typing import Any, Union
 import torch
 
 from hwsync.errors import HwsyncError
+from hwsync.source import named_tensor
 
 #: A weight version or a base's identity: what the trainer counts or names it by.
 Version = Union[int, str]
@@ -235,8 +236,8 @@ class SyncPlan:
         seen: dict[str, str] = {}
         for part, source in parts:
             count = 0
-            for item in self._open(part, source):
-                name, tensor = _check_item(part, item)
+            for position, item in enumerate(self._open(part, source)):
+                name, tensor = named_tensor(position, item, f"the {part} source", PlanError)
                 if name in seen:
                     raise DuplicateTensorError(
                         f"tensor {name!r} was yielded twice in one sync (first in {seen[name]}, again in "
@@ -264,16 +265,3 @@ class SyncPlan:
                 )
             self._opened.add(id(source))
         return it
-
-
-def _check_item(part: str, item: Any) -> tuple[str, torch.Tensor]:
-    try:
-        name, tensor = item
-    except (TypeError, ValueError):
-        raise PlanError(f"the {part} source must yield (name, tensor) pairs, got {type(item).__name__}") from None
-    if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-        raise PlanError(
-            f"the {part} source must yield (str, torch.Tensor) pairs, got ({type(name).__name__}, "
-            f"{type(tensor).__name__})"
-        )
-    return name, tensor

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-import hwsync.buffer_pool
-from hwsync.buffer_pool import COLD, HOT, RETRY_FIRST, RETRY_MOST, BufferPool
+import hwsync.colocated.buffer_pool
+from hwsync.colocated.buffer_pool import COLD, HOT, RETRY_FIRST, RETRY_MOST, BufferPool
 
 #: one window is 4 buckets of 250 MB: 1 GB, so a window of 1 s is 1 GB/s
 BUCKET = 250_000_000
@@ -28,7 +28,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch) -> Clock:
     fake = Clock()
-    monkeypatch.setattr(hwsync.buffer_pool.time, "perf_counter", fake)
+    monkeypatch.setattr(hwsync.colocated.buffer_pool.time, "perf_counter", fake)
     return fake
 
 

@@ -15,8 +15,9 @@ import time
 import pytest
 import torch
 
-from hwsync.collective import CollectiveReceiver, CollectiveSender, assign_owners, make_plan, pack_layout
-from hwsync.collective_plan import CollectivePlan
+from hwsync.disaggregated import CollectiveReceiver, CollectiveSender, assign_owners, make_plan, pack_layout
+from hwsync.disaggregated.plan import CollectivePlan
+from hwsync.protocol import TO_RANK, decode, encode
 from hwsync.errors import ManifestError, SyncError
 from hwsync.manifest import TensorSpec, manifest_from_tensors
 
@@ -150,7 +151,8 @@ def test_plan_chunks_big_tensors_and_keeps_small_ones_whole():
             assert len(pieces) == 1
     assert len(plan.pieces()[0]) == 4  # embed: 204 KB over 64 KiB buckets
     assert all(b.nbytes <= BUCKET for b in plan.buckets)
-    assert CollectivePlan.from_wire(plan.to_wire()) == plan
+    frame = plan.frame(pid=1, host="h", epoch=1, version=1, state={})
+    assert CollectivePlan.from_frame(decode(encode(frame), TO_RANK)) == plan
 
 
 def test_owners_are_balanced_and_interleaved():

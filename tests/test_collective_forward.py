@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from hwsync.collective import CollectiveSender
+from hwsync.disaggregated import CollectiveSender
 from tests.test_collective import BUCKET, HOST, TIMEOUT, _exact, _tensors
 
 VERSIONS = [0, 1]
@@ -20,7 +20,7 @@ VERSIONS = [0, 1]
 
 def _engine(endpoint: str, out) -> None:
     os.environ["HWSYNC_BACKEND"] = "cpu"
-    from hwsync.receiver import WeightReceiver
+    from hwsync.colocated.receiver import WeightReceiver
 
     with WeightReceiver(endpoint, timeout_s=TIMEOUT) as rx:
         for v in VERSIONS:
@@ -31,8 +31,8 @@ def _engine(endpoint: str, out) -> None:
 
 def _agent(endpoint: str, out) -> None:
     os.environ["HWSYNC_BACKEND"] = "cpu"
-    from hwsync.collective import CollectiveReceiver, LocalForwarder
-    from hwsync.sender import WeightSender
+    from hwsync.disaggregated import CollectiveReceiver, LocalForwarder
+    from hwsync.colocated.sender import WeightSender
 
     with WeightSender(bucket_bytes=BUCKET // 2, timeout_s=TIMEOUT) as local, \
             CollectiveReceiver(endpoint, rank=0, timeout_s=TIMEOUT) as rx:

@@ -22,7 +22,7 @@ import torch
 
 from hwsync import SyncTimeout, WeightSender
 from hwsync.bucket import align_up
-from hwsync.doorbell import DESCRIPTOR_BYTES, Doorbell, doorbell_supported, spin_wait
+from hwsync.colocated.doorbell import DESCRIPTOR_BYTES, Doorbell, doorbell_supported, spin_wait
 from hwsync.shm import SHM_DIR, leftover_segments
 
 import transfer_procs as procs

@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import hwsync.receiver
+import hwsync.colocated.receiver
+from hwsync.protocol import PROTOCOL_VERSION
 from hwsync import ManifestError, ProtocolError, RemoteError, SyncTimeout, WeightSender, manifest_from_tensors
 from hwsync.shm import leftover_segments
 
@@ -192,7 +193,7 @@ def test_silent_peer_times_out_naming_phase_and_endpoint(backend):
 
 
 def _mismatched_receiver(endpoint: str, q) -> None:
-    hwsync.receiver.PROTOCOL_VERSION = 99  # this process runs a "newer" hwsync
+    hwsync.colocated.receiver.PROTOCOL_VERSION = 99  # this process runs a "newer" hwsync
     procs.receive_n(endpoint, 1, q)
 
 
@@ -201,7 +202,7 @@ def test_protocol_version_mismatch_is_refused(backend):
         q = CTX.Queue()
         p = CTX.Process(target=_mismatched_receiver, args=(sender.endpoint, q))
         p.start()
-        with pytest.raises(ProtocolError, match="speaks hwsync protocol 2 and this receiver speaks 99"):
+        with pytest.raises(ProtocolError, match=f"speaks hwsync protocol {PROTOCOL_VERSION} and this receiver speaks 99"):
             sender.send(procs.versioned(1).items(), version=1)
         assert "install the same hwsync version on both sides" in q.get(timeout=60)["error"]
         p.join(30)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hwsync import HwsyncError, ManifestError, RemoteError, TensorSpec
-from hwsync.integrations.checkpoint import check_manifest, checkpoint_manifest
+from hwsync.integrations.vllm.checkpoint import check_manifest, checkpoint_manifest
 from hwsync.integrations.vllm import EXTENSION, VllmWeightSync, settle, weights_and_manifest
 
 EXPECTED = [

@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="vllm is not importable: pip install vllm (vl
 
 from hwsync import ManifestError, WeightSender  # noqa: E402
 from hwsync.integrations.vllm import VllmWeightSync  # noqa: E402
-from hwsync.integrations.vllm_toy import ToyModel, cpu_engine_env, engine_kwargs, engine_outputs, \
+from hwsync.cli.toy_model import ToyModel, cpu_engine_env, engine_kwargs, engine_outputs, \
     shutdown_engine  # noqa: E402
 from vllm_helpers import TrainerProcess, checkpoint_tensors, reference_outputs  # noqa: E402
 

@@ -28,7 +28,7 @@ def _reference_main(model_dirs: list[str], conn: Connection) -> None:
     torch.set_num_threads(1)
     from vllm import LLM
 
-    from hwsync.integrations.vllm_toy import cpu_engine_env, engine_kwargs, engine_outputs, shutdown_engine
+    from hwsync.cli.toy_model import cpu_engine_env, engine_kwargs, engine_outputs, shutdown_engine
 
     cpu_engine_env()
     results = []

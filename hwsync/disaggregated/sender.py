@@ -19,25 +19,26 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from hwsync.bucket import ALIGN, as_bytes
-from hwsync.collective_control import CollectiveWorker, Hub, Link, PeerInfo, Result, this_process
-from hwsync.collective_plan import CollectivePlan, make_plan
 from hwsync.control import Endpoint, new_token
-from hwsync.errors import ManifestError, SyncError
+from hwsync.disaggregated.hub import Hub, Link, PeerInfo, this_process
+from hwsync.disaggregated.plan import CollectivePlan, make_plan
+from hwsync.disaggregated.worker import CollectiveWorker, Result
+from hwsync.errors import SyncError
 from hwsync.interfaces import Backend, Communicator
-from hwsync.manifest import TensorSpec, manifest_from_tensors
+from hwsync.manifest import TensorSpec
+from hwsync.protocol import Commit, Go, Joined, PlanAccept, PlanFrame, RankComplete, Sent, Setup
 from hwsync.registry import get_backend
+from hwsync.source import NamedTensors, TensorSource, checked_items, with_manifest
 from hwsync.stats import SyncStats
+from hwsync.timing import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("hwsync")
-
-NamedTensors = Iterable[tuple[str, torch.Tensor]]
-TensorSource = Union[NamedTensors, Callable[[dict[str, Any]], NamedTensors]]
 #: bucket size when none is given: large enough to amortise a collective's latency
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -71,7 +72,7 @@ class CollectiveSender:
         group_port: int = 0,
         bucket_bytes: int | None = None,
         num_buffers: int = 2,
-        timeout_s: float = 60.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         backend: Backend | None = None,
     ) -> None:
         if not 0 <= rank < num_senders:
@@ -155,31 +156,28 @@ class CollectiveSender:
         receivers = [p for p in peers if p.role == "receiver"]
         followers = [p for p in peers if p.role == "sender"]
         source = named_tensors(receivers[0].state) if callable(named_tensors) else named_tensors
-        if manifest is None:
-            if not isinstance(source, Sequence):
-                raise ManifestError("a lazy (name, tensor) source needs manifest=...: sender 0 plans the buckets "
-                                    "before the first tensor is produced; pass manifest_from_module(model)")
-            manifest = manifest_from_tensors(source)
+        source, manifest = with_manifest(source, manifest, "sender 0 plans the buckets before the first tensor "
+                                                           "is produced")
         if self._comm is None or any(p.epoch != self._epoch for p in peers):
             self._setup(hub, peers, followers)
         t0 = time.perf_counter()
         plan = make_plan(manifest, self.bucket_bytes, self.num_senders)
         stats.plan_s = time.perf_counter() - t0
         # the receivers' state travels with the plan: a callable source is called with it on every sender rank
-        hub.send({"t": "plan", **this_process(), "epoch": self._epoch, "version": version, "plan": plan.to_wire(),
-                  "state": receivers[0].state})
-        hub.wait_for("accept", receivers, "waiting for the receivers to accept the plan")
-        hub.send({"t": "go"})
+        assert self._epoch is not None
+        hub.send(plan.frame(**this_process(), epoch=self._epoch, version=version, state=receivers[0].state))
+        hub.wait_for(PlanAccept, receivers, "waiting for the receivers to accept the plan")
+        hub.send(Go())
         self._stream(plan, source, stats, hub.pump_until)
         t0 = time.perf_counter()
-        hub.wait_for("complete", receivers, f"waiting for the receivers to confirm version {version}",
-                     also=lambda: all(f.key in hub.replied("sent") for f in followers))
+        hub.wait_for(RankComplete, receivers, f"waiting for the receivers to confirm version {version}",
+                     also=lambda: all(f.key in hub.replied(Sent) for f in followers))
         stats.wait_s += time.perf_counter() - t0
-        for key, frame in hub.replied("complete").items():
-            if frame.get("version") != version:  # a receiver confirming another version is a protocol bug
-                raise SyncError(f"{key[0]} {key[1]} confirmed version {frame.get('version')}, not {version}")
-        hub.send({"t": "commit", "version": version})
-        reports = [hub.replied("complete")[p.key].get("stats") or {} for p in receivers]
+        for key, frame in hub.replied(RankComplete).items():
+            if frame.version != version:  # a receiver confirming another version is a protocol bug
+                raise SyncError(f"{key[0]} {key[1]} confirmed version {frame.version}, not {version}")
+        hub.send(Commit(version=version))
+        reports = [hub.replied(RankComplete)[p.key].stats for p in receivers]
         stats.peer = {"receivers": reports}
         stats.load_s = max((r.get("load_s", 0.0) for r in reports), default=0.0)
 
@@ -188,10 +186,9 @@ class CollectiveSender:
         self._drop_group()
         epoch = hub.sync  # unique and increasing: no rank can mistake an old group for the new one
         addresses = [self._candidate_address()] + [str(f.address) for f in followers]
-        hub.send({"t": "setup", **this_process(), "epoch": epoch, "addresses": addresses,
-                  "num_receivers": self.num_receivers})
+        hub.send(Setup(**this_process(), epoch=epoch, addresses=addresses, num_receivers=self.num_receivers))
         self._build(addresses[0], epoch, 1 + self.num_receivers, hub)
-        hub.wait_for("joined", peers, f"waiting for every rank to join the groups at {addresses}",
+        hub.wait_for(Joined, peers, f"waiting for every rank to join the groups at {addresses}",
                      also=lambda: self._comm is not None)
 
     # -- sender ranks 1.. ------------------------------------------------------------------------
@@ -202,25 +199,27 @@ class CollectiveSender:
         t0 = time.perf_counter()
         link.ready("sender", self.rank, self._epoch if self._comm is not None else None,
                    address=self._candidate_address())
-        frame = link.wait(("setup", "plan"), "waiting for sender 0's plan")
-        assert frame is not None
-        if frame["t"] == "setup":
+        frame = link.wait((Setup, PlanFrame), "waiting for sender 0's plan")
+        if isinstance(frame, Setup):
+            if self.rank >= len(frame.addresses):
+                raise SyncError(f"sender rank {self.rank} is outside the {len(frame.addresses)} senders sender 0 "
+                                "expects; give each sender a distinct rank below num_senders")
             self._drop_group()
-            self._build(frame["addresses"][self.rank], frame["epoch"], 1 + frame["num_receivers"], link)
-            link.wait((), f"joining the group at {frame['addresses'][self.rank]}", done=lambda: self._comm is not None)
-            link.send({"t": "joined"})
-            frame = link.wait(("plan",), "waiting for sender 0's plan")
-            assert frame is not None
-        if frame["epoch"] != self._epoch:
-            raise SyncError(f"sender 0 planned for group epoch {frame['epoch']} but this rank has {self._epoch}")
-        link.wait(("go",), "waiting for the receivers to accept the plan")
+            self._build(frame.addresses[self.rank], frame.epoch, 1 + frame.num_receivers, link)
+            link.wait((), f"joining the group at {frame.addresses[self.rank]}", done=lambda: self._comm is not None)
+            link.send(Joined())
+            frame = link.wait((PlanFrame,), "waiting for sender 0's plan")
+        assert isinstance(frame, PlanFrame)
+        if frame.epoch != self._epoch:
+            raise SyncError(f"sender 0 planned for group epoch {frame.epoch} but this rank has {self._epoch}")
+        link.wait((Go,), "waiting for the receivers to accept the plan")
         stats.wait_s += time.perf_counter() - t0
-        plan = CollectivePlan.from_wire(frame["plan"])
-        source = named_tensors(frame.get("state") or {}) if callable(named_tensors) else named_tensors
+        plan = CollectivePlan.from_frame(frame)
+        source = named_tensors(frame.state) if callable(named_tensors) else named_tensors
         self._stream(plan, source, stats, lambda done, what: link.wait((), what, done))
-        link.send({"t": "sent"})
+        link.send(Sent())
         t0 = time.perf_counter()
-        link.wait(("commit",), f"waiting for the receivers to confirm version {version}")
+        link.wait((Commit,), f"waiting for the receivers to confirm version {version}")
         stats.wait_s += time.perf_counter() - t0
 
     # -- both ------------------------------------------------------------------------------------
@@ -270,12 +269,7 @@ class CollectiveSender:
                 slots[k], self._inflight[j] = j, k
             return slots[k]
 
-        for position, (name, tensor) in enumerate(source):
-            if position >= len(plan.manifest):
-                raise ManifestError(f"tensor {name!r} is beyond the {len(plan.manifest)} tensors of the manifest")
-            if TensorSpec.of(name, tensor) != plan.manifest[position]:
-                raise ManifestError(f"tensor #{position} strays from the manifest: announced "
-                                    f"{plan.manifest[position]}, got {TensorSpec.of(name, tensor)}")
+        for position, _name, tensor in checked_items(source, plan.manifest):
             count += 1
             mine = [(k, e) for k, e in pieces[position] if k in remaining]
             if not mine and not hasattr(tensor, "full_tensor"):
@@ -287,8 +281,6 @@ class CollectiveSender:
                 remaining[k] -= 1
                 if remaining[k] == 0:
                     self._launch(k, j, plan.buckets[k].nbytes)
-        if count != len(plan.manifest):
-            raise ManifestError(f"the manifest announced {len(plan.manifest)} tensors but the source yielded {count}")
         t0 = time.perf_counter()
         pump(lambda: all(k is None for k in self._inflight), "waiting for this rank's last broadcasts")
         waited += time.perf_counter() - t0
@@ -329,7 +321,7 @@ class CollectiveSender:
                 comm.destroy()
             except Exception as exc:  # noqa: BLE001 - a broken group may fail to shut down; it is dropped anyway
                 log.debug("hwsync: destroying a failed group raised %s", exc)
-        if worker is not None and not worker.stop(join_s=2.0):
+        if worker is not None and not worker.stop():
             log.warning("hwsync: sender %d left a collective thread stuck in a dead group; it ends at the "
                         "group's timeout", self.rank)
 

@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
-from hwsync.control import pack
-from hwsync.doorbell import Doorbell, spin_wait
+from hwsync.colocated.doorbell import Doorbell, spin_wait
+from hwsync.protocol import Bucket, Frame, Release, encode
 
 #: receive(what) -> (identity, frame): the sender's own wait for one control frame
-RecvFn = Callable[[str], tuple[bytes, dict[str, Any]]]
+RecvFn = Callable[[str], tuple[bytes, Frame]]
 
 
 class BucketLink(Protocol):
     """What the sender's stream needs from either way of signalling."""
 
-    def post(self, seq: int, frame: dict[str, Any]) -> None:
+    def post(self, seq: int, frame: Bucket) -> None:
         """Make bucket `seq` (described by `frame`) available to every receiver."""
 
     def wait_released(self, seq: int, what: str) -> None:
@@ -32,14 +32,14 @@ class BucketLink(Protocol):
 class FrameLink:
     """One ZeroMQ frame per bucket out, one release frame per bucket back."""
 
-    def __init__(self, identities: list[bytes], first: int, broadcast: Callable[[dict[str, Any]], None],
-                 recv: RecvFn, on_frame: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, identities: list[bytes], first: int, broadcast: Callable[[Frame], None],
+                 recv: RecvFn, on_frame: Callable[[Frame], None]) -> None:
         self._released = {identity: first for identity in identities}
         self._broadcast = broadcast
         self._recv = recv
         self._on_frame = on_frame  # raises on an error frame
 
-    def post(self, seq: int, frame: dict[str, Any]) -> None:
+    def post(self, seq: int, frame: Bucket) -> None:
         """Send the bucket frame to every receiver."""
         self._broadcast(frame)
 
@@ -48,8 +48,8 @@ class FrameLink:
         while min(self._released.values()) <= seq:
             identity, frame = self._recv(what)
             self._on_frame(frame)
-            if frame["t"] == "release" and identity in self._released and frame.get("seq") is not None:
-                self._released[identity] = max(self._released[identity], frame["seq"] + 1)
+            if isinstance(frame, Release) and identity in self._released:
+                self._released[identity] = max(self._released[identity], frame.seq + 1)
 
 
 class DoorbellLink:
@@ -63,9 +63,9 @@ class DoorbellLink:
         self._timeout_s = timeout_s
         self._endpoint = endpoint
 
-    def post(self, seq: int, frame: dict[str, Any]) -> None:
+    def post(self, seq: int, frame: Bucket) -> None:
         """Write the descriptor and ring."""
-        self._bell.post(seq, pack(frame))
+        self._bell.post(seq, encode(frame))
 
     def wait_released(self, seq: int, what: str) -> None:
         """Spin on the receivers' counters until all are past `seq`."""

@@ -5,44 +5,44 @@ sync streams the caller's (name, tensor) iterable into the transport's buffers, 
 bucket; while receivers load bucket k the sender packs bucket k+1 into another buffer, and a
 buffer is refilled only after every receiver has released it. Which buffer comes next is the
 BufferPool's choice; buckets are signalled through the shared doorbell where it works, else by
-a ZeroMQ frame each (sender_links). Any failure tears the session down (segments unlinked; the
+a ZeroMQ frame each (links). The frames are hwsync.protocol's. Any failure tears the session down (segments unlinked; the
 bound socket stays) and the next send() builds it again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 import zmq
 
 from hwsync.bucket import ALIGN
-from hwsync.bucket_stream import BucketStream
-from hwsync.buffer_pool import BufferPool
-from hwsync.control import PROTOCOL_VERSION, Endpoint, new_token, pack, private_ipc_dir, raise_if_exited, \
-    receive_frame, remove_ipc_dir, unpack
-from hwsync.doorbell import Doorbell, doorbell_supported
+from hwsync.colocated.buffer_pool import BufferPool
+from hwsync.colocated.doorbell import Doorbell, doorbell_supported
+from hwsync.colocated.links import BucketLink, DoorbellLink, FrameLink
+from hwsync.colocated.stream import BucketStream
+from hwsync.control import Endpoint, new_token, private_ipc_dir, raise_if_exited, receive_frame, remove_ipc_dir
 from hwsync.errors import ProtocolError, RemoteError
 from hwsync.interfaces import Backend, SendBuffers, Transport
 from hwsync.manifest import TensorSpec
 from hwsync.memory import MemoryReport, choose_bucket_bytes, local_memory
 from hwsync.offload import onload as onload_params
 from hwsync.planner import TrainerModel, plan_for_engines
+from hwsync.protocol import PROTOCOL_VERSION, TO_SENDER, Abort, Accept, BadFrame, Complete, Done, Error, Frame, \
+    Gone, Offer, Ready, decode, encode
 from hwsync.registry import get_backend
-from hwsync.sender_links import BucketLink, DoorbellLink, FrameLink
+from hwsync.source import NamedTensors, TensorSource
 from hwsync.stats import SyncStats
+from hwsync.timing import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("hwsync")
-
-NamedTensors = Iterable[tuple[str, torch.Tensor]]
-#: what send() accepts: the tensors, or a function of the receiver's reported state giving them
-TensorSource = Union[NamedTensors, Callable[[dict[str, Any]], NamedTensors]]
 
 
 @dataclass
@@ -67,7 +67,7 @@ class WeightSender:
         bucket_bytes: int | str | None = None,
         num_buffers: int | None = None,
         transport: str | Transport | None = None,
-        timeout_s: float = 60.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         num_receivers: int = 1,
         backend: Backend | None = None,
     ) -> None:
@@ -104,8 +104,8 @@ class WeightSender:
         #: sequence number of the next bucket; grows across the syncs of one set of buffers
         self._seq = 0
         self._syncs = 0
-        #: "ready"/"gone" frames that arrived during a sync, for the next one
-        self._early: list[tuple[bytes, dict[str, Any]]] = []
+        #: Ready/Gone frames that arrived during a sync, for the next one
+        self._early: list[tuple[bytes, Frame]] = []
         self._bind()
 
     def _resolve_transport(self, transport: str | Transport | None) -> Transport:
@@ -225,18 +225,18 @@ class WeightSender:
             if len(peers) >= self.num_receivers:
                 # a receiver that gave up says "gone" right after its "ready": drain what is queued
                 while self._sock is not None and self._sock.poll(0, zmq.POLLIN):
-                    identity, data = self._sock.recv_multipart()
-                    self._note_ready(peers, identity, unpack(data))
+                    frame = self._decode(*self._sock.recv_multipart())
+                    if frame is not None:
+                        self._note_ready(peers, *frame)
         stats.wait_s += time.perf_counter() - t0
         return list(peers.values())[: self.num_receivers]
 
-    def _note_ready(self, peers: dict[bytes, _Peer], identity: bytes, frame: dict[str, Any]) -> None:
-        if frame["t"] == "gone":
+    def _note_ready(self, peers: dict[bytes, _Peer], identity: bytes, frame: Frame) -> None:
+        if isinstance(frame, Gone):
             peers.pop(identity, None)
-        elif frame["t"] == "ready" and frame.get("token") == self._token:
-            peers[identity] = _Peer(identity, frame.get("pid"), frame.get("host"), frame.get("state") or {},
-                                    bool(frame.get("doorbell")), bool(frame.get("into")))
-        elif frame["t"] == "ready":
+        elif isinstance(frame, Ready) and frame.token == self._token:
+            peers[identity] = _Peer(identity, frame.pid, frame.host, frame.state, frame.doorbell, frame.into)
+        elif isinstance(frame, Ready):
             log.warning("hwsync: ignored a receiver that presented a wrong token")
 
     def _offer(self, peers: list[_Peer], sync: int, version: int, manifest: list[TensorSpec] | None,
@@ -244,19 +244,17 @@ class WeightSender:
         """Announce the sync's geometry to each receiver (its rank, the signalling way) and await the accepts."""
         assert self._buffers is not None
         link, bell = self._link(peers, sync)
-        offer = {
-            "t": "offer", "sync": sync, "proto": PROTOCOL_VERSION, "backend": self.backend.name,
-            "transport": self.transport.name, "handles": self._buffers.handles(), "bucket_bytes": self.bucket_bytes,
-            "num_buffers": self.num_buffers, "version": version, "pid": os.getpid(), "host": socket.gethostname(),
-            "manifest": None if manifest is None else [s.to_wire() for s in manifest],
-            "tensors": None if manifest is None else len(manifest),
-            "total_bytes": None if manifest is None else sum(s.nbytes for s in manifest),
-            "first": self._seq, "doorbell": None if bell is None else bell.handle(),
-        }
+        offer = Offer(
+            sync=sync, proto=PROTOCOL_VERSION, backend=self.backend.name, transport=self.transport.name,
+            handles=self._buffers.handles(), bucket_bytes=self.bucket_bytes, num_buffers=self.num_buffers,
+            version=version, pid=os.getpid(), host=socket.gethostname(), manifest=manifest,
+            tensors=None if manifest is None else len(manifest),
+            total_bytes=None if manifest is None else sum(s.nbytes for s in manifest),
+            first=self._seq, doorbell=None if bell is None else bell.handle(), rank=0)
         for rank, peer in enumerate(peers):
             assert self._sock is not None
-            self._sock.send_multipart([peer.identity, pack({**offer, "rank": rank})])
-        self._await_each(peers, sync, "accept", "waiting for receivers to accept the offer", stats)
+            self._sock.send_multipart([peer.identity, encode(dataclasses.replace(offer, rank=rank))])
+        self._await_each(peers, sync, Accept, "waiting for receivers to accept the offer", stats)
         return link
 
     def _link(self, peers: list[_Peer], sync: int) -> tuple[BucketLink, Doorbell | None]:
@@ -275,53 +273,66 @@ class WeightSender:
         """While spinning on the doorbell: raise on an error frame or a receiver that exited."""
         assert self._sock is not None
         while self._sock.poll(0, zmq.POLLIN):
-            identity, data = self._sock.recv_multipart()
-            frame = self._keep_early(identity, unpack(data))
-            self._raise_if_error(frame, sync)
+            got = self._decode(*self._sock.recv_multipart())
+            if got is not None:
+                self._raise_if_error(self._keep_early(*got)[1], sync)
         raise_if_exited([(p.pid, p.host) for p in peers], what=what, endpoint=self.endpoint)
 
     def _finish(self, peers: list[_Peer], sync: int, stats: SyncStats) -> None:
-        self._broadcast(peers, {"t": "done", "sync": sync, "buckets": stats.buckets, "tensors": stats.tensors,
-                                "bytes": stats.bytes})
-        replies = self._await_each(peers, sync, "complete", "waiting for receivers to finish loading", stats)
-        reports = [r.get("stats") or {} for r in replies]
+        self._broadcast(peers, Done(sync=sync, buckets=stats.buckets, tensors=stats.tensors, bytes=stats.bytes))
+        replies = self._await_each(peers, sync, Complete, "waiting for receivers to finish loading", stats)
+        reports = [r.stats for r in replies]
         if self._pool is not None and self._pool.adaptive:
             stats.notes["pool"] = self._pool.to_dict()
         stats.peer = reports[0] if len(reports) == 1 else {"receivers": reports}
         stats.load_s = max((r.get("load_s", 0.0) for r in reports), default=0.0)
 
-    def _await_each(self, peers: list[_Peer], sync: int, kind: str, what: str, stats: SyncStats) -> list[dict]:
+    def _await_each(self, peers: list[_Peer], sync: int, kind: type[Accept] | type[Complete], what: str,
+                    stats: SyncStats) -> list[Any]:
         t0 = time.perf_counter()
-        replies: dict[bytes, dict] = {}
+        replies: dict[bytes, Any] = {}
         while len(replies) < len(peers):
             identity, frame = self._recv(what, [(p.pid, p.host) for p in peers])
             self._raise_if_error(frame, sync)
-            if frame["t"] == kind and frame.get("sync") == sync:
+            if isinstance(frame, kind) and frame.sync == sync:
                 replies[identity] = frame
         stats.wait_s += time.perf_counter() - t0
         return [replies[p.identity] for p in peers]
 
     @staticmethod
-    def _raise_if_error(frame: dict, sync: int) -> None:
-        if frame["t"] == "error" and frame.get("sync") in (sync, None):
-            cls = ProtocolError if frame.get("kind") == "protocol" else RemoteError
-            raise cls(f"receiver failed: {frame.get('message')}")
+    def _raise_if_error(frame: Frame, sync: int) -> None:
+        if isinstance(frame, Error) and frame.sync in (sync, None):
+            cls = ProtocolError if frame.kind == "protocol" else RemoteError
+            raise cls(f"receiver failed: {frame.message}")
 
-    def _recv(self, what: str, peers: list[tuple[int | None, str | None]]) -> tuple[bytes, dict]:
+    def _recv(self, what: str, peers: list[tuple[int | None, str | None]]) -> tuple[bytes, Frame]:
         assert self._sock is not None
-        identity, data = receive_frame(self._sock, self.timeout_s, what=what, endpoint=self.endpoint, peers=peers)
-        frame = unpack(data)
-        return identity, (self._keep_early(identity, frame) if peers else frame)
+        while True:
+            got = self._decode(*receive_frame(self._sock, self.timeout_s, what=what, endpoint=self.endpoint,
+                                              peers=peers))
+            if got is not None:
+                return self._keep_early(*got) if peers else got
 
-    def _keep_early(self, identity: bytes, frame: dict[str, Any]) -> dict[str, Any]:
+    @staticmethod
+    def _decode(identity: bytes, *parts: bytes) -> tuple[bytes, Frame] | None:
+        """A peer's frame, or None (logged) when it is not one a receiver may send."""
+        try:
+            if len(parts) != 1:
+                raise BadFrame(f"expected one frame part, got {len(parts)}")
+            return identity, decode(parts[0], TO_SENDER)
+        except BadFrame as exc:
+            log.warning("hwsync: dropped a bad frame from peer %s: %s", identity.hex(), exc)
+            return None
+
+    def _keep_early(self, identity: bytes, frame: Frame) -> tuple[bytes, Frame]:
         """Mid-sync, one receiver may already be ready for the next sync: keep that frame for it."""
-        if frame["t"] in ("ready", "gone"):
+        if isinstance(frame, (Ready, Gone)):
             self._early.append((identity, frame))
-        return frame
+        return identity, frame
 
-    def _broadcast(self, peers: list[_Peer], frame: dict[str, Any]) -> None:
+    def _broadcast(self, peers: list[_Peer], frame: Frame) -> None:
         assert self._sock is not None
-        data = pack(frame)
+        data = encode(frame)
         for peer in peers:
             self._sock.send_multipart([peer.identity, data])
 
@@ -333,7 +344,7 @@ class WeightSender:
         """
         if peers and self._sock is not None:
             try:
-                self._broadcast(peers, {"t": "abort", "sync": sync, "message": f"{type(exc).__name__}: {exc}"})
+                self._broadcast(peers, Abort(sync=sync, message=f"{type(exc).__name__}: {exc}"))
             except zmq.ZMQError:
                 pass
         self._close_buffers()

@@ -1,7 +1,7 @@
-"""hwsync for vLLM: push a trainer's weights into a running engine, every step.
+"""The trainer side for vLLM: push a trainer's weights into a running engine, every step.
 
 Engine side: start vLLM with
-`worker_extension_cls="hwsync.integrations.vllm.HwsyncWorkerExtension"` (see vllm_worker.py).
+`worker_extension_cls="hwsync.integrations.vllm.HwsyncWorkerExtension"` (see worker.py).
 Trainer side, one object per engine, kept across steps (its sender's buffers are reused):
 
     sync = VllmWeightSync(llm)                    # vllm.LLM; AsyncVllmWeightSync for AsyncLLM,
@@ -19,27 +19,23 @@ import asyncio
 import json
 import threading
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
+from hwsync.colocated import WeightSender
 from hwsync.errors import HwsyncError, ManifestError, ProtocolError, RemoteError, SyncError, SyncTimeout
-from hwsync.integrations.vllm_worker import HwsyncWorkerExtension
-from hwsync.manifest import TensorSpec, manifest_from_tensors
-from hwsync.sender import WeightSender
+from hwsync.manifest import TensorSpec
+from hwsync.source import with_manifest
 from hwsync.stats import SyncStats
-
-__all__ = ["AsyncVllmWeightSync", "HttpVllmWeightSync", "HwsyncWorkerExtension", "VllmWeightSync",
-           "EXTENSION"]
+from hwsync.timing import DEFAULT_TIMEOUT_S, RPC_GRACE_S
 
 #: the value for vLLM's `worker_extension_cls`
 EXTENSION = "hwsync.integrations.vllm.HwsyncWorkerExtension"
 #: bucket size when every tensor fits; bigger tensors raise it up to the cap (two buffers are kept)
 DEFAULT_BUCKET_BYTES = 32 * 2**20
 MAX_AUTO_BUCKET_BYTES = 512 * 2**20
-#: extra seconds to wait for the engine's RPC after the sender finished or failed
-RPC_GRACE_S = 30.0
 
 Weights = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -61,12 +57,7 @@ def weights_and_manifest(weights: Weights, manifest: list[TensorSpec] | None
         weights = weights.state_dict()
     if isinstance(weights, Mapping):
         weights = list(weights.items())
-    if manifest is None:
-        if not isinstance(weights, Sequence):
-            raise ValueError("a lazy (name, tensor) iterable needs manifest=...: the engine checks names, shapes "
-                             "and dtypes before loading; pass manifest_from_module(model) or a list of pairs")
-        manifest = manifest_from_tensors(weights)
-    return weights, manifest
+    return with_manifest(weights, manifest, "the engine checks names, shapes and dtypes before loading")
 
 
 def settle(stats: SyncStats | None, send_exc: BaseException | None, results: Any,
@@ -158,7 +149,7 @@ def _missing_extension(exc: BaseException) -> HwsyncError:
 class VllmWeightSync(_EngineSync):
     """Trainer side for an in-process `vllm.LLM`."""
 
-    def __init__(self, llm: Any, *, sender: WeightSender | None = None, timeout_s: float = 60.0,
+    def __init__(self, llm: Any, *, sender: WeightSender | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  bucket_bytes: int | None = None, allow_partial: bool = False) -> None:
         self.llm = llm
         try:
@@ -183,11 +174,11 @@ class AsyncVllmWeightSync(_EngineSync):
 
     def __init__(self, engine: Any, num_workers: int, **kwargs: Any) -> None:
         self.engine = engine
-        super().__init__(num_workers, kwargs.pop("sender", None), kwargs.pop("timeout_s", 60.0),
+        super().__init__(num_workers, kwargs.pop("sender", None), kwargs.pop("timeout_s", DEFAULT_TIMEOUT_S),
                          kwargs.pop("bucket_bytes", None), kwargs.pop("allow_partial", False))
 
     @classmethod
-    async def create(cls, engine: Any, *, sender: WeightSender | None = None, timeout_s: float = 60.0,
+    async def create(cls, engine: Any, *, sender: WeightSender | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                      bucket_bytes: int | None = None, allow_partial: bool = False) -> "AsyncVllmWeightSync":
         """Ask the engine for its workers (checks the extension is installed) and make the sender."""
         try:
@@ -219,7 +210,7 @@ class AsyncVllmWeightSync(_EngineSync):
 class HttpVllmWeightSync(_EngineSync):
     """Trainer side for `vllm serve` started with VLLM_SERVER_DEV_MODE=1 (its /collective_rpc route)."""
 
-    def __init__(self, base_url: str, *, sender: WeightSender | None = None, timeout_s: float = 60.0,
+    def __init__(self, base_url: str, *, sender: WeightSender | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  bucket_bytes: int | None = None, allow_partial: bool = False) -> None:
         self.base_url = base_url.rstrip("/")
         try:

@@ -19,13 +19,16 @@ from typing import Any
 import torch
 
 from hwsync.bucket import BucketReader
-from hwsync.collective_control import CollectiveWorker, Link, Result
-from hwsync.collective_plan import CollectivePlan
+from hwsync.disaggregated.hub import Link
+from hwsync.disaggregated.plan import CollectivePlan
+from hwsync.disaggregated.worker import CollectiveWorker, Result
 from hwsync.errors import SyncError
 from hwsync.interfaces import Backend, Communicator
 from hwsync.manifest import TensorSpec
+from hwsync.protocol import Commit, Go, Joined, PlanAccept, PlanFrame, Progress, RankComplete, Setup
 from hwsync.registry import get_backend
 from hwsync.stats import SyncStats
+from hwsync.timing import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("hwsync")
 
@@ -35,7 +38,7 @@ LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 class CollectiveReceiver:
     """Connects to sender 0's endpoint and receives syncs over the senders' groups into `load`."""
 
-    def __init__(self, endpoint: str, *, rank: int, num_buffers: int = 2, timeout_s: float = 60.0,
+    def __init__(self, endpoint: str, *, rank: int, num_buffers: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S,
                  backend: Backend | None = None) -> None:
         if rank < 0:
             raise ValueError(f"rank={rank}: receiver ranks count from 0")
@@ -70,23 +73,22 @@ class CollectiveReceiver:
         link = self._link
         try:
             link.ready("receiver", self.rank, self._epoch if self._groups_ready() else None, state=state or {})
-            frame = link.wait(("setup", "plan"), "waiting for sender 0's plan")
-            assert frame is not None
-            if frame["t"] == "setup":
+            frame = link.wait((Setup, PlanFrame), "waiting for sender 0's plan")
+            if isinstance(frame, Setup):
                 self._join(frame)
-                frame = link.wait(("plan",), "waiting for sender 0's plan")
-                assert frame is not None
-            if frame["epoch"] != self._epoch:
-                raise SyncError(f"sender 0 planned for group epoch {frame['epoch']} but this rank has {self._epoch}")
-            plan = CollectivePlan.from_wire(frame["plan"])
-            version = frame["version"]
+                frame = link.wait((PlanFrame,), "waiting for sender 0's plan")
+            assert isinstance(frame, PlanFrame)
+            if frame.epoch != self._epoch:
+                raise SyncError(f"sender 0 planned for group epoch {frame.epoch} but this rank has {self._epoch}")
+            plan = CollectivePlan.from_frame(frame)
+            version = frame.version
             if check_manifest is not None:
                 check_manifest(plan.manifest)
             if on_start is not None:
                 on_start(version, plan.manifest)
             stats.version, stats.bucket_bytes, stats.num_buffers = version, plan.bucket_bytes, self.num_buffers
-            link.send({"t": "accept"})
-            link.wait(("go",), "waiting for sender 0's go")
+            link.send(PlanAccept())
+            link.wait((Go,), "waiting for sender 0's go")
             self._stream(plan, load, stats)
             if on_done is not None:
                 t0 = time.perf_counter()
@@ -94,8 +96,8 @@ class CollectiveReceiver:
                 stats.load_s += time.perf_counter() - t0
             self.version, self.incomplete = version, False
             stats.total_s = time.perf_counter() - start
-            link.send({"t": "complete", "version": version, "stats": stats.to_dict()})
-            link.wait(("commit",), f"waiting for every rank to confirm version {version}")
+            link.send(RankComplete(version=version, stats=stats.to_dict()))
+            link.wait((Commit,), f"waiting for every rank to confirm version {version}")
         except BaseException as exc:
             link.report(exc)
             log.warning("hwsync collective receive failed on receiver %d: %s", self.rank, exc)
@@ -112,23 +114,23 @@ class CollectiveReceiver:
     def _groups_ready(self) -> bool:
         return bool(self._comms) and all(c is not None for c in self._comms)
 
-    def _join(self, frame: dict[str, Any]) -> None:
+    def _join(self, frame: Setup) -> None:
         """Join every sender's group at once (each sender blocks until all its receivers arrive)."""
         self._drop_groups()
-        addresses, world = frame["addresses"], 1 + frame["num_receivers"]
+        addresses, world = frame.addresses, 1 + frame.num_receivers
         if self.rank + 1 >= world:
             raise SyncError(f"receiver rank {self.rank} is outside the {world - 1} receivers sender 0 expects; "
                             "give each receiver a distinct rank below num_receivers")
         self._comms = [None] * len(addresses)
         self._workers = [CollectiveWorker(f"hwsync-recv-{self.rank}-from-{s}", self.backend.device())
                          for s in range(len(addresses))]
-        self._epoch = frame["epoch"]
+        self._epoch = frame.epoch
         self._link.workers, self._link.on_result = list(self._workers), self._on_result
         for s, address in enumerate(addresses):
             self._workers[s].submit(("build", s), lambda a=address: self.backend.communicator(
                 a, 1 + self.rank, world, self.timeout_s))
         self._link.wait((), f"joining the senders' groups at {addresses}", done=self._groups_ready)
-        self._link.send({"t": "joined"})
+        self._link.send(Joined())
 
     def _on_result(self, result: Result) -> None:
         tag, value, error = result
@@ -174,17 +176,17 @@ class CollectiveReceiver:
             t0 = time.perf_counter()
             s, j = self._arrived.pop(k)
             view = self._buffers[s][j][: bucket.nbytes]
-            tensors = reader.read(view, [e.to_wire() for e in bucket.entries])
+            tensors = reader.read(view, list(bucket.entries))
             if tensors:
                 self.incomplete = True
                 load(tensors)
             del tensors, view  # the views must not outlive the buffer's reuse
             free[s].append(j)
             post(s)
-            self._link.send({"t": "progress", "k": k})
+            self._link.send(Progress(k=k))
             stats.load_s += time.perf_counter() - t0
             stats.buckets += 1
-            stats.tensors += sum(1 for e in bucket.entries if e.chunk_offset + e.chunk_bytes == e.total_bytes)
+            stats.tensors += sum(1 for e in bucket.entries if e.is_last)
             stats.bytes += sum(e.chunk_bytes for e in bucket.entries)
         if reader.pending():
             raise SyncError(f"the sync ended with tensors incomplete: {reader.pending()[:5]}")
@@ -201,7 +203,7 @@ class CollectiveReceiver:
                 except Exception as exc:  # noqa: BLE001 - a broken group may fail to shut down; dropped anyway
                     log.debug("hwsync: destroying a failed group raised %s", exc)
         for worker in workers:
-            if not worker.stop(join_s=2.0):
+            if not worker.stop():
                 log.warning("hwsync: receiver %d left a collective thread stuck in a dead group; it ends at the "
                             "group's timeout", self.rank)
 

@@ -16,10 +16,11 @@ ZeroMQ control plane as msgpack, never pickle. See docs/disaggregated.md.
 
 from __future__ import annotations
 
-from hwsync.collective_forward import LocalForwarder
-from hwsync.collective_plan import BucketSpec, CollectivePlan, assign_owners, make_plan, pack_layout
-from hwsync.collective_receiver import CollectiveReceiver
-from hwsync.collective_sender import DEFAULT_BUCKET_BYTES, CollectiveSender
+from hwsync.disaggregated.forwarder import LocalForwarder
+from hwsync.disaggregated.plan import CollectivePlan, assign_owners, make_plan, pack_layout
+from hwsync.disaggregated.receiver import CollectiveReceiver
+from hwsync.disaggregated.sender import DEFAULT_BUCKET_BYTES, CollectiveSender
+from hwsync.protocol import BucketSpec
 
 __all__ = ["BucketSpec", "CollectivePlan", "CollectiveReceiver", "CollectiveSender", "DEFAULT_BUCKET_BYTES",
            "LocalForwarder", "assign_owners", "make_plan", "pack_layout"]

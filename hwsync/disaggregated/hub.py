@@ -1,26 +1,23 @@
-"""Control plane and worker threads of the collective path (sender rank 0 is the hub).
+"""The disaggregated path's control plane: sender rank 0 is the hub, every other rank holds a Link to it.
 
-Collective calls block, and a broadcast whose peer died can block until the group's own
-timeout. So no main thread ever calls one: each group's calls run in order on a
-CollectiveWorker thread, which signals completions through a pipe that the main thread polls
-together with its ZeroMQ socket. The main threads stay free to answer the hub's pings, to
-notice aborts, and to name the rank that died or stalled.
+No main thread ever calls a collective (each group's calls run on a CollectiveWorker, see
+worker.py), so the main threads stay free to answer the hub's pings, to notice aborts, and to
+name the rank that died or stalled. The frames are hwsync.protocol's (TO_HUB, TO_RANK).
 
 Failure detection, all on the hub (sender rank 0):
 - a peer on the same host whose process is gone is named at once;
 - an error frame names its sender; a peer whose collective failed ("collective" errors) does
   not know who is to blame, so the hub pings everyone and names those that do not answer;
 - when nothing has happened for half the timeout the hub pings too; at the timeout it gives up.
-The hub sends "alive" frames meanwhile, so the other ranks time out only when it goes silent.
+The hub sends Alive frames meanwhile, so the other ranks time out only when it goes silent.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import queue
 import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,18 +25,17 @@ from typing import Any
 
 import zmq
 
-from hwsync.control import Endpoint, pack, peer_alive, unpack
+from hwsync.control import Endpoint, peer_alive
+from hwsync.disaggregated.worker import CollectiveWorker, Result
 from hwsync.errors import RemoteError, SyncError, SyncTimeout
-from hwsync.interfaces import Device
+from hwsync.protocol import TO_HUB, TO_RANK, Abort, Alive, BadFrame, Error, Frame, Ping, PlanFrame, Pong, \
+    RankReady, Setup, decode, encode
+from hwsync.timing import CONTROL_SLICE_S
 
 log = logging.getLogger("hwsync")
 
-#: how long one poll waits before the loop checks deadlines and peer processes again
-SLICE_S = 0.25
 #: error kind a rank reports when its own collective failed and it cannot tell who is at fault
 COLLECTIVE = "collective"
-
-Result = tuple[Any, Any, str | None]  # (tag, value, error message or None)
 
 
 def _close(sock: zmq.Socket, ctx: zmq.Context) -> None:
@@ -48,73 +44,6 @@ def _close(sock: zmq.Socket, ctx: zmq.Context) -> None:
         sock.close(linger=1000)
     if not ctx.closed:
         ctx.term()
-
-
-class CollectiveWorker:
-    """A daemon thread that runs one group's collective calls in order and reports each outcome."""
-
-    def __init__(self, name: str, device: Device) -> None:
-        self._jobs: queue.Queue = queue.Queue()
-        self._results: queue.Queue = queue.Queue()
-        self._read_fd, self._write_fd = os.pipe()
-        os.set_blocking(self._read_fd, False)
-        self._device = device
-        self._failed: str | None = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def fileno(self) -> int:
-        """Readable whenever a result is waiting (zmq.Poller polls it next to a socket)."""
-        return self._read_fd
-
-    def submit(self, tag: Any, call: Callable[[], Any]) -> None:
-        """Queue `call`; its result comes back from results() under `tag`."""
-        self._jobs.put((tag, call))
-
-    def _run(self) -> None:
-        try:
-            while (job := self._jobs.get()) is not None:
-                tag, call = job
-                if self._failed is not None:  # a group that failed once is never trusted again
-                    self._results.put((tag, None, self._failed))
-                else:
-                    try:
-                        value = call()
-                        # the bytes must be in (or out of) the buffer before the main thread touches it
-                        self._device.synchronize()
-                        self._results.put((tag, value, None))
-                    except BaseException as exc:  # noqa: BLE001 - reported to the main thread
-                        self._failed = f"{type(exc).__name__}: {exc}"
-                        self._results.put((tag, None, self._failed))
-                os.write(self._write_fd, b"x")
-        except OSError:
-            pass  # the owner stopped listening (closed the pipe): nothing left to report to
-        finally:
-            os.close(self._write_fd)
-
-    def results(self) -> list[Result]:
-        """Every result that has arrived, in order."""
-        try:
-            while os.read(self._read_fd, 4096):
-                pass
-        except BlockingIOError:
-            pass
-        out = []
-        while True:
-            try:
-                out.append(self._results.get_nowait())
-            except queue.Empty:
-                return out
-
-    def stop(self, join_s: float = 5.0) -> bool:
-        """Finish queued work and end the thread; False if it is stuck in a collective (it is abandoned)."""
-        self._jobs.put(None)
-        self._thread.join(join_s)
-        alive = self._thread.is_alive()
-        if self._read_fd >= 0:
-            os.close(self._read_fd)  # a stuck thread's last write then fails, and it closes its end
-            self._read_fd = -1
-        return not alive
 
 
 @dataclass
@@ -160,10 +89,10 @@ class Hub:
         self._sock.setsockopt(zmq.LINGER, 1000)  # lets a final abort reach live peers
         self._sock.bind(address)
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.waiting: dict[tuple[str, int], PeerInfo] = {}  # ready frames for the next sync
+        self.waiting: dict[tuple[str, int], PeerInfo] = {}  # ready ranks for the next sync
         self.peers: list[PeerInfo] = []
         self.sync = 0
-        self.replies: dict[str, dict[tuple[str, int], dict]] = {}
+        self.replies: dict[type[Frame], dict[tuple[str, int], Any]] = {}
         self.workers: list[CollectiveWorker] = []
         self.on_result: Callable[[Result], None] = lambda result: None
         self._by_identity: dict[bytes, PeerInfo] = {}
@@ -179,7 +108,7 @@ class Hub:
         return str(Endpoint(self.address, self.token))
 
     def gather(self, followers: int, receivers: int) -> list[PeerInfo]:
-        """Wait for every other rank's ready frame, then start a sync with them."""
+        """Wait for every other rank's RankReady, then start a sync with them."""
         wanted = [("sender", s) for s in range(1, followers + 1)] + [("receiver", r) for r in range(receivers)]
         self._by_identity = {}  # late frames of the previous sync are ignored from here on
         deadline = time.monotonic() + self.timeout_s
@@ -188,7 +117,7 @@ class Hub:
                 missing = ", ".join(f"{role} {rank}" for role, rank in wanted if (role, rank) not in self.waiting)
                 raise SyncTimeout(f"timed out after {self.timeout_s:.1f}s waiting for {missing} to call "
                                   f"send()/receive() (endpoint {self.address}); start them, or raise timeout_s")
-            self._poll_once(SLICE_S)
+            self._poll_once(CONTROL_SLICE_S)
         self.sync += 1
         self.peers = [self.waiting.pop(key) for key in wanted]
         self._by_identity = {p.identity: p for p in self.peers}
@@ -197,24 +126,25 @@ class Hub:
         self.last_event = time.monotonic()
         return self.peers
 
-    def send(self, frame: dict[str, Any], peers: list[PeerInfo] | None = None) -> None:
+    def send(self, frame: Frame, peers: list[PeerInfo] | None = None) -> None:
         """Send a frame of the current sync to `peers` (all of this sync's peers by default)."""
-        data = pack({"sync": self.sync, **frame})
+        data = encode(dataclasses.replace(frame, sync=self.sync))
         for peer in self.peers if peers is None else peers:
             self._sock.send_multipart([peer.identity, data])
 
-    def replied(self, kind: str) -> dict[tuple[str, int], dict]:
+    def replied(self, kind: type[Frame]) -> dict[tuple[str, int], Any]:
         """Frames of `kind` received in this sync, by (role, rank)."""
         return self.replies.setdefault(kind, {})
 
-    def wait_for(self, kind: str, peers: list[PeerInfo], what: str, also: Callable[[], bool] = lambda: True) -> None:
+    def wait_for(self, kind: type[Frame], peers: list[PeerInfo], what: str,
+                 also: Callable[[], bool] = lambda: True) -> None:
         """Pump until every peer in `peers` sent a `kind` frame and also() holds."""
         self.pump_until(lambda: all(p.key in self.replied(kind) for p in peers) and also(), what)
 
     def pump_until(self, done: Callable[[], bool], what: str) -> None:
         """Process frames and worker results until done(); raise SyncError naming any failed rank."""
         while not done():
-            self._poll_once(SLICE_S)
+            self._poll_once(CONTROL_SLICE_S)
             self._check(what)
 
     def _poll_once(self, slice_s: float) -> None:
@@ -225,8 +155,15 @@ class Hub:
         ready = dict(poller.poll(int(slice_s * 1000)))
         if self._sock in ready:
             while self._sock.poll(0, zmq.POLLIN):
-                identity, data = self._sock.recv_multipart()
-                self._on_frame(identity, unpack(data))
+                identity, *parts = self._sock.recv_multipart()
+                try:
+                    if len(parts) != 1:
+                        raise BadFrame(f"expected one frame part, got {len(parts)}")
+                    frame = decode(parts[0], TO_HUB)
+                except BadFrame as exc:
+                    log.warning("hwsync: the hub dropped a bad frame from peer %s: %s", identity.hex(), exc)
+                    continue
+                self._on_frame(identity, frame)
         for worker in self.workers:
             for result in worker.results():
                 self.last_event = time.monotonic()
@@ -234,32 +171,31 @@ class Hub:
                     self._start_round(f"sender 0's own collective failed: {result[2]}")
                 self.on_result(result)
 
-    def _on_frame(self, identity: bytes, frame: dict[str, Any]) -> None:
-        kind = frame["t"]
-        if kind == "ready":
-            if frame.get("token") != self.token:
+    def _on_frame(self, identity: bytes, frame: Frame) -> None:
+        if isinstance(frame, RankReady):
+            if frame.token != self.token:
                 log.warning("hwsync: ignored a ready frame with a wrong token")
                 return
-            peer = PeerInfo(str(frame["role"]), int(frame["rank"]), identity, frame.get("pid"), frame.get("host"),
-                            frame.get("epoch"), frame.get("address"), frame.get("state") or {})
+            peer = PeerInfo(frame.role, frame.rank, identity, frame.pid, frame.host, frame.epoch, frame.address,
+                            frame.state)
             self.waiting[peer.key] = peer  # a later ready (a restarted rank) replaces an earlier one
             return
         peer = self._by_identity.get(identity)
-        if peer is None or frame.get("sync") != self.sync:
+        if peer is None or getattr(frame, "sync", None) != self.sync:
             return  # a frame of an earlier sync, or of a rank outside this one
         self.last_event = time.monotonic()
-        if kind == "error":
-            if frame.get("kind") != COLLECTIVE:
-                raise RemoteError(f"{peer} failed: {frame.get('message')}")
+        if isinstance(frame, Error):
+            if frame.kind != COLLECTIVE:
+                raise RemoteError(f"{peer} failed: {frame.message}")
             if self._suspect is None:
-                self._start_round(f"{peer} reported: {frame.get('message')}")
-        self.replied(kind)[peer.key] = frame
+                self._start_round(f"{peer} reported: {frame.message}")
+        self.replied(type(frame))[peer.key] = frame
 
     def _start_round(self, reason: str | None) -> None:
         """Ping every peer; whoever does not answer within a quarter of the timeout is named."""
         self._suspect = reason or ""
         self._pings += 1
-        self.send({"t": "ping", "n": self._pings})
+        self.send(Ping(n=self._pings))
         self._ping_deadline = time.monotonic() + self.timeout_s / 4
 
     def _check(self, what: str) -> None:
@@ -269,11 +205,11 @@ class Hub:
             raise SyncError(f"{describe(gone)} exited while {what}; restart it and sync again "
                             "(the group is rebuilt on the next sync)")
         if now - self._last_alive > self.timeout_s / 4:
-            self.send({"t": "alive"})
+            self.send(Alive())
             self._last_alive = now
         if self._suspect is not None and now > self._ping_deadline:
-            pongs = self.replied("pong")
-            silent = [p for p in self.peers if pongs.get(p.key, {}).get("n") != self._pings]
+            pongs = self.replied(Pong)
+            silent = [p for p in self.peers if getattr(pongs.get(p.key), "n", None) != self._pings]
             reason = f" ({self._suspect})" if self._suspect else ""
             if silent:
                 raise SyncError(f"{describe(silent)} stopped answering while {what}{reason}: it died, stalled "
@@ -293,7 +229,7 @@ class Hub:
     def abort(self, message: str) -> None:
         """Tell this sync's peers it failed, with the reason."""
         try:
-            self.send({"t": "abort", "message": message})
+            self.send(Abort(sync=None, message=message))
         except zmq.ZMQError:
             pass
 
@@ -318,18 +254,21 @@ class Link:
         self.on_result: Callable[[Result], None] = lambda result: None
         self.reported: str | None = None  # a collective failure already reported to the hub
 
-    def send(self, frame: dict[str, Any]) -> None:
+    def send(self, frame: Frame) -> None:
         """Send a frame, tagged with the current sync."""
-        self._sock.send(pack({"sync": self.sync, **frame}))
+        self._sock.send(encode(dataclasses.replace(frame, sync=self.sync)))
 
-    def ready(self, role: str, rank: int, epoch: int | None, **extra: Any) -> None:
+    def ready(self, role: str, rank: int, epoch: int | None, *, address: str | None = None,
+              state: dict[str, Any] | None = None) -> None:
         """Announce this rank for the next sync."""
         self.reported = None
         self.sync += 1  # the next sync's id is higher than any before: older frames are stale from here on
-        self._sock.send(pack({"t": "ready", "token": self.endpoint.token, "role": role, "rank": rank,
-                              "epoch": epoch, **this_process(), **extra}))
+        self._sock.send(encode(RankReady(token=self.endpoint.token, role=role, rank=rank, epoch=epoch,
+                                         pid=os.getpid(), host=socket.gethostname(), address=address,
+                                         state=state or {})))
 
-    def wait(self, kinds: tuple[str, ...], what: str, done: Callable[[], bool] = lambda: False) -> dict | None:
+    def wait(self, kinds: tuple[type[Frame], ...], what: str, done: Callable[[], bool] = lambda: False
+             ) -> Any:
         """The next frame of `kinds` from the hub, or None as soon as done() holds; raises on abort or silence."""
         last = time.monotonic()
         while not done():
@@ -337,28 +276,29 @@ class Link:
             poller.register(self._sock, zmq.POLLIN)
             for worker in self.workers:
                 poller.register(worker, zmq.POLLIN)
-            ready = dict(poller.poll(int(SLICE_S * 1000)))
+            ready = dict(poller.poll(int(CONTROL_SLICE_S * 1000)))
             for worker in self.workers:
                 for result in worker.results():
                     last = time.monotonic()
                     if result[2] is not None and self.reported is None:
                         # the hub finds out who is to blame; meanwhile keep answering its pings
                         self.reported = result[2]
-                        self.send({"t": "error", "kind": COLLECTIVE, "message": result[2]})
+                        self.send(Error(sync=None, kind=COLLECTIVE, message=result[2]))
                     self.on_result(result)
             while self._sock in ready and self._sock.poll(0, zmq.POLLIN):
-                frame = unpack(self._sock.recv())
-                if frame.get("sync", 0) < self.sync:
+                frame = decode(self._sock.recv(), TO_RANK)  # from the hub, which this rank trusts
+                if frame.sync is not None and frame.sync < self.sync:
                     continue  # left over from an earlier sync
                 last = time.monotonic()
-                if frame["t"] in ("setup", "plan", "abort"):
-                    self.sync = frame["sync"]
-                    self.hub = (frame.get("pid"), frame.get("host"))
-                if frame["t"] == "abort":
-                    raise RemoteError(f"the sync was aborted: {frame.get('message')}")
-                if frame["t"] == "ping":
-                    self.send({"t": "pong", "n": frame.get("n")})
-                elif frame["t"] in kinds:
+                if isinstance(frame, (Setup, PlanFrame, Abort)):
+                    self.sync = frame.sync if frame.sync is not None else self.sync
+                if isinstance(frame, (Setup, PlanFrame)):
+                    self.hub = (frame.pid, frame.host)
+                if isinstance(frame, Abort):
+                    raise RemoteError(f"the sync was aborted: {frame.message}")
+                if isinstance(frame, Ping):
+                    self.send(Pong(n=frame.n))
+                elif isinstance(frame, kinds):
                     return frame
             if not peer_alive(*self.hub):
                 raise SyncError(f"sender 0 (the hub, pid {self.hub[0]}) exited while {what}; restart the trainer")
@@ -373,7 +313,7 @@ class Link:
             return
         kind = COLLECTIVE if self.reported is not None else "local"
         try:
-            self.send({"t": "error", "kind": kind, "message": f"{type(exc).__name__}: {exc}"})
+            self.send(Error(sync=None, kind=kind, message=f"{type(exc).__name__}: {exc}"))
         except zmq.ZMQError:
             pass
 

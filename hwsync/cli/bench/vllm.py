@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from hwsync.integrations.vllm_toy import ToyModel, cpu_engine_env, engine_kwargs, engine_outputs, \
+from hwsync.cli.toy_model import ToyModel, cpu_engine_env, engine_kwargs, engine_outputs, \
     param_count, shutdown_engine
-from hwsync.integrations.vllm_worker import HwsyncWorkerExtension
+from hwsync.integrations.vllm.worker import HwsyncWorkerExtension
 
 METHODS = ("hwsync", "safetensors", "floor")
 TARGET_VS_FLOOR, TARGET_VS_FILE = 1.3, 1.5

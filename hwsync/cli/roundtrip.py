@@ -8,9 +8,9 @@ import multiprocessing as mp
 
 import torch
 
-from hwsync.receiver import WeightReceiver
+from hwsync.colocated.receiver import WeightReceiver
 from hwsync.registry import get_backend
-from hwsync.sender import WeightSender
+from hwsync.colocated.sender import WeightSender
 
 
 def _sample(megabytes: float) -> dict[str, torch.Tensor]:

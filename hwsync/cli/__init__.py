@@ -1,4 +1,4 @@
-"""The `hwsync` console script: info, roundtrip, demo and benchmarks."""
+"""The `hwsync` command: info, roundtrip, demo (with its toy model) and the benchmarks in bench/."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import sys
 
 # subcommand -> (module, function adding its arguments or None, function running it, help)
 _COMMANDS = {
-    "demo": ("hwsync.demo", "add_demo_arguments", "run_demo", "a small RL loop: trainer -> hwsync -> real vLLM"),
+    "demo": ("hwsync.cli.demo", "add_demo_arguments", "run_demo", "a small RL loop: trainer -> hwsync -> real vLLM"),
 }
 _BENCHES = {
-    "transfer": ("hwsync.bench_transfer", "add_bench_transfer_arguments", "run_bench_transfer",
+    "transfer": ("hwsync.cli.bench.transfer", "add_bench_transfer_arguments", "run_bench_transfer",
                  "process to process: hwsync vs stop-and-wait vs memory copy"),
-    "vllm": ("hwsync.bench_vllm", "add_bench_vllm_arguments", "run_bench_vllm",
+    "vllm": ("hwsync.cli.bench.vllm", "add_bench_vllm_arguments", "run_bench_vllm",
              "into a vLLM engine: hwsync vs safetensors reload vs in-process load_weights"),
-    "broadcast": ("hwsync.bench_broadcast", "add_bench_broadcast_arguments", "run_bench_broadcast",
+    "broadcast": ("hwsync.cli.bench.broadcast", "add_bench_broadcast_arguments", "run_bench_broadcast",
                   "collective: 1 or striped senders to N receivers"),
 }
 
@@ -53,11 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser(argv).parse_args(argv)
     if args.command == "info":
-        from hwsync.info import run_info
+        from hwsync.cli.info import run_info
 
         return run_info(args.json)
     if args.command == "roundtrip":
-        from hwsync.roundtrip import run_roundtrip
+        from hwsync.cli.roundtrip import run_roundtrip
 
         return run_roundtrip(args.megabytes, args.json)
     # Select the backend once, before any child process starts: the resolved name is written to

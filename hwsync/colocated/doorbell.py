@@ -6,7 +6,7 @@ its receivers instead share one small segment holding:
 
 - `posted`: how many buckets the sender has posted (a sequence number kept across syncs);
 - `released[i]`: how many buckets receiver i has released;
-- one descriptor slot per buffer: the msgpack bucket frame (buffer index, entries) of the bucket
+- one descriptor slot per buffer: the encoded protocol.Bucket frame (buffer index, entries) of the bucket
   last posted into it.
 
 Each counter is written by one process only and read by the others. The sender writes a
@@ -29,6 +29,7 @@ from typing import Any
 from hwsync.bucket import align_up
 from hwsync.control import timeout_error
 from hwsync.shm import SharedSegment
+from hwsync.timing import DOORBELL_CHECK_S, DOORBELL_FIRST_CHECK_S, DOORBELL_MAX_SLEEP_S
 
 #: bytes of one descriptor slot; a bucket whose entries would not fit is flushed early
 DESCRIPTOR_BYTES = 64 << 10
@@ -138,7 +139,7 @@ def spin_wait(ready: Callable[[], bool], check: Callable[[], None], *, timeout_s
         return
     start = time.monotonic()
     deadline = start + timeout_s
-    next_check = start + 0.002
+    next_check = start + DOORBELL_FIRST_CHECK_S
     spins = 0
     pause = 0.0
     while not ready():
@@ -150,8 +151,8 @@ def spin_wait(ready: Callable[[], bool], check: Callable[[], None], *, timeout_s
         now = time.monotonic()
         if now >= next_check:
             check()
-            next_check = now + 0.005
+            next_check = now + DOORBELL_CHECK_S
         if now >= deadline:
             raise timeout_error(timeout_s, what, endpoint)
-        pause = min(max(pause * 2, 50e-6), 1e-3)
+        pause = min(max(pause * 2, 50e-6), DOORBELL_MAX_SLEEP_S)
         time.sleep(pause)

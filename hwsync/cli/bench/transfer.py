@@ -2,7 +2,7 @@
 
 One run measures three things on the same synthetic state dict and bucket size: hwsync's
 WeightSender into a spawned WeightReceiver process (several syncs on one session), a
-single-buffer stop-and-wait sender (bench_stop_and_wait.py: pack one bucket, send a frame, wait
+single-buffer stop-and-wait sender (stop_and_wait.py: pack one bucket, send a frame, wait
 for the ack: what peers ship), the device's copy bandwidth (single-thread on the host), and two
 such copies in two processes at once (half their sum bounds any pipeline that copies each byte
 twice). Tensors live on the selected backend's device, so on a GPU machine this measures a
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import zmq
 
-from hwsync.bench_stop_and_wait import StopAndWait, await_reply, stop_and_wait_receive
-from hwsync.control import pack, private_ipc_dir, remove_ipc_dir
+from hwsync.cli.bench.stop_and_wait import StopAndWait, await_reply, pack, stop_and_wait_receive
+from hwsync.control import private_ipc_dir, remove_ipc_dir
 from hwsync.manifest import dtype_from_name, dtype_name
 
 Named = list[tuple[str, torch.Tensor]]
@@ -148,7 +148,7 @@ def _receiver_main(endpoint: str, baseline: str, spec_json: str, syncs: int, thr
                    into: bool) -> None:
     """The spawned engine stand-in: hwsync syncs, then stop-and-wait syncs, same destinations."""
     torch.set_num_threads(threads)
-    from hwsync.receiver import WeightReceiver
+    from hwsync.colocated.receiver import WeightReceiver
 
     spec: Spec = json.loads(spec_json)
     device, _ = bench_device()
@@ -228,7 +228,7 @@ class _Progress:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run both transfers and the copy reference; a dict of the figures."""
-    from hwsync.sender import WeightSender
+    from hwsync.colocated.sender import WeightSender
 
     torch.set_num_threads(args.threads)
     spec = model_spec(int(args.gb * 1e9), args.dtype, args.tensors)
@@ -372,7 +372,7 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m hwsync.bench_transfer`."""
+    """`python -m hwsync.cli.bench.transfer`."""
     parser = argparse.ArgumentParser(prog="hwsync bench transfer", description=__doc__.splitlines()[0])
     add_bench_transfer_arguments(parser)
     return run_bench_transfer(parser.parse_args(argv))

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hwsync.integrations.vllm_toy import PROMPT_TOKENS, ToyModel, cpu_engine_env, engine_kwargs, \
+from hwsync.cli.toy_model import PROMPT_TOKENS, ToyModel, cpu_engine_env, engine_kwargs, \
     engine_outputs, model_prompt_logprobs, shutdown_engine
 
 COLUMNS = ("step", "reward", "sync s", "MB", "GB/s", "max |Δlogprob|", "moved", "check")

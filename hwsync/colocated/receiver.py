@@ -24,15 +24,17 @@ import torch
 import zmq
 
 from hwsync.bucket import BucketReader, IntoFn
-from hwsync.control import PROTOCOL_VERSION, Endpoint, pack, peer_alive, raise_if_exited, receive_frame, \
-    remove_ipc_dir, unpack
-from hwsync.doorbell import Doorbell, doorbell_supported, spin_wait
+from hwsync.colocated.doorbell import Doorbell, doorbell_supported, spin_wait
+from hwsync.control import Endpoint, peer_alive, raise_if_exited, receive_frame, remove_ipc_dir
 from hwsync.errors import ProtocolError, RemoteError, SyncError
 from hwsync.interfaces import Backend, Handles, ReceiveBuffers
 from hwsync.manifest import TensorSpec
 from hwsync.memory import local_memory
+from hwsync.protocol import PROTOCOL_VERSION, TO_RECEIVER, Abort, Accept, Bucket, Complete, Done, Error, Frame, \
+    Gone, Offer, Ready, Release, decode, encode
 from hwsync.registry import get_backend
 from hwsync.stats import SyncStats
+from hwsync.timing import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("hwsync")
 
@@ -42,7 +44,7 @@ LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 class WeightReceiver:
     """Connects to a WeightSender's endpoint and receives syncs into a `load` callback."""
 
-    def __init__(self, endpoint: str, *, timeout_s: float = 60.0, backend: Backend | None = None) -> None:
+    def __init__(self, endpoint: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, backend: Backend | None = None) -> None:
         self._endpoint = Endpoint.parse(endpoint)
         self.timeout_s = timeout_s
         self._backend = backend
@@ -51,8 +53,8 @@ class WeightReceiver:
         self._buffers: ReceiveBuffers | None = None
         self._handles: Handles | None = None
         self._doorbell: Doorbell | None = None
-        #: the sender's "done" frame, when it arrived while reading from the doorbell
-        self._done: dict[str, Any] | None = None
+        #: the sender's Done frame, when it arrived while reading from the doorbell
+        self._done: Done | None = None
         #: last version received completely, or None
         self.version: int | None = None
         #: True when a sync broke after some bucket was loaded: the model holds a mix
@@ -94,23 +96,24 @@ class WeightReceiver:
         self._done = None
         try:
             self._connect()
-            self._send({"t": "ready", "token": self._endpoint.token, "proto": PROTOCOL_VERSION,
-                        "pid": os.getpid(), "host": socket.gethostname(), "state": self._state(state),
-                        "doorbell": doorbell_supported(), "into": into is not None})
-            offer = self._await("offer", None, "waiting for the sender's offer", None, stats)
-            sync = offer["sync"]
+            self._send(Ready(token=self._endpoint.token, proto=PROTOCOL_VERSION, pid=os.getpid(),
+                             host=socket.gethostname(), state=self._state(state), doorbell=doorbell_supported(),
+                             into=into is not None))
+            offer = self._await(Offer, None, "waiting for the sender's offer", None, stats)
+            assert isinstance(offer, Offer)
+            sync = offer.sync
             self._last_sync = sync
-            peer = self._sender = (offer.get("pid"), offer.get("host"))
+            peer = self._sender = (offer.pid, offer.host)
             self._accept(offer, check_manifest, stats)
             self._receive_buckets(offer, peer, load, into, stats)
             if on_done is not None:
                 t0 = time.perf_counter()
                 on_done()
                 stats.load_s += time.perf_counter() - t0
-            self.version = offer["version"]
+            self.version = offer.version
             self.incomplete = False
             stats.total_s = time.perf_counter() - start
-            self._send({"t": "complete", "sync": sync, "stats": stats.to_dict()})
+            self._send(Complete(sync=sync, stats=stats.to_dict()))
         except BaseException as exc:
             self._fail(sync, exc)
             raise
@@ -126,62 +129,66 @@ class WeightReceiver:
                 log.debug("hwsync: no memory figures for the sender: %s", exc)
         return out
 
-    def _accept(self, offer: dict[str, Any], check_manifest: Callable | None, stats: SyncStats) -> None:
-        if offer.get("proto") != PROTOCOL_VERSION:
+    def _accept(self, offer: Offer, check_manifest: Callable | None, stats: SyncStats) -> None:
+        if offer.proto != PROTOCOL_VERSION:
             raise ProtocolError(
-                f"the sender speaks hwsync protocol {offer.get('proto')} and this receiver speaks "
+                f"the sender speaks hwsync protocol {offer.proto} and this receiver speaks "
                 f"{PROTOCOL_VERSION}; install the same hwsync version on both sides"
             )
         transports = self.backend.transports()
-        if offer["transport"] not in transports:
+        if offer.transport not in transports:
             raise ProtocolError(
-                f"the sender uses transport {offer['transport']!r} of backend {offer['backend']!r}, which this "
+                f"the sender uses transport {offer.transport!r} of backend {offer.backend!r}, which this "
                 f"receiver's backend {self.backend.name!r} lacks ({sorted(transports)}); set HWSYNC_BACKEND alike"
             )
-        if offer["handles"] != self._handles:  # the geometry changed (or first sync): follow the sender
+        if offer.handles != self._handles:  # the geometry changed (or first sync): follow the sender
             self._close_buffers()
-            self._buffers = transports[offer["transport"]].open_receiver(offer["handles"])
-            self._handles = offer["handles"]
-        bell = offer.get("doorbell")
+            self._buffers = transports[offer.transport].open_receiver(offer.handles)
+            self._handles = offer.handles
+        bell = offer.doorbell
         if not bell or (self._doorbell is not None and self._doorbell.handle() != bell):
             self._close_doorbell()  # frames this time, or another doorbell: unmap the old one
         if bell and self._doorbell is None:
             self._doorbell = Doorbell.attach(bell)
-        if offer.get("manifest") is not None and check_manifest is not None:
-            check_manifest([TensorSpec.from_wire(item) for item in offer["manifest"]])
-        stats.version = offer["version"]
-        stats.bucket_bytes = offer["bucket_bytes"]
-        stats.num_buffers = offer["num_buffers"]
-        stats.transport = offer["transport"]
-        self._send({"t": "accept", "sync": offer["sync"]})
+        if offer.manifest is not None and check_manifest is not None:
+            check_manifest(offer.manifest)
+        stats.version = offer.version
+        stats.bucket_bytes = offer.bucket_bytes
+        stats.num_buffers = offer.num_buffers
+        stats.transport = offer.transport
+        self._send(Accept(sync=offer.sync))
 
-    def _receive_buckets(self, offer: dict[str, Any], peer: tuple, load: LoadFn | None, into: IntoFn | None,
+    def _receive_buckets(self, offer: Offer, peer: tuple, load: LoadFn | None, into: IntoFn | None,
                          stats: SyncStats) -> None:
         assert self._buffers is not None
-        sync, reader, seq, rank = offer["sync"], self._reader, offer.get("first", 0), offer.get("rank", 0)
-        bell = self._doorbell if offer.get("doorbell") else None
+        sync, reader, seq, rank = offer.sync, self._reader, offer.first, offer.rank
+        bell = self._doorbell if offer.doorbell else None
         reader.begin()
         while True:
             what = f"waiting for bucket {stats.buckets}"
             if bell is None:
-                frame = self._await(("bucket", "done"), sync, what, peer, stats)
+                frame = self._await((Bucket, Done), sync, what, peer, stats)
             else:
                 frame = self._ring_next(bell, seq, sync, what, peer, stats)
-            if frame["t"] == "done":
+            if isinstance(frame, Done):
                 if reader.pending():
                     raise SyncError(f"the sync ended with tensors incomplete: {reader.pending()[:5]}")
                 return
-            if frame.get("sync") != sync or frame.get("seq", seq) != seq:
-                raise ProtocolError(f"bucket {seq} of sync {sync} was announced as {frame.get('seq')} of sync "
-                                    f"{frame.get('sync')}; the sender and receiver are out of step")
+            assert isinstance(frame, Bucket)
+            if frame.sync != sync or frame.seq != seq:
+                raise ProtocolError(f"bucket {seq} of sync {sync} was announced as {frame.seq} of sync "
+                                    f"{frame.sync}; the sender and receiver are out of step")
+            if frame.nbytes > offer.bucket_bytes or frame.buf >= offer.num_buffers:
+                raise ProtocolError(f"bucket {seq} claims {frame.nbytes} bytes in buffer {frame.buf}, outside the "
+                                    f"offered {offer.num_buffers} buffers of {offer.bucket_bytes} bytes")
             t0 = time.perf_counter()
             self.incomplete = True
-            view = self._buffers.view(frame["buf"], frame["nbytes"])
-            tensors = reader.read(view, frame["entries"], into)
+            view = self._buffers.view(frame.buf, frame.nbytes)
+            tensors = reader.read(view, frame.entries, into)
             del view  # no view may outlive the buffer's release
             early = not reader.aliases_view  # only reassembled tensors: the sender may refill now
             if early:
-                self._release(sync, frame["buf"], seq, bell, rank)
+                self._release(sync, frame.buf, seq, bell, rank)
             if tensors:
                 if load is None:
                     raise ValueError(f"into() returned None for {tensors[0][0]!r} and no load was given; return "
@@ -189,21 +196,21 @@ class WeightReceiver:
                 load(tensors)
             del tensors
             if not early:
-                self._release(sync, frame["buf"], seq, bell, rank)
+                self._release(sync, frame.buf, seq, bell, rank)
             stats.load_s += time.perf_counter() - t0
             stats.buckets += 1
-            stats.tensors += sum(1 for e in frame["entries"] if e[4] + e[5] == e[6])
-            stats.bytes += sum(e[5] for e in frame["entries"])
+            stats.tensors += sum(1 for e in frame.entries if e.is_last)
+            stats.bytes += sum(e.chunk_bytes for e in frame.entries)
             seq += 1
 
     def _ring_next(self, bell: Doorbell, seq: int, sync: int, what: str, peer: tuple,
-                   stats: SyncStats) -> dict[str, Any]:
-        """The next bucket's descriptor from the doorbell, or the sender's "done" frame."""
+                   stats: SyncStats) -> Frame:
+        """The next bucket's descriptor from the doorbell, or the sender's Done frame."""
         t0 = time.perf_counter()
         try:
             while True:
                 if bell.posted > seq:
-                    return unpack(bell.read(seq))
+                    return decode(bell.read(seq), {Bucket.T: Bucket})
                 if self._done is not None:  # "done" follows the last post: nothing more will come
                     return self._done
                 spin_wait(lambda: bell.posted > seq or self._done is not None,
@@ -213,15 +220,15 @@ class WeightReceiver:
             stats.wait_s += time.perf_counter() - t0
 
     def _poll_sender(self, sync: int, what: str, peer: tuple) -> None:
-        """While spinning on the doorbell: take "done", raise on "abort" or a sender that exited."""
+        """While spinning on the doorbell: take Done, raise on Abort or a sender that exited."""
         assert self._sock is not None
         while self._sock.poll(0, zmq.POLLIN):
-            frame = unpack(self._sock.recv())
-            if frame.get("sync") != sync:
+            frame = decode(self._sock.recv(), TO_RECEIVER)
+            if frame.sync != sync:
                 continue
-            if frame["t"] == "abort":
-                raise RemoteError(f"sender aborted the sync: {frame.get('message')}")
-            if frame["t"] == "done":
+            if isinstance(frame, Abort):
+                raise RemoteError(f"sender aborted the sync: {frame.message}")
+            if isinstance(frame, Done):
                 self._done = frame
         raise_if_exited([peer], what=what, endpoint=str(self._endpoint.address))
 
@@ -231,25 +238,25 @@ class WeightReceiver:
         if bell is not None:
             bell.release(rank, seq)
         else:
-            self._send({"t": "release", "sync": sync, "buf": buf, "seq": seq})
+            self._send(Release(sync=sync, buf=buf, seq=seq))
 
-    def _await(self, kinds: str | tuple[str, ...], sync: int | None, what: str, peer: tuple | None,
-               stats: SyncStats) -> dict[str, Any]:
-        kinds = (kinds,) if isinstance(kinds, str) else kinds
+    def _await(self, kinds: type[Frame] | tuple[type[Frame], ...], sync: int | None, what: str, peer: tuple | None,
+               stats: SyncStats) -> Frame:
         t0 = time.perf_counter()
         try:
             while True:
                 assert self._sock is not None
                 (data,) = receive_frame(self._sock, self.timeout_s, what=what, endpoint=str(self._endpoint.address),
                                         peers=[peer] if peer else [])
-                frame = unpack(data)
-                if sync is not None and frame.get("sync") != sync:
+                frame = decode(data, TO_RECEIVER)
+                frame_sync = getattr(frame, "sync", None)
+                if sync is not None and frame_sync != sync:
                     continue  # a frame of an earlier, abandoned sync
-                if sync is None and frame.get("sync") is not None and frame["sync"] <= self._last_sync:
+                if sync is None and frame_sync is not None and frame_sync <= self._last_sync:
                     continue  # e.g. an abort for a sync this receiver had already completed
-                if frame["t"] == "abort":
-                    raise RemoteError(f"sender aborted the sync: {frame.get('message')}")
-                if frame["t"] in kinds:
+                if isinstance(frame, Abort):
+                    raise RemoteError(f"sender aborted the sync: {frame.message}")
+                if isinstance(frame, kinds):
                     return frame
         finally:
             stats.wait_s += time.perf_counter() - t0
@@ -261,20 +268,19 @@ class WeightReceiver:
             sock.connect(self._endpoint.address)
             self._sock = sock
 
-    def _send(self, frame: dict[str, Any]) -> None:
+    def _send(self, frame: Frame) -> None:
         assert self._sock is not None
-        self._sock.send(pack(frame))
+        self._sock.send(encode(frame))
 
     def _fail(self, sync: int | None, exc: BaseException) -> None:
         """Report the failure to the sender (unless it came from there), then drop buffers and socket."""
         if self._sock is not None:
             try:
-                if sync is None:  # no offer came: withdraw our "ready" so a later send() skips us
-                    self._send({"t": "gone"})
+                if sync is None:  # no offer came: withdraw our Ready so a later send() skips us
+                    self._send(Gone())
                 elif not isinstance(exc, RemoteError):
                     kind = "protocol" if isinstance(exc, ProtocolError) else "load"
-                    self._send({"t": "error", "sync": sync, "kind": kind,
-                                "message": f"{type(exc).__name__}: {exc}"})
+                    self._send(Error(sync=sync, kind=kind, message=f"{type(exc).__name__}: {exc}"))
             except zmq.ZMQError:
                 pass
         log.warning("hwsync receive failed: %s", exc)

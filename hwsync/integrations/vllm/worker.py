@@ -1,4 +1,4 @@
-"""The engine side: a vLLM worker extension that receives hwsync syncs into the running model.
+"""The engine side for vLLM: a worker extension that receives hwsync syncs into the running model.
 
 Start the engine with `worker_extension_cls="hwsync.integrations.vllm.HwsyncWorkerExtension"`;
 vLLM mixes the class into every worker, so `self` is the worker (`self.model_runner.model`,
@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
+from hwsync.colocated import WeightReceiver
 from hwsync.errors import ManifestError
-from hwsync.integrations.checkpoint import check_manifest, checkpoint_manifest
+from hwsync.integrations.vllm.checkpoint import check_manifest, checkpoint_manifest
 from hwsync.manifest import TensorSpec
-from hwsync.receiver import WeightReceiver
+from hwsync.timing import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("hwsync")
 
@@ -78,7 +79,7 @@ class HwsyncWorkerExtension:
             "model": str(self.model_runner.model_config.model),
         }
 
-    def hwsync_receive(self, endpoint: str, timeout_s: float | str = 60.0, allow_partial: bool | str = False
+    def hwsync_receive(self, endpoint: str, timeout_s: float | str = DEFAULT_TIMEOUT_S, allow_partial: bool | str = False
                        ) -> dict[str, Any]:
         """Receive one sync from `endpoint` into the model; returns this worker's stats as a dict."""
         # strings too: vLLM's HTTP /collective_rpc route passes every argument as a string

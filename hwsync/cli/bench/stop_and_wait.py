@@ -10,14 +10,24 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
 import torch
 import zmq
 
 from hwsync.bucket import align_up
-from hwsync.control import pack, unpack
 from hwsync.manifest import dtype_from_name, dtype_name
 
 Named = list[tuple[str, torch.Tensor]]
+
+
+def pack(message: dict[str, Any]) -> bytes:
+    """A message between the benchmark's own processes (plain msgpack: this is not hwsync's protocol)."""
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes) -> dict[str, Any]:
+    """Inverse of pack."""
+    return msgpack.unpackb(data, raw=False)
 
 
 def stop_and_wait_receive(sock: zmq.Socket, load: Callable[[Named], None], timeout_s: float) -> None:

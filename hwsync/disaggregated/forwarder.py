@@ -23,6 +23,7 @@ import torch
 
 from hwsync.errors import SyncError, SyncTimeout
 from hwsync.manifest import TensorSpec
+from hwsync.timing import DEFAULT_TIMEOUT_S, FORWARD_SLICE_S
 
 #: runs one local sync from (source, version, manifest), e.g. a WeightSender.send or VllmWeightSync.sync
 LocalSync = Callable[[Iterator[tuple[str, torch.Tensor]], int, list[TensorSpec]], Any]
@@ -33,7 +34,7 @@ _END = object()
 class LocalForwarder:
     """Feeds each received bucket into a local sync running on a thread, one sync per collective sync."""
 
-    def __init__(self, run: LocalSync, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, run: LocalSync, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self._run = run
         self.timeout_s = timeout_s
         self._items: queue.Queue = queue.Queue()
@@ -71,7 +72,7 @@ class LocalForwarder:
         for item in tensors:
             self._items.put(item)
             deadline = time.monotonic() + self.timeout_s
-            while not self._taken.acquire(timeout=0.2):
+            while not self._taken.acquire(timeout=FORWARD_SLICE_S):
                 if time.monotonic() > deadline:
                     raise SyncTimeout(f"the local sync did not take {item[0]!r} within {self.timeout_s:.1f}s; is "
                                       "the engine receiving? (check its log, or raise timeout_s)")

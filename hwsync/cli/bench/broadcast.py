@@ -35,7 +35,7 @@ def _model(total: int) -> list[tuple[str, torch.Tensor]]:
 
 def _receiver(endpoint: str, rank: int, buffers: int, runs: int, timeout_s: float, backend: str) -> None:
     os.environ["HWSYNC_BACKEND"] = backend
-    from hwsync.collective import CollectiveReceiver
+    from hwsync.disaggregated import CollectiveReceiver
 
     sink: dict[str, torch.Tensor] = {}
 
@@ -53,7 +53,7 @@ def _receiver(endpoint: str, rank: int, buffers: int, runs: int, timeout_s: floa
 def _sender(endpoint: str, rank: int, senders: int, receivers: int, size: int, bucket: int, buffers: int,
             runs: int, timeout_s: float, backend: str) -> None:
     os.environ["HWSYNC_BACKEND"] = backend
-    from hwsync.collective import CollectiveSender
+    from hwsync.disaggregated import CollectiveSender
 
     model = _model(size)
     with CollectiveSender(endpoint, rank=rank, num_senders=senders, num_receivers=receivers, group_host="127.0.0.1",
@@ -66,7 +66,7 @@ def measure(senders: int, receivers: int, size: int, bucket: int, buffers: int, 
             timeout_s: float, backend: str) -> dict[str, Any]:
     """Median GB/s over `repeat` syncs (after one warm-up) of one configuration."""
     os.environ["HWSYNC_BACKEND"] = backend
-    from hwsync.collective import CollectiveSender
+    from hwsync.disaggregated import CollectiveSender
 
     runs = repeat + 1
     ctx = mp.get_context("spawn")
@@ -158,7 +158,7 @@ def run_bench_broadcast(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    """Standalone entry point (python -m hwsync.bench_broadcast)."""
+    """Standalone entry point (python -m hwsync.cli.bench.broadcast)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_bench_broadcast_arguments(parser)
     return run_bench_broadcast(parser.parse_args())

@@ -1,0 +1,80 @@
+"""Packing one sync's tensors into buckets and posting them: the sender's inner loop.
+
+Where each byte goes is BucketPacker's rule (hwsync.bucket): whole tensors stay whole and
+split tensors' tails end their bucket, or, when every receiver copies straight into its own
+tensors (receive(into=...)), buckets are packed dense. A buffer is taken only when the first
+byte goes into it, and only once the bucket it held before has been released.
+"""
+
+from __future__ import annotations
+
+import time
+
+from hwsync.bucket import BucketPacker, Closed, as_bytes, copy_bytes
+from hwsync.colocated.buffer_pool import BufferPool
+from hwsync.colocated.doorbell import DESCRIPTOR_BYTES
+from hwsync.colocated.links import BucketLink, timed_wait
+from hwsync.interfaces import SendBuffers
+from hwsync.manifest import TensorSpec, dtype_name
+from hwsync.protocol import Bucket
+from hwsync.source import NamedTensors, checked_items
+from hwsync.stats import SyncStats
+
+#: room kept in a descriptor for the frame's own fields besides the entries
+_FRAME_OVERHEAD = 1024
+
+
+class BucketStream:
+    """Streams one sync's (name, tensor) pairs through the buffers; `run` returns the next sequence number."""
+
+    def __init__(self, link: BucketLink, buffers: SendBuffers, pool: BufferPool, bucket_bytes: int, sync: int,
+                 first_seq: int, stats: SyncStats, dense: bool = False) -> None:
+        self.link, self.buffers, self.pool, self.sync, self.stats = link, buffers, pool, sync, stats
+        self.seq = first_seq
+        self.packer = BucketPacker(bucket_bytes, dense=dense, max_wire_bytes=DESCRIPTOR_BYTES - _FRAME_OVERHEAD)
+        self.current: int | None = None  # the buffer being filled
+
+    def run(self, source: NamedTensors, manifest: list[TensorSpec] | None) -> int:
+        """Pack and post every tensor of `source`, checking it against `manifest` when given."""
+        stats = self.stats
+        self.pool.begin_sync()
+        for _position, name, tensor in checked_items(source, manifest):
+            nbytes = tensor.numel() * tensor.element_size()
+            flat = None
+            for step in self.packer.place(name, dtype_name(tensor.dtype), tuple(tensor.shape), nbytes):
+                if isinstance(step, Closed):
+                    self._post(step)
+                    continue
+                if flat is None:
+                    flat = as_bytes(tensor)  # only now: a DTensor gathers here, one at a time
+                if self.current is None:
+                    self.current = self._take()
+                entry = step.entry
+                t0 = time.perf_counter()
+                copy_bytes(self.buffers.buffer(self.current), entry.offset, flat, entry.chunk_offset,
+                           entry.chunk_bytes)
+                stats.pack_s += time.perf_counter() - t0
+            stats.tensors += 1
+            stats.bytes += nbytes
+        last = self.packer.close()
+        if last is not None:
+            self._post(last)
+        return self.seq
+
+    def _take(self) -> int:
+        index, previous = self.pool.take(self.seq)
+        if previous >= 0:
+            self.stats.wait_s += timed_wait(self.link, previous, f"waiting for receivers to release buffer {index}")
+        return index
+
+    def _post(self, bucket: Closed) -> None:
+        """Publish the bucket being filled and tell the receivers."""
+        assert self.current is not None
+        stats = self.stats
+        self.buffers.publish(self.current, bucket.nbytes)
+        self.link.post(self.seq, Bucket(sync=self.sync, index=stats.buckets, seq=self.seq, buf=self.current,
+                                        nbytes=bucket.nbytes, entries=bucket.entries))
+        self.pool.filled(bucket.nbytes)
+        self.seq += 1
+        stats.buckets += 1
+        self.current = None

@@ -1,0 +1,78 @@
+"""What a sync reads from: (name, tensor) sources, the checks every item passes, and their manifests.
+
+A source is any iterable of (name, tensor) pairs, produced lazily (an FSDP2 DTensor is
+materialised with `full_tensor()` one at a time, when its turn comes). Every path that
+consumes a source (the same-host stream, the disaggregated senders, the planner) checks its
+items here, so an error about an item says the same thing wherever it happens: the item's
+position, its name where it has one, what is wrong and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Union
+
+import torch
+
+from hwsync.errors import ManifestError, SourceError
+from hwsync.manifest import TensorSpec, manifest_from_tensors
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+#: what a sender's send() accepts: the tensors, or a function of the receivers' reported state giving them
+TensorSource = Union[NamedTensors, Callable[[dict[str, Any]], NamedTensors]]
+
+
+def named_tensor(position: int, item: Any, where: str = "the source",
+                 error: type[Exception] = SourceError) -> tuple[str, torch.Tensor]:
+    """The (name, tensor) pair at `position` of `where`, or `error` naming the item and the fix."""
+    try:
+        name, tensor = item
+    except (TypeError, ValueError):
+        raise error(f"item #{position} of {where} is a {type(item).__name__}, not a (name, tensor) pair; "
+                    "yield (str, torch.Tensor) pairs, e.g. model.state_dict().items()") from None
+    if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+        label = f" ({name!r})" if isinstance(name, str) else ""
+        raise error(f"item #{position}{label} of {where}: yield (str, torch.Tensor) pairs, got "
+                    f"({type(name).__name__}, {type(tensor).__name__})")
+    return name, tensor
+
+
+def checked_items(source: NamedTensors, manifest: list[TensorSpec] | None
+                  ) -> Iterator[tuple[int, str, torch.Tensor]]:
+    """(position, name, tensor) of each item; ManifestError for a repeated name or a stray from `manifest`.
+
+    When `manifest` is given, the source must yield exactly its tensors, in its order: the
+    receivers were told to expect them (and checked them) before the first byte moved.
+    """
+    seen: set[str] = set()
+    count = 0
+    for position, item in enumerate(source):
+        name, tensor = named_tensor(position, item)
+        if name in seen:
+            raise ManifestError(f"tensor {name!r} (item #{position}) was yielded twice in one sync; each name must "
+                                "be sent once: drop the repeat or rename it")
+        seen.add(name)
+        if manifest is not None:
+            if position >= len(manifest):
+                raise ManifestError(f"tensor {name!r} (item #{position}) is beyond the {len(manifest)} tensors the "
+                                    "manifest announced; announce every tensor the source yields")
+            spec, actual = manifest[position], TensorSpec.of(name, tensor)
+            if spec != actual:
+                raise ManifestError(f"tensor #{position} strays from the announced manifest: announced {spec}, "
+                                    f"got {actual}; yield the tensors in the manifest's order and shapes")
+        count += 1
+        yield position, name, tensor
+    if manifest is not None and count != len(manifest):
+        raise ManifestError(f"the manifest announced {len(manifest)} tensors but the source yielded {count}; "
+                            f"the next expected was {manifest[count].name!r}")
+
+
+def with_manifest(source: NamedTensors, manifest: list[TensorSpec] | None, why: str
+                  ) -> tuple[NamedTensors, list[TensorSpec]]:
+    """The source and its manifest; a lazy source must come with one (`why` says who needs it first)."""
+    if manifest is not None:
+        return source, manifest
+    if not isinstance(source, Sequence):
+        raise SourceError(f"a lazy (name, tensor) source needs manifest=...: {why}; pass "
+                            "manifest_from_module(model), or the pairs as a list")
+    return source, manifest_from_tensors(source)
