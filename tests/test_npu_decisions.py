@@ -24,13 +24,13 @@ import pytest
 import torch
 
 from hwsync_npu import preimport
+from hwsync_npu.device import logical_index, parse_visible_devices, physical_index
 from hwsync_npu.hccl import (HCCL_REDUCE_DTYPES_310P, HCCL_REDUCE_DTYPES_A2_A3, HCCL_REDUCE_DTYPES_ANY,
                              HCCL_REDUCE_DTYPES_TRAINING, hccl_reduce_dtypes)
 from hwsync_npu.ipc import NpuIpcTransport, ensure_msgpack_safe, share_record
-from hwsync_npu.shm_copy import DeviceCopyShmTransport
+from hwsync_npu.shm import DeviceCopyShmTransport
 from hwsync_npu.versions import (cann_install_info_paths, cann_version_from_install_info, decide_ipc,
                                  driver_version_from_info, parse_version)
-from hwsync_npu.visible import logical_index, parse_visible_devices, physical_index
 
 DRIVER_INFO_25_3 = """Version=25.3.rc1
 ascendhal_version=7.35.23

@@ -1,108 +1,26 @@
-"""hwsync's CPU backend: host memory, gloo collectives, POSIX shared memory."""
+"""hwsync's CPU backend: host memory, gloo collectives, the core's POSIX shared memory.
+
+Importing this package imports nothing else, torch included: the classes load on first use
+(`hwsync_cpu.CpuBackend`). The entry point names `hwsync_cpu.backend:CpuBackend` directly.
+"""
 
 from __future__ import annotations
 
-import os
-import socket
+from typing import Any
 
-import torch
-import torch.distributed as dist
+_LAZY = {
+    "CpuBackend": "hwsync_cpu.backend",
+    "CpuDevice": "hwsync_cpu.device",
+    "GLOO_REDUCE_DTYPES": "hwsync_cpu.gloo",
+}
 
-from hwsync.communicator import ProcessGroupCommunicator
-from hwsync.interfaces import Backend, Communicator, Device, ProbeResult, Transport
-from hwsync.shm import ShmTransport
-
-# gloo reduces these; anything else fails inside C++ with a less helpful message.
-GLOO_REDUCE_DTYPES = frozenset(
-    {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
-     torch.int32, torch.int64}
-)
+__all__ = sorted(_LAZY)
 
 
-def _meminfo() -> dict[str, int]:
-    """Fields of /proc/meminfo in bytes: the kernel's own view of host memory."""
-    fields: dict[str, int] = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            parts = value.split()
-            fields[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
-    return fields
+def __getattr__(name: str) -> Any:
+    """Load the backend's classes on first use (see module doc)."""
+    if name in _LAZY:
+        import importlib
 
-
-class CpuDevice(Device):
-    """The host as a device: one of it, memory from the OS."""
-
-    name = "cpu"
-    torch_type = "cpu"
-    visible_devices_env = None
-
-    def probe(self) -> ProbeResult:
-        """The host is always there."""
-        return ProbeResult(True, "host CPU and memory are always available", {"cpus": os.cpu_count()})
-
-    def count(self) -> int:
-        """One host."""
-        return 1
-
-    def current_index(self) -> int:
-        """Always 0."""
-        return 0
-
-    def set_index(self, index: int) -> None:
-        """Only index 0 exists."""
-        if index != 0:
-            raise ValueError(f"the cpu backend has one device (index 0), not index {index}")
-
-    def synchronize(self) -> None:
-        """CPU work is synchronous."""
-
-    def mem_get_info(self, index: int | None = None) -> tuple[int, int]:
-        """(MemAvailable, MemTotal) from /proc/meminfo."""
-        info = _meminfo()
-        return info["MemAvailable"], info["MemTotal"]
-
-    def memory_allocated(self, index: int | None = None) -> int:
-        """Resident set size of this process."""
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def memory_reserved(self, index: int | None = None) -> int:
-        """Virtual size of this process (what it has reserved from the OS)."""
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-
-    def empty_cache(self) -> None:
-        """The host has no caching allocator to empty."""
-
-    def physical_id(self, index: int | None = None) -> str:
-        """The host name: the one host this device lives on."""
-        return f"host:{socket.gethostname()}"
-
-
-def _gloo_group(store: dist.Store, rank: int, size: int, timeout) -> object:
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
-
-
-class CpuBackend(Backend):
-    """Backend for machines without an accelerator, and for tests everywhere."""
-
-    name = "cpu"
-
-    def __init__(self) -> None:
-        self._device = CpuDevice()
-        self._transports: dict[str, Transport] = {"shm": ShmTransport()}
-
-    def device(self) -> Device:
-        """The host."""
-        return self._device
-
-    def communicator(self, init_method: str, rank: int, world_size: int, timeout_s: float = 300.0) -> Communicator:
-        """A gloo group of its own."""
-        return ProcessGroupCommunicator(
-            "gloo", _gloo_group, init_method, rank, world_size, torch.device("cpu"), GLOO_REDUCE_DTYPES, timeout_s
-        )
-
-    def transports(self) -> dict[str, Transport]:
-        """POSIX shared memory."""
-        return dict(self._transports)
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hwsync_cpu' has no attribute {name!r}")

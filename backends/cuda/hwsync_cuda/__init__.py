@@ -1,64 +1,35 @@
 """hwsync's CUDA backend: NVIDIA GPUs through torch.cuda, NCCL collectives, CUDA IPC and shm.
 
-Import-safe on any machine, CPU-only torch included: nothing here touches CUDA until a method
-that needs the GPU runs, and `CudaBackend()` itself never does. On a machine without a GPU the
-probe says exactly why ("torch 2.13.0+cpu was built without CUDA", "no NVIDIA GPU visible ...").
+Importing this package imports nothing else, torch included: the names below load on first
+use (`hwsync_cuda.CudaBackend`). The entry point names `hwsync_cuda.backend:CudaBackend`
+directly. Import-safe on any machine, CPU-only torch included: nothing touches CUDA until a
+method that needs the GPU runs, and `CudaBackend()` itself never does. On a machine without a
+GPU the probe says exactly why ("torch 2.13.0+cpu was built without CUDA", "no NVIDIA GPU
+visible ...").
 """
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-from hwsync.communicator import ProcessGroupCommunicator
-from hwsync.errors import HwsyncError
-from hwsync.interfaces import Backend, Communicator, Device, Transport
-from hwsync_cuda.device import CudaDevice, device_uuid, local_index_of_uuid, normalize_uuid
-from hwsync_cuda.ipc import CudaIpcTransport
-from hwsync_cuda.nccl import NCCL_REDUCE_DTYPES, make_nccl_group, nccl_missing_reason
-from hwsync_cuda.shm import CudaShmTransport
+_LAZY = {
+    "CudaBackend": "hwsync_cuda.backend",
+    "CudaDevice": "hwsync_cuda.device",
+    "CudaIpcTransport": "hwsync_cuda.ipc",
+    "CudaShmTransport": "hwsync_cuda.shm",
+    "NCCL_REDUCE_DTYPES": "hwsync_cuda.nccl",
+    "device_uuid": "hwsync_cuda.device",
+    "local_index_of_uuid": "hwsync_cuda.device",
+    "normalize_uuid": "hwsync_cuda.device",
+}
 
-__all__ = [
-    "CudaBackend",
-    "CudaDevice",
-    "CudaIpcTransport",
-    "CudaShmTransport",
-    "NCCL_REDUCE_DTYPES",
-    "device_uuid",
-    "local_index_of_uuid",
-    "normalize_uuid",
-]
+__all__ = sorted(_LAZY)
 
 
-class CudaBackend(Backend):
-    """Backend for NVIDIA GPUs."""
+def __getattr__(name: str) -> Any:
+    """Load the backend's classes on first use (see module doc)."""
+    if name in _LAZY:
+        import importlib
 
-    name = "cuda"
-
-    def __init__(self) -> None:
-        self._device = CudaDevice()
-        # Preferred first: IPC moves buckets GPU to GPU; shm goes through host memory.
-        self._transports: dict[str, Transport] = {
-            "cuda_ipc": CudaIpcTransport(self._device),
-            "shm": CudaShmTransport(),
-        }
-
-    def device(self) -> Device:
-        """The process's NVIDIA GPUs."""
-        return self._device
-
-    def communicator(self, init_method: str, rank: int, world_size: int, timeout_s: float = 300.0) -> Communicator:
-        """An NCCL group of its own on the current GPU; one GPU per rank, as NCCL requires."""
-        reason = nccl_missing_reason()
-        if reason is not None:
-            raise HwsyncError(f"the cuda backend's communicator needs NCCL: {reason}")
-        probe = self._device.probe()
-        if not probe.usable:
-            raise HwsyncError(f"the cuda backend's communicator needs a GPU: {probe.reason}")
-        device = torch.device("cuda", torch.cuda.current_device())
-        return ProcessGroupCommunicator(
-            "nccl", make_nccl_group, init_method, rank, world_size, device, NCCL_REDUCE_DTYPES, timeout_s
-        )
-
-    def transports(self) -> dict[str, Transport]:
-        """CUDA IPC, then POSIX shared memory."""
-        return dict(self._transports)
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hwsync_cuda' has no attribute {name!r}")

@@ -54,8 +54,8 @@ def _refuse_shared_gpu(store: dist.Store, rank: int, world_size: int, uuid: str)
         )
 
 
-def make_nccl_group(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> object:
-    """A ProcessGroupNCCL over `store` for the current CUDA device."""
+def nccl_group(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> object:
+    """A ProcessGroupNCCL over `store` for the current CUDA device (the factory ProcessGroupCommunicator calls)."""
     reason = nccl_missing_reason()
     if reason is not None:
         raise HwsyncError(f"cannot build an NCCL group: {reason}")

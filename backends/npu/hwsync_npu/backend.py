@@ -9,7 +9,7 @@ from hwsync.interfaces import Backend, Communicator, Device, Transport
 from hwsync_npu.device import NpuDevice
 from hwsync_npu.hccl import hccl_group, hccl_reduce_dtypes
 from hwsync_npu.ipc import NpuIpcTransport
-from hwsync_npu.shm_copy import DeviceCopyShmTransport
+from hwsync_npu.shm import DeviceCopyShmTransport
 
 
 class NpuBackend(Backend):

@@ -16,8 +16,8 @@ import torch
 
 from hwsync.interfaces import Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
 from hwsync_npu.api import import_torch_npu, torch_npu_installed
+from hwsync_npu.device import current_visible_value, logical_index, physical_index
 from hwsync_npu.versions import IpcDecision, cann_version_from_files, decide_ipc, driver_version_from_files
-from hwsync_npu.visible import current_visible_value, logical_index, physical_index
 
 log = logging.getLogger("hwsync")
 

@@ -1,0 +1,36 @@
+"""CpuBackend: the host as the Device, gloo Communicators, the core's POSIX shared memory."""
+
+from __future__ import annotations
+
+import torch
+
+from hwsync.communicator import ProcessGroupCommunicator
+from hwsync.interfaces import Backend, Communicator, Device, Transport
+from hwsync.shm import ShmTransport
+from hwsync_cpu.device import CpuDevice
+from hwsync_cpu.gloo import GLOO_REDUCE_DTYPES, gloo_group
+
+
+class CpuBackend(Backend):
+    """Backend for machines without an accelerator, and for tests everywhere."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._device = CpuDevice()
+        # Host memory needs no device copies, so the core's transport serves as it is.
+        self._transports: dict[str, Transport] = {"shm": ShmTransport()}
+
+    def device(self) -> Device:
+        """The host."""
+        return self._device
+
+    def communicator(self, init_method: str, rank: int, world_size: int, timeout_s: float = 300.0) -> Communicator:
+        """A gloo group of its own."""
+        return ProcessGroupCommunicator(
+            "gloo", gloo_group, init_method, rank, world_size, torch.device("cpu"), GLOO_REDUCE_DTYPES, timeout_s
+        )
+
+    def transports(self) -> dict[str, Transport]:
+        """POSIX shared memory."""
+        return dict(self._transports)
