@@ -1,0 +1,90 @@
+"""The wire protocol: every control frame and bucket layout, defined once; the only encoder and decoder.
+
+Frames are msgpack maps `{"t": TYPE, field: value, ...}`; nothing is ever pickled. Each frame
+type is a frozen dataclass whose annotations are its definition. `decode` checks a
+peer's bytes against the definitions of the frames that may arrive on that socket (`TO_SENDER`,
+`TO_RECEIVER`, `TO_HUB`, `TO_RANK`): a map, a known type tag, every field present, no unknown
+field, each value of its declared type, and each frame's own rules (an entry that fits its
+bucket, sizes that agree). Anything else raises BadFrame before any code sees the frame.
+
+Bucket entries travel as lists `[name, dtype, shape, offset, chunk_offset, chunk_bytes,
+total_bytes]` (Entry); manifest items as `[name, dtype, shape]` (manifest.TensorSpec); a
+disaggregated plan's buckets as `[owner, nbytes, [entries]]` (BucketSpec).
+
+Files: fields.py (how a frame is defined and checked), layout.py (Entry, BucketSpec),
+colocated.py (the same-host frames, with Error and Abort), disaggregated.py (the cross-node
+frames); this module holds the version, the frame sets of each socket, `encode` and `decode`.
+
+Two paths speak it. Same host (hwsync.colocated): a receiver says `Ready`; the sender answers
+with an `Offer` (geometry, handles, manifest), the receiver `Accept`s, then each bucket is a
+`Bucket` (a ZeroMQ frame, or a doorbell descriptor) and a `Release`; `Done` and `Complete` end
+the sync; `Error` and `Abort` end it early. Across nodes (hwsync.disaggregated): every rank says
+`RankReady` to sender 0's hub, which answers `Setup` (group addresses), `PlanFrame`, `Go`,
+`Commit`, and keeps everyone honest with `Ping`/`Pong`/`Alive`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from hwsync.protocol.colocated import Abort, Accept, Bucket, Complete, Done, Error, Gone, Offer, Ready, Release
+from hwsync.protocol.disaggregated import Alive, Commit, Go, Joined, Ping, PlanAccept, PlanFrame, Pong, Progress, \
+    RankComplete, RankReady, Sent, Setup
+from hwsync.protocol.fields import BadFrame, Frame, Map, short, value_to_wire
+from hwsync.protocol.layout import BucketSpec, Entry
+
+#: bump when frames change incompatibly; a receiver refuses any other version
+PROTOCOL_VERSION = 3
+
+__all__ = ["PROTOCOL_VERSION", "TO_HUB", "TO_RANK", "TO_RECEIVER", "TO_SENDER", "Abort", "Accept", "Alive", "BadFrame",
+           "Bucket", "BucketSpec", "Commit", "Complete", "Done", "Entry", "Error", "Frame", "Go", "Gone", "Joined",
+           "Map", "Offer", "Ping", "PlanAccept", "PlanFrame", "Pong", "Progress", "RankComplete", "RankReady", "Ready",
+           "Release", "Sent", "Setup", "decode", "encode", "frame_set"]
+
+
+def frame_set(*classes: type[Frame]) -> dict[str, type[Frame]]:
+    """The frames that may arrive on one kind of socket, by tag (a tag means one frame there)."""
+    table = {cls.T: cls for cls in classes}
+    if len(table) != len(classes):
+        raise ValueError("two frames of one set share a tag")
+    return table
+
+
+TO_SENDER = frame_set(Ready, Gone, Accept, Release, Complete, Error)
+TO_RECEIVER = frame_set(Offer, Bucket, Done, Abort)
+TO_HUB = frame_set(RankReady, Joined, PlanAccept, Progress, Sent, RankComplete, Pong, Error)
+TO_RANK = frame_set(Setup, PlanFrame, Go, Commit, Ping, Alive, Abort)
+
+
+def encode(frame: Frame) -> bytes:
+    """The frame's bytes on the wire."""
+    out: dict[str, Any] = {"t": frame.T}
+    for name, _check in frame._checks:
+        out[name] = value_to_wire(getattr(frame, name))
+    return msgpack.packb(out, use_bin_type=True)
+
+
+def decode(data: bytes, expected: dict[str, type[Frame]]) -> Frame:
+    """The frame in `data`, checked against its definition in `expected`; BadFrame otherwise."""
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
+    except Exception as exc:  # msgpack raises several types for truncated or garbage bytes
+        raise BadFrame(f"not a msgpack frame ({type(exc).__name__}: {short(exc)})") from None
+    if not isinstance(raw, dict):
+        raise BadFrame(f"a frame must be a msgpack map, got {type(raw).__name__}")
+    tag = raw.pop("t", None)
+    cls = expected.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise BadFrame(f"frame type {short(tag)} is not one this socket accepts ({', '.join(sorted(expected))})")
+    values = {}
+    for name, check in cls._checks:
+        if name not in raw:
+            raise BadFrame(f"{tag} frame lacks field {name!r}")
+        values[name] = check(raw.pop(name), f"{tag}.{name}")
+    if raw:
+        raise BadFrame(f"{tag} frame has unknown fields {sorted(map(str, raw))[:5]}")
+    frame = cls(**values)
+    frame.validate()
+    return frame

@@ -1,0 +1,126 @@
+"""Frames of the same-host path (hwsync.colocated), and the Error and Abort frames both paths share.
+
+    receiver                              sender
+    Ready {token, proto, state, ...}  ->
+                                      <-  Offer {geometry, handles, manifest, first, doorbell, rank}
+    Accept (or Error: refused)        ->
+                                      <-  Bucket {seq, buf, nbytes, entries}  (a frame, or a doorbell descriptor)
+    Release {buf, seq}                ->  (the sender refills buf only after every receiver released it)
+                                      <-  Done {buckets, tensors, bytes}
+    Complete {stats}                  ->
+"""
+
+from __future__ import annotations
+
+from hwsync.manifest import TensorSpec
+from hwsync.protocol.fields import Frame, Map, frame
+from hwsync.protocol.layout import Entry, entries_within
+
+@frame("ready")
+class Ready(Frame):
+    """A receiver is ready for the next sync; `state` is what the sender may plan from."""
+
+    token: str
+    proto: int
+    pid: int
+    host: str
+    state: Map
+    doorbell: bool
+    into: bool
+
+
+@frame("gone")
+class Gone(Frame):
+    """A receiver that said Ready gave up before an offer came: skip it."""
+
+
+@frame("accept")
+class Accept(Frame):
+    """The receiver checked the offer (protocol, transport, manifest) and mapped the buffers."""
+
+    sync: int
+
+
+@frame("release")
+class Release(Frame):
+    """The receiver is done with bucket `seq` in buffer `buf` (and every bucket before it)."""
+
+    sync: int
+    buf: int
+    seq: int
+
+
+@frame("complete")
+class Complete(Frame):
+    """The receiver loaded the whole sync; `stats` are its own figures."""
+
+    sync: int
+    stats: Map
+
+
+@frame("error")
+class Error(Frame):
+    """A side failed; `kind` is "protocol", "load", "collective" or "local"; `message` says why."""
+
+    sync: int | None
+    kind: str
+    message: str
+
+
+@frame("offer")
+class Offer(Frame):
+    """One sync's geometry, buffers and announced tensors, for receiver `rank`."""
+
+    sync: int
+    proto: int
+    backend: str
+    transport: str
+    handles: Map
+    bucket_bytes: int
+    num_buffers: int
+    version: int
+    pid: int
+    host: str
+    manifest: list[TensorSpec] | None
+    tensors: int | None
+    total_bytes: int | None
+    first: int
+    doorbell: Map | None
+    rank: int
+
+
+@frame("bucket")
+class Bucket(Frame):
+    """Bucket `seq` (the `index`-th of this sync) is in buffer `buf`: `nbytes` used, laid out as `entries`."""
+
+    sync: int
+    index: int
+    seq: int
+    buf: int
+    nbytes: int
+    entries: list[Entry]
+
+    def validate(self) -> None:
+        """Every entry lies inside the bucket's used bytes."""
+        entries_within(self.entries, self.nbytes)
+
+
+@frame("done")
+class Done(Frame):
+    """The sender posted every bucket of the sync."""
+
+    sync: int
+    buckets: int
+    tensors: int
+    bytes: int
+
+
+@frame("abort")
+class Abort(Frame):
+    """The sync failed on the sending side (or the hub); `message` says why."""
+
+    sync: int | None
+    message: str
+
+
+# across nodes: ranks -> hub (sender 0)

@@ -1,0 +1,157 @@
+"""Frames of the cross-node path (hwsync.disaggregated): every rank talks to sender 0's hub.
+
+    rank (sender s > 0, or receiver r)      hub (sender 0)
+    RankReady {token, role, rank, epoch} ->
+                                         <-  Setup {epoch, addresses}     (only when groups are (re)built)
+    Joined                               ->
+                                         <-  PlanFrame {manifest, buckets, owners}
+    PlanAccept (receivers)               ->
+                                         <-  Go
+    Progress {k} / Sent                  ->  (buckets move over the collective library meanwhile)
+    RankComplete {version, stats}        ->
+                                         <-  Commit {version}
+    Ping {n} <-> Pong {n}, Alive: who is still there. Error and Abort are the same-host path's frames.
+"""
+
+from __future__ import annotations
+
+from hwsync.manifest import TensorSpec
+from hwsync.protocol.fields import BadFrame, Frame, Map, frame
+from hwsync.protocol.layout import BucketSpec
+
+@frame("ready")
+class RankReady(Frame):
+    """A sender rank > 0 or a receiver is ready; `epoch` names the groups it still holds."""
+
+    token: str
+    role: str
+    rank: int
+    epoch: int | None
+    pid: int
+    host: str
+    address: str | None
+    state: Map
+
+
+@frame("joined")
+class Joined(Frame):
+    """This rank has built its groups."""
+
+    #: the hub's sync id (Hub.send and Link.send fill it in)
+    sync: int = 0
+
+
+@frame("accept")
+class PlanAccept(Frame):
+    """A receiver checked the plan's manifest."""
+
+    #: the hub's sync id (Hub.send and Link.send fill it in)
+    sync: int = 0
+
+
+@frame("progress")
+class Progress(Frame):
+    """A receiver loaded bucket `k`."""
+
+    k: int
+    #: the hub's sync id (Hub.send and Link.send fill it in)
+    sync: int = 0
+
+
+@frame("sent")
+class Sent(Frame):
+    """A sender rank > 0 broadcast all its buckets."""
+
+    #: the hub's sync id (Hub.send and Link.send fill it in)
+    sync: int = 0
+
+
+@frame("complete")
+class RankComplete(Frame):
+    """A receiver loaded `version` completely; `stats` are its own figures."""
+
+    version: int
+    stats: Map
+    #: the hub's sync id (Hub.send and Link.send fill it in)
+    sync: int = 0
+
+
+@frame("pong")
+class Pong(Frame):
+    """The answer to ping `n`."""
+
+    n: int
+    #: the hub's sync id (Hub.send and Link.send fill it in)
+    sync: int = 0
+
+
+@frame("setup")
+class Setup(Frame):
+    """Build new groups: sender s's group rendezvous at `addresses[s]`, with `num_receivers` receivers."""
+
+    pid: int
+    host: str
+    epoch: int
+    addresses: list[str]
+    num_receivers: int
+    #: the hub's sync id (Hub.send and Link.send fill it in)
+    sync: int = 0
+
+
+@frame("plan")
+class PlanFrame(Frame):
+    """The sync's plan: which bytes go in which bucket and which sender broadcasts it."""
+
+    pid: int
+    host: str
+    epoch: int
+    version: int
+    bucket_bytes: int
+    num_senders: int
+    manifest: list[TensorSpec]
+    buckets: list[BucketSpec]
+    #: the receivers' reported state, for a callable source on every sender rank
+    state: Map
+    #: the hub's sync id (Hub.send and Link.send fill it in)
+    sync: int = 0
+
+    def validate(self) -> None:
+        """Owners are sender ranks and buckets fit the bucket size."""
+        for bucket in self.buckets:
+            if bucket.owner >= self.num_senders or bucket.nbytes > self.bucket_bytes:
+                raise BadFrame(f"planned bucket of owner {bucket.owner} and {bucket.nbytes} bytes does not fit "
+                               f"{self.num_senders} senders of {self.bucket_bytes}-byte buckets")
+
+
+@frame("go")
+class Go(Frame):
+    """Every receiver accepted the plan: start broadcasting."""
+
+    #: the hub's sync id (Hub.send and Link.send fill it in)
+    sync: int = 0
+
+
+@frame("commit")
+class Commit(Frame):
+    """Every receiver confirmed `version`."""
+
+    version: int
+    #: the hub's sync id (Hub.send and Link.send fill it in)
+    sync: int = 0
+
+
+@frame("ping")
+class Ping(Frame):
+    """Answer with Pong(n): the hub is finding out who is still alive."""
+
+    n: int
+    #: the hub's sync id (Hub.send and Link.send fill it in)
+    sync: int = 0
+
+
+@frame("alive")
+class Alive(Frame):
+    """The hub is alive (sent while a sync is quiet)."""
+
+    #: the hub's sync id (Hub.send and Link.send fill it in)
+    sync: int = 0

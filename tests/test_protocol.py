@@ -1,0 +1,130 @@
+"""The protocol module: every frame round-trips, and decode refuses whatever breaks a definition."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import pytest
+
+from hwsync.manifest import TensorSpec
+from hwsync.protocol import (
+    TO_HUB,
+    TO_RANK,
+    TO_RECEIVER,
+    TO_SENDER,
+    BadFrame,
+    Bucket,
+    BucketSpec,
+    Entry,
+    Error,
+    Offer,
+    PlanFrame,
+    Ready,
+    Release,
+    decode,
+    encode,
+)
+
+ENTRY = Entry("w", "float32", (2, 3), 0, 0, 24, 24)
+OFFER = Offer(sync=1, proto=3, backend="cpu", transport="shm", handles={"kind": "shm", "names": ["a"]},
+              bucket_bytes=4096, num_buffers=2, version=7, pid=1, host="h",
+              manifest=[TensorSpec("w", "float32", (2, 3))], tensors=1, total_bytes=24, first=0, doorbell=None,
+              rank=0)
+
+
+def _example(cls):
+    """One valid instance of any frame class, built from its field types."""
+    values = {"int": 1, "str": "x", "bool": True, "float": 1.0}
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        kind = str(f.type)
+        if "Entry" in kind:
+            kwargs[f.name] = [ENTRY]
+        elif "BucketSpec" in kind:
+            kwargs[f.name] = [BucketSpec(0, 24, (ENTRY,))]
+        elif "TensorSpec" in kind:
+            kwargs[f.name] = [TensorSpec("w", "float32", (2, 3))]
+        elif f.name in ("nbytes", "bucket_bytes"):
+            kwargs[f.name] = 4096
+        elif f.name == "addresses":
+            kwargs[f.name] = ["tcp://h:1"]
+        elif kind.startswith(("Map", "dict")):
+            kwargs[f.name] = {"k": [1, "v"]}
+        else:
+            kwargs[f.name] = values[kind.split(" ")[0]]
+    return cls(**kwargs)
+
+
+@pytest.mark.parametrize("frames", [TO_SENDER, TO_RECEIVER, TO_HUB, TO_RANK], ids=["sender", "receiver", "hub", "rank"])
+def test_every_frame_round_trips(frames):
+    for cls in frames.values():
+        frame = _example(cls)
+        assert decode(encode(frame), frames) == frame
+
+
+def _raw(**fields) -> bytes:
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+@pytest.mark.parametrize("data,match", [
+    (b"\xc1garbage", "not a msgpack frame"),
+    (b"", "not a msgpack frame"),
+    (encode(OFFER)[:-3], "not a msgpack frame"),
+    (msgpack.packb([1, 2]), "must be a msgpack map"),
+    (_raw(sync=1), "not one this socket accepts"),
+    (_raw(t="offer", sync=1), "not one this socket accepts"),
+    (_raw(t="release", sync=1, buf=0), "lacks field 'seq'"),
+    (_raw(t="release", sync=1, buf=0, seq=1, extra=2), "unknown fields"),
+    (_raw(t="release", sync="1", buf=0, seq=1), "release.sync: expected int"),
+    (_raw(t="release", sync=True, buf=0, seq=1), "release.sync: expected int, got bool"),
+    (_raw(t="error", sync=None, kind="load", message=b"bytes"), "error.message: expected str"),
+    (_raw(t="complete", sync=1, stats=[1]), "complete.stats: expected a map"),
+])
+def test_decode_refuses_what_breaks_a_definition(data, match):
+    with pytest.raises(BadFrame, match=match):
+        decode(data, TO_SENDER)
+
+
+def test_the_receiver_side_refuses_a_sender_frame_and_vice_versa():
+    with pytest.raises(BadFrame, match="not one this socket accepts"):
+        decode(encode(Release(sync=1, buf=0, seq=0)), TO_RECEIVER)
+    with pytest.raises(BadFrame, match="not one this socket accepts"):
+        decode(encode(OFFER), TO_SENDER)
+
+
+@pytest.mark.parametrize("entry,match", [
+    (["w", "float32", [2, 3], 0, 0, 24], "list of 7 fields"),
+    (["w", "float99", [2, 3], 0, 0, 24, 24], "bad name or dtype"),
+    ([5, "float32", [2, 3], 0, 0, 24, 24], "bad name or dtype"),
+    (["w", "float32", [2, -3], 0, 0, 24, 24], "non-negative ints"),
+    (["w", "float32", [2, 3], -1, 0, 24, 24], "non-negative int"),
+    (["w", "float32", [2, 3], 0, 0, 24, 20], "do not fit"),
+    (["w", "float32", [2, 3], 0, 16, 24, 24], "do not fit"),
+    (["w", "float32", [2, 3], 4090, 0, 24, 24], "past the bucket"),
+])
+def test_bucket_entries_are_checked(entry, match):
+    data = _raw(t="bucket", sync=1, index=0, seq=0, buf=0, nbytes=4096, entries=[entry])
+    with pytest.raises(BadFrame, match=match):
+        decode(data, TO_RECEIVER)
+
+
+def test_a_plan_cannot_name_a_sender_beyond_its_senders():
+    frame = _example(PlanFrame)
+    bad = dataclasses.replace(frame, buckets=[BucketSpec(3, 24, (ENTRY,))], num_senders=2)
+    with pytest.raises(BadFrame, match="does not fit 2 senders"):
+        decode(encode(bad), TO_RANK)
+
+
+def test_entries_come_back_as_entries_and_manifests_as_specs():
+    bucket = decode(encode(Bucket(sync=1, index=0, seq=0, buf=1, nbytes=24, entries=[ENTRY])), TO_RECEIVER)
+    assert bucket.entries == [ENTRY] and bucket.entries[0].is_whole
+    offer = decode(encode(OFFER), TO_RECEIVER)
+    assert offer.manifest == [TensorSpec("w", "float32", (2, 3))]
+
+
+def test_ready_and_error_keep_their_fields():
+    ready = Ready(token="t", proto=3, pid=1, host="h", state={"engine": {"sleep_level": 0}}, doorbell=True, into=False)
+    assert decode(encode(ready), TO_SENDER) == ready
+    error = Error(sync=None, kind="load", message="boom")
+    assert decode(encode(error), TO_HUB) == error
