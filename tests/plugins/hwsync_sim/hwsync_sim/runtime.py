@@ -261,10 +261,8 @@ class Runtime:
         with self._lock:
             self._allocated[index] += delta
             value = self._allocated[index]
-        try:
+        if self._usage_fd >= 0:  # closed at exit, after which finalizers may still free memory
             os.pwrite(self._usage_fd, struct.pack("q", value), 8 * self.config.visible[index])
-        except OSError:
-            pass  # at interpreter exit the file may already be gone
 
     def allocated(self, index: int) -> int:
         """Bytes of live allocations of this process on device `index`."""
@@ -276,7 +274,7 @@ class Runtime:
         used = 0
         for path in glob.glob(os.path.join(SHM_DIR, f"{FILE_PREFIX}*-usage")):
             pid = int(os.path.basename(path)[len(FILE_PREFIX):].split("-")[0])
-            if pid != self.pid and not _alive(pid):
+            if pid != self.pid and not process_alive(pid):
                 continue
             try:
                 with open(path, "rb") as f:
@@ -304,21 +302,21 @@ class Runtime:
 
         sharing.at_exit(self)
         try:
-            os.close(self._usage_fd)
+            fd, self._usage_fd = self._usage_fd, -1
+            os.close(fd)
             os.unlink(os.path.join(SHM_DIR, self._usage_name))
             resource_tracker.unregister("/" + self._usage_name, "shared_memory")
         except OSError:
             pass
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie, killed but not yet reaped, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
         return False
-    except PermissionError:
-        return True
-    return True
 
 
 def read_leak_log(path: str, clear: bool = False) -> list[dict]:

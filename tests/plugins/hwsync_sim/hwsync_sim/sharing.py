@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from hwsync.shm import SharedSegment
-from hwsync_sim.runtime import FILE_PREFIX, POISON, SHM_DIR, TYPE, Block, Memory, Runtime, SimError, runtime
+from hwsync_sim.runtime import FILE_PREFIX, POISON, SHM_DIR, TYPE, Block, Memory, Runtime, SimError, process_alive, \
+    runtime
 from hwsync_sim.tensor import SimTensor
 
 SLOTS = 4096
@@ -163,8 +164,6 @@ def open_shared(record: dict[str, Any]) -> SimTensor:
 
 def freed(rt: Runtime, mem: Memory) -> None:
     """Runtime.free for shared memory: a consumer releases its export, an exporter frees or parks."""
-    if _exiting:
-        return  # at_exit already let everything go
     if mem.mapping is not None:
         stream = rt.stream(mem.index)
         if threading.current_thread() is not stream.thread:
@@ -177,6 +176,8 @@ def freed(rt: Runtime, mem: Memory) -> None:
         mem.data = torch.empty(0, dtype=torch.uint8)
         mem.segment.close()
         return
+    if _exiting:
+        return  # at_exit already let this process's exports go
     with _lock:
         if any(_counter(slot) > 0 for slot in mem.sent):
             _limbo.append(mem)
@@ -226,23 +227,13 @@ def _leak_text(rt: Runtime, mem: Memory, states: list[tuple[int, int]]) -> str:
             continue
         if pid == 0:
             why.append(f"export {slot} was never mapped")
-        elif not _alive(pid):
+        elif not process_alive(pid):
             why.append(f"export {slot} was mapped by process {pid}, which exited without closing it")
         else:
             why.append(f"export {slot} is still mapped by process {pid}")
     return (f"sim IPC leak: {mem.nbytes} bytes of {TYPE}:{mem.index} in process {rt.pid} stay held after their "
             f"owner freed them ({'; '.join(why)}). torch parks such a block until every process that mapped "
             "each export closed it, and until exit when none ever does")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def limbo_bytes() -> int:

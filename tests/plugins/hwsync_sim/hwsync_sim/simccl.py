@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -33,6 +34,7 @@ SIMCCL_REDUCE_DTYPES = frozenset(
     {torch.int8, torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64}
 )
 _DEVICE_KEY = "simccl/device/{rank}"
+_CHECKED_KEY = "simccl/devices-checked"
 
 
 class SimcclError(SimError):
@@ -151,6 +153,11 @@ def _refuse_shared_device(store: dist.Store, rank: int, world_size: int, device:
     for peer in range(world_size):
         owners.setdefault(store.get(_DEVICE_KEY.format(rank=peer)).decode(), []).append(peer)
     shared = {d: ranks for d, ranks in owners.items() if len(ranks) > 1}
+    store.add(_CHECKED_KEY, 1)
+    if shared and rank == 0:  # rank 0 hosts the store: it must outlive the others' reads
+        deadline = time.monotonic() + 10
+        while store.add(_CHECKED_KEY, 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
     if shared:
         listing = "; ".join(f"ranks {ranks} on host:device {d}" for d, ranks in sorted(shared.items()))
         raise SimcclError(f"simccl: Duplicate device detected ({listing}): like NCCL, one device per rank. Make "
