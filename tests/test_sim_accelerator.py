@@ -349,7 +349,7 @@ def peers():
 
 
 def serve(conn) -> None:
-    """A peer's loop: one command at a time, each answered (errors as ("error", text))."""
+    """A peer's loop: one command at a time, each answered (a failure as ("error", text))."""
     backend = load_backend("sim")
     device = backend.device()
     state: dict = {}
@@ -360,63 +360,44 @@ def serve(conn) -> None:
         if command == "die":
             os._exit(0)
         try:
-            answer = _COMMANDS[command](backend, device, state, *args)
+            conn.send(_run(command, args, backend, device, state))
         except Exception as exc:  # noqa: BLE001 - reported to the test
-            answer = ("error", f"{type(exc).__name__}: {exc}")
-        conn.send(answer)
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def _devices(backend, device, state):
-    seen = []
-    thread = threading.Thread(target=lambda: seen.append(device.current_index()))
-    thread.start()
-    thread.join()
-    return [device.current_index(), seen[0]]
-
-
-def _map(backend, device, state, handles):
-    record = handles["buffers"][0]
-    device.set_index(device.local_index(handles["physical_id"]))  # as the sim_ipc receiver does
-    state["mapped"] = sharing.open_shared(record)
-    return _read(backend, device, state)
-
-
-def _read(backend, device, state):
-    return state["mapped"][:4].cpu().tolist()
-
-
-def _close(backend, device, state):
-    del state["mapped"]
-    return "closed"
-
-
-def _hold(backend, device, state, nbytes):
-    device.set_index(0)
-    state["held"] = torch.empty(nbytes, dtype=torch.uint8, device=device.torch_device())
-    return "allocated"
-
-
-def _free(backend, device, state):
-    del state["held"]
-    return "freed"
-
-
-def _join(backend, device, state, address, rank, world):
-    device.set_index(rank)  # one device per rank, as NCCL needs
-    state["comm"] = backend.communicator(address, rank, world, timeout_s=20)
-    return "joined"
-
-
-def _barrier(backend, device, state):
-    state["comm"].barrier()
-    device.synchronize()
-    return "passed"
-
-
-def _destroy(backend, device, state):
-    state.pop("comm").destroy()
-    return "destroyed"
-
-
-_COMMANDS = {"devices": _devices, "map": _map, "read": _read, "close": _close, "hold": _hold, "free": _free,
-             "join": _join, "barrier": _barrier, "destroy": _destroy}
+def _run(command: str, args: tuple, backend, device, state: dict):
+    if command == "devices":  # this (main) thread's device, and a new thread's
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(device.current_index()))
+        thread.start()
+        thread.join()
+        return [device.current_index(), seen[0]]
+    if command == "map":  # as the sim_ipc receiver does: on this process's index of the sender's device
+        handles = args[0]
+        device.set_index(device.local_index(handles["physical_id"]))
+        state["mapped"] = sharing.open_shared(handles["buffers"][0])
+        command = "read"
+    if command == "read":
+        return state["mapped"][:4].cpu().tolist()
+    if command == "close":
+        del state["mapped"]
+        return "closed"
+    if command == "hold":
+        device.set_index(0)
+        state["held"] = torch.empty(args[0], dtype=torch.uint8, device=device.torch_device())
+        return "allocated"
+    if command == "free":
+        del state["held"]
+        return "freed"
+    if command == "join":  # address, rank, world: one device per rank, as NCCL needs
+        device.set_index(args[1])
+        state["comm"] = backend.communicator(*args, timeout_s=20)
+        return "joined"
+    if command == "barrier":
+        state["comm"].barrier()
+        device.synchronize()
+        return "passed"
+    if command == "destroy":
+        state.pop("comm").destroy()
+        return "destroyed"
+    raise ValueError(f"unknown command {command!r}")

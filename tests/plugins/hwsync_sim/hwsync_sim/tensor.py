@@ -168,6 +168,10 @@ def _view(func: Any, args: tuple, kwargs: dict) -> Any:
 def copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """dst.copy_(src) with a sim tensor on either side (see the module doc for the timing)."""
     rt = runtime()
+    if src.shape != dst.shape and torch.broadcast_shapes(src.shape, dst.shape) != dst.shape:
+        # checked before anything is queued, as torch checks before it launches a copy
+        raise RuntimeError(f"The size of tensor a ({tuple(dst.shape)}) must match the size of tensor b "
+                           f"({tuple(src.shape)}) for copy_")
     if is_sim(dst) and is_sim(src):
         d, s = as_sim(dst), as_sim(src)
         if d.device != s.device:
