@@ -230,6 +230,15 @@ def test_an_export_still_mapped_when_the_sender_closes_is_reported_as_a_leak(sim
     assert sharing.limbo_bytes() == parked - 4096
 
 
+def test_an_export_maps_on_the_consumers_own_device_too(sim, peers):
+    # what torch_npu and vllm-ascend do (peer access), and what bug 6's fix needs from the sim
+    sender = _open_sender(sim)
+    assert peers["b"].call("map", sender.handles(), 1) == [3, 3, 3, 3]
+    assert peers["b"].call("device of mapped") == "sim:1"
+    assert peers["b"].call("close") == "closed"
+    sender.close()
+
+
 def test_two_consumers_of_one_export_free_it_while_one_still_maps_it(sim, peers):
     sender = _open_sender(sim)
     first, second = peers["a"], peers["b"]
@@ -372,11 +381,13 @@ def _run(command: str, args: tuple, backend, device, state: dict):
         thread.start()
         thread.join()
         return [device.current_index(), seen[0]]
-    if command == "map":  # as the sim_ipc receiver does: on this process's index of the sender's device
-        handles = args[0]
-        device.set_index(device.local_index(handles["physical_id"]))
-        state["mapped"] = sharing.open_shared(handles["buffers"][0])
+    if command == "map":  # by default as the sim_ipc receiver does: on this process's index of the sender's device
+        handles, index = args[0], (args[1] if len(args) > 1 else None)
+        device.set_index(device.local_index(handles["physical_id"]) if index is None else index)
+        state["mapped"] = sharing.open_shared(handles["buffers"][0], index)
         command = "read"
+    if command == "device of mapped":
+        return str(state["mapped"].device)
     if command == "read":
         return state["mapped"][:4].cpu().tolist()
     if command == "close":

@@ -137,7 +137,11 @@ class SimIpcTransport(Transport):
 
     def available(self) -> ProbeResult:
         """Usable wherever the simulated device is."""
-        return self._device.probe()
+        probe = self._device.probe()
+        if not probe.usable:
+            return probe
+        return ProbeResult(True, "simulated device memory shared between processes on this node, counted as torch "
+                                 "counts CUDA IPC")
 
     def open_sender(self, bucket_bytes: int, num_buffers: int) -> SendBuffers:
         """Allocate and export `num_buffers` device buffers on the current sim device."""

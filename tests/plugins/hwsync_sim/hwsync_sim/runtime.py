@@ -170,8 +170,8 @@ class Runtime:
             name = threading.current_thread().name
             raise SimDeviceError(
                 f"sim: {what} touches memory of {TYPE}:{index} from thread {name!r}, whose current device is "
-                f"{TYPE}:{current}. The current device is per thread and a new thread starts on device 0: "
-                f"set the device in this thread first (Device.set_index({index}))")
+                f"{TYPE}:{current}. Either the thread never set its device (the current device is per thread and a "
+                f"new thread starts on 0), or the memory was put on another device than the thread's")
 
     def check_process(self) -> None:
         """Refuse a forked child: CUDA's state does not survive fork, nor does the sim's."""

@@ -130,15 +130,22 @@ def _move_to_shared(rt: Runtime, mem: Memory) -> None:
     rt.stream(mem.index).call(swap)
 
 
-def open_shared(record: dict[str, Any]) -> SimTensor:
-    """Map another process's export on this process's index of its device (_new_shared_cuda)."""
+def open_shared(record: dict[str, Any], index: int | None = None) -> SimTensor:
+    """Map another process's export (_new_shared_cuda / _new_shared_npu) as a tensor of device `index`.
+
+    None means this process's index of the exporting device, as torch's rebuild_cuda_tensor does; any
+    other visible device works too (peer access, what torch_npu and vllm-ascend use).
+    """
     rt = runtime()
     if int(record["pid"]) == rt.pid:
         raise SimError("sim: a process cannot open its own IPC export (CUDA refuses that too); use the tensor itself")
-    index = rt.local_of_physical(int(record["physical"]))
     if index is None:
-        raise SimError(f"sim: the exported block is on physical device {record['physical']}, which this process "
-                       f"does not see ({rt.config.visible}); make it visible")
+        index = rt.local_of_physical(int(record["physical"]))
+        if index is None:
+            raise SimError(f"sim: the exported block is on physical device {record['physical']}, which this "
+                           f"process does not see ({rt.config.visible}); make it visible or map it on a device "
+                           "it sees (peer access)")
+    rt.check_index(index)
     rt.require_current(index, "opening an IPC handle")
     dtype = getattr(torch, str(record["dtype"]))
     name, refs, slot = str(record["segment"]), str(record["refs"]), int(record["slot"])
