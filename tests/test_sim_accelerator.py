@@ -7,11 +7,11 @@ gets stale bytes, garbage, an error, a leak report or a hang here, not silent su
 from __future__ import annotations
 
 import os
+import socket
 import threading
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("hwsync_sim", reason="the sim backend is not installed: pip install -e tests/plugins/hwsync_sim")
 
@@ -20,9 +20,9 @@ from hwsync_sim import sharing  # noqa: E402
 from hwsync_sim.runtime import POISON, UNINITIALIZED, SimDeviceError, SimLeakWarning, SimOutOfMemoryError, \
     runtime  # noqa: E402
 from hwsync_sim.simccl import SimcclError, SimProcessGroup  # noqa: E402
+from hwsync_sim.peers import Peer  # noqa: E402
 from hwsync_sim.tensor import host_view  # noqa: E402
 
-CTX = mp.get_context("spawn")
 
 
 @pytest.fixture
@@ -285,6 +285,38 @@ def test_destroy_after_the_peer_died_hangs_unless_aborted(sim, peers, free_port)
     sim.device().synchronize()  # the stream that waited for the collective is free again
 
 
+def test_two_groups_issued_in_different_orders_deadlock_as_on_nccl(sim, peers, free_port):
+    # each collective waits for the device stream, which waits for the collective issued before it
+    addresses = [f"tcp://127.0.0.1:{free_port}", f"tcp://127.0.0.1:{_another_port(free_port)}"]
+    peer = peers["b"]
+    peer.send("join", addresses[0], 1, 2)
+    first = sim.communicator(addresses[0], 0, 2, timeout_s=20)
+    assert peer.recv() == "joined"
+    peer.send("join second", addresses[1], 1, 2)
+    second = sim.communicator(addresses[1], 0, 2, timeout_s=20)
+    assert peer.recv() == "joined"
+    where = sim.device().torch_device()
+    first.all_reduce(torch.zeros(4, device=where))  # here: first, then second
+    second.all_reduce(torch.zeros(4, device=where))
+    assert peer.call("all_reduce second then first") == "queued"
+    waiter = threading.Thread(target=sim.device().synchronize, daemon=True)
+    waiter.start()
+    waiter.join(1.5)
+    assert waiter.is_alive(), "each rank waits for its other group, which waits for the other rank: a deadlock"
+    for group in SimProcessGroup.live():
+        group.abort()
+    assert peer.call("abort") == "aborted"
+    waiter.join(5.0)
+    assert not waiter.is_alive()
+
+
+def _another_port(taken: int) -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return port if port != taken else _another_port(taken)
+
+
 def test_two_ranks_on_one_device_are_refused(sim, free_port):
     address = f"tcp://127.0.0.1:{free_port}"
     errors = []
@@ -305,110 +337,13 @@ def test_two_ranks_on_one_device_are_refused(sim, free_port):
 
 # -- peer processes -------------------------------------------------------------------------------
 
-class Peer:
-    """A spawned process on the simulated node that runs commands (see `serve`)."""
-
-    def __init__(self) -> None:
-        self.conn, theirs = CTX.Pipe()
-        self.process = CTX.Process(target=serve, args=(theirs,), daemon=True)
-        self.process.start()
-        self.pid = self.process.pid
-
-    def send(self, command: str, *args) -> None:
-        """Start a command without waiting for its answer."""
-        self.conn.send((command, args))
-
-    def recv(self):
-        """The answer to the last command; a failure in the peer is raised here."""
-        if not self.conn.poll(60):
-            raise TimeoutError("the peer did not answer within 60 s")
-        answer = self.conn.recv()
-        if isinstance(answer, tuple) and answer and answer[0] == "error":
-            raise RuntimeError(f"peer {self.pid}: {answer[1]}")
-        return answer
-
-    def call(self, command: str, *args):
-        """Run a command and return its answer."""
-        self.send(command, *args)
-        return self.recv()
-
-    def die(self) -> None:
-        """End the peer at once, without any clean-up (as a kill would)."""
-        self.send("die")
-        self.process.join(30)
-
-
 @pytest.fixture(scope="module")
 def peers():
-    """Four peers started together (process start-up is what costs): two that live, two that die."""
-    saved = os.environ.get("HWSYNC_SIM_DEVICE")
-    os.environ["HWSYNC_SIM_DEVICE"] = "1"
-    try:
-        started = {name: Peer() for name in ("a", "b", "mortal-1", "mortal-2")}
-    finally:
-        if saved is None:
-            os.environ.pop("HWSYNC_SIM_DEVICE")
-        else:
-            os.environ["HWSYNC_SIM_DEVICE"] = saved
+    """Four peers started together (process start-up is what costs): two that live, two that die.
+
+    Their main threads start on device 1, as after a launcher's set_device(local_rank).
+    """
+    started = {name: Peer({"HWSYNC_SIM_DEVICE": "1"}) for name in ("a", "b", "mortal-1", "mortal-2")}
     yield started
     for peer in started.values():
-        if peer.process.is_alive():
-            peer.send("exit")
-        peer.process.join(30)
-
-
-def serve(conn) -> None:
-    """A peer's loop: one command at a time, each answered (a failure as ("error", text))."""
-    backend = load_backend("sim")
-    device = backend.device()
-    state: dict = {}
-    while True:
-        command, args = conn.recv()
-        if command == "exit":
-            return
-        if command == "die":
-            os._exit(0)
-        try:
-            conn.send(_run(command, args, backend, device, state))
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
-
-
-def _run(command: str, args: tuple, backend, device, state: dict):
-    if command == "devices":  # this (main) thread's device, and a new thread's
-        seen = []
-        thread = threading.Thread(target=lambda: seen.append(device.current_index()))
-        thread.start()
-        thread.join()
-        return [device.current_index(), seen[0]]
-    if command == "map":  # by default as the sim_ipc receiver does: on this process's index of the sender's device
-        handles, index = args[0], (args[1] if len(args) > 1 else None)
-        device.set_index(device.local_index(handles["physical_id"]) if index is None else index)
-        state["mapped"] = sharing.open_shared(handles["buffers"][0], index)
-        command = "read"
-    if command == "device of mapped":
-        return str(state["mapped"].device)
-    if command == "read":
-        return state["mapped"][:4].cpu().tolist()
-    if command == "close":
-        del state["mapped"]
-        return "closed"
-    if command == "hold":
-        device.set_index(0)
-        state["held"] = torch.empty(args[0], dtype=torch.uint8, device=device.torch_device())
-        return "allocated"
-    if command == "free":
-        del state["held"]
-        return "freed"
-    if command == "join":  # address, rank, world: one device per rank, as NCCL needs
-        device.set_index(args[1])
-        state["comm"] = backend.communicator(*args, timeout_s=20)
-        return "joined"
-    if command == "barrier":
-        state["comm"].barrier()
-        device.synchronize()
-        return "passed"
-    if command == "destroy":
-        state.pop("comm").destroy()
-        return "destroyed"
-    raise ValueError(f"unknown command {command!r}")
+        peer.close()

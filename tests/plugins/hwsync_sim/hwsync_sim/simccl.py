@@ -6,12 +6,15 @@ returns an object with the same methods), so what NCCL does to hwsync, simccl do
   (NCCL: "Duplicate GPU detected");
 - a collective is queued on the group's own stream after the work already queued on the
   device's current stream, and the call returns at once; `Work.wait()` only makes the current
-  stream wait for it, the host does not: a barrier made of all_reduce().wait() is no host barrier;
+  stream wait for it, the host does not: a barrier made of all_reduce().wait() is no host barrier.
+  So collectives of different groups are ordered through the device's stream: ranks that issue
+  them in different orders (threads racing) wait for each other forever, as on NCCL;
 - the bytes move with gloo, on host views of the device tensors, when the stream gets to them;
 - when a peer dies, gloo fails, but an NCCL kernel just keeps waiting: so does simccl, until the
   group is aborted or its timeout passes (NCCL's watchdog). Device synchronization waits for
   it meanwhile, and `shutdown()` waits for all outstanding work (ncclCommFinalize): tearing down
-  a group whose peer died hangs unless it is aborted first.
+  a group whose peer died hangs unless it is aborted first. A failed collective is not a device
+  error: it ends the waits on it, and its Work keeps the exception.
 """
 
 from __future__ import annotations
@@ -50,14 +53,16 @@ class SimWork:
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         """Make the calling thread's current stream wait for the collective (not the host)."""
         done = self._done
-        # A failed collective does not poison the waiting stream (NCCL reports it through the
-        # work and its watchdog): the wait just ends.
         runtime().stream(runtime().current()).enqueue(lambda: done.synchronize(), sticky=False)
         return True
 
     def is_completed(self) -> bool:
         """Whether the collective has finished on its stream."""
         return self._done.query()
+
+    def exception(self) -> BaseException | None:
+        """Why the collective failed (aborted, or timed out after a peer failed), once it has ended."""
+        return self._done.error
 
 
 class SimProcessGroup:
@@ -84,23 +89,19 @@ class SimProcessGroup:
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
         """Queue a broadcast of tensors[0] from opts.rootRank."""
         opts = opts or dist.BroadcastOptions()
-        return self._launch("broadcast", tensors, lambda hosts: self._gloo.broadcast(hosts, opts).wait())
+        return self._launch("broadcast", tensors, lambda hosts: self._gloo.broadcast(hosts, opts))
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> SimWork:
         """Queue an all-gather of inputs[0] into outputs[0] (a list, one per rank)."""
-        flat = list(outputs[0]) + list(inputs)
-
-        def run(hosts: list[torch.Tensor]) -> None:
-            self._gloo.allgather([hosts[: len(outputs[0])]], hosts[len(outputs[0]):]).wait()
-
-        return self._launch("allgather", flat, run)
+        flat, n = list(outputs[0]) + list(inputs), len(outputs[0])
+        return self._launch("allgather", flat, lambda hosts: self._gloo.allgather([hosts[:n]], hosts[n:]))
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SimWork:
         """Queue an all-reduce of tensors[0] in place (opts.reduceOp, sum by default)."""
         opts = opts or dist.AllreduceOptions()
-        return self._launch("allreduce", tensors, lambda hosts: self._gloo.allreduce(hosts, opts).wait())
+        return self._launch("allreduce", tensors, lambda hosts: self._gloo.allreduce(hosts, opts))
 
-    def _launch(self, what: str, tensors: list[torch.Tensor], run: Any) -> SimWork:
+    def _launch(self, what: str, tensors: list[torch.Tensor], start: Any) -> SimWork:
         rt = runtime()
         if self._aborted.is_set():
             raise SimcclError(f"simccl {what} on a group that was aborted; build a new group")
@@ -114,13 +115,22 @@ class SimProcessGroup:
         ready = rt.stream(self.index).record()  # the collective runs after work already queued
 
         def collective() -> None:
-            ready.synchronize()
+            while not ready.synchronize(timeout=0.01):
+                if self._aborted.is_set():
+                    raise SimcclError(f"simccl {what} aborted before it started")
             try:
-                run([host_view(t) for t in sims])
+                work = start([host_view(t) for t in sims])
+                while not work.is_completed():  # an abort ends the wait, as ncclCommAbort ends a kernel
+                    if self._aborted.wait(0.001):
+                        raise SimcclError(f"simccl {what} aborted while it waited for its peers")
+                work.wait()
+            except SimcclError:
+                raise
             except Exception as exc:  # a dead or lost peer: NCCL would spin, not fail
                 self._hang(what, exc)
 
-        self._last = self._stream.enqueue(collective)
+        # a failed collective is no device error (NCCL reports it through its work and watchdog)
+        self._last = self._stream.enqueue(collective, sticky=False)
         return SimWork(self._last)
 
     def _hang(self, what: str, cause: Exception) -> None:
@@ -143,7 +153,10 @@ class SimProcessGroup:
     def _close(self) -> None:
         SimProcessGroup._live.discard(self)
         runtime().drop_stream(self.index, self._stream)
+        # gloo's destructor waits for its pending work (up to its timeout): let a daemon thread wait
+        held = [self._gloo]
         self._gloo = None  # type: ignore[assignment]
+        threading.Thread(target=held.clear, name="simccl-close", daemon=True).start()
 
 
 def _refuse_shared_device(store: dist.Store, rank: int, world_size: int, device: str) -> None:

@@ -24,8 +24,8 @@ What an operation does (see hwsync_sim.runtime for the device model):
   device bytes later on the stream; device to device runs later on the stream; device to host
   waits for the stream, as a copy into pageable memory does. So a destination read early has
   the old bytes;
-- any other kernel runs in stream order and the host waits for it (hwsync moves bytes with
-  copies; other kernels appear in tests, to compare results);
+- any other kernel is queued on the stream too (its outputs' shapes come from meta tensors);
+  one that returns a value to the host (item, equal) waits for the stream, as on a GPU;
 - each of these needs the tensors' device to be the calling thread's current device.
 """
 
@@ -206,9 +206,10 @@ def _to_copy(x: torch.Tensor, dtype: torch.dtype | None = None, layout: Any = No
 
 
 def _kernel(func: Any, args: tuple, kwargs: dict) -> Any:
-    """Any other operation: run on host views in stream order, the host waiting for it."""
+    """Any other operation: queued like a kernel, or run with the host waiting when it returns a value."""
     rt = runtime()
     flat, spec = pytree.tree_flatten((args, kwargs))
+    original = list(flat)
     index = None
     for i, item in enumerate(flat):
         if is_sim(item):
@@ -227,15 +228,50 @@ def _kernel(func: Any, args: tuple, kwargs: dict) -> Any:
     rt.require_current(index, str(func))
     sims = [(i, item) for i, item in enumerate(flat) if isinstance(item, SimTensor)]
 
-    def work() -> tuple[Any, list]:
+    def on_host() -> Any:
         hosts = list(flat)
         for i, sim in sims:
             hosts[i] = host_view(sim)
         host_args, host_kwargs = pytree.tree_unflatten(hosts, spec)
         return func(*host_args, **host_kwargs), hosts
 
-    out, hosts = rt.stream(index).call(work)
-    original = pytree.tree_flatten((args, kwargs))[0]
+    shapes = _output_shapes(func, flat, spec, sims)
+    if shapes is None:  # a value for the host (item, equal), or no meta kernel: the host waits
+        out, hosts = rt.stream(index).call(on_host)
+        return _wrap_computed(rt, index, out, hosts, sims, original)
+    outputs = [original[o] if isinstance(o, int) else new_tensor(index, o.shape, o.stride(), o.dtype)
+               for o in shapes[1]]
+
+    def kernel() -> None:
+        out, _ = on_host()
+        for result, target in zip(pytree.tree_leaves(out), outputs):
+            if isinstance(target, SimTensor) and result.untyped_storage().data_ptr() != \
+                    target._block.mem.data.untyped_storage().data_ptr():
+                host_view(target).copy_(result)  # a fresh result lands in the memory handed out already
+
+    rt.stream(index).enqueue(kernel)
+    return pytree.tree_unflatten(outputs, shapes[0])
+
+
+def _output_shapes(func: Any, flat: list, spec: Any, sims: list) -> tuple[Any, list] | None:
+    """What the kernel returns, worked out on meta tensors: (tree spec, [input position or meta tensor])."""
+    if not func._schema.returns or any(str(r.type) != "Tensor" for r in func._schema.returns):
+        return None
+    metas = list(flat)
+    position = {}
+    for i, sim in sims:
+        metas[i] = torch.empty_strided(sim.shape, sim.stride(), dtype=sim.dtype, device="meta")
+        position[id(metas[i])] = i
+    try:
+        meta_args, meta_kwargs = pytree.tree_unflatten(metas, spec)
+        out = func(*meta_args, **meta_kwargs)
+    except Exception:  # noqa: BLE001 - no meta kernel, or a data-dependent shape: run it for real
+        return None
+    leaves, out_spec = pytree.tree_flatten(out)
+    return out_spec, [position.get(id(o), o) for o in leaves]
+
+
+def _wrap_computed(rt: Any, index: int, out: Any, hosts: list, sims: list, original: list) -> Any:
     by_id = {id(hosts[i]): original[i] for i, _ in sims}
     storages = {sim._block.mem.data.untyped_storage().data_ptr(): sim._block for _, sim in sims}
 
