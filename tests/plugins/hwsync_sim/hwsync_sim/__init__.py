@@ -18,6 +18,10 @@ memory, and strict where a real device is merely unlucky:
 - simccl behaves as NCCL does: collectives run on a stream, wait() only orders streams, a dead
   peer makes a collective hang, and destroying the group then hangs unless it was aborted
   (hwsync_sim.simccl).
+Where the model is strict rather than merely unlucky (device work from a thread on another
+device, cross-device copies, reading during a refill), it raises or poisons at once, so a test
+fails every time instead of once in a while. Tests drive other processes on the simulated node
+with hwsync_sim.peers.
 
 How the core sees sim tensors: they are real torch tensors of device type "sim" (torch's
 PrivateUse1 slot, claimed from Python, no C++), so the core's own accelerator code paths run
@@ -45,6 +49,7 @@ _LAZY = {
     "SimTensor": "hwsync_sim.tensor",
     "runtime": "hwsync_sim.runtime",
     "read_leak_log": "hwsync_sim.runtime",
+    "Peer": "hwsync_sim.peers",
 }
 
 __all__ = sorted(_LAZY)
