@@ -1,0 +1,91 @@
+"""The simulated accelerator as an hwsync Device.
+
+Like a real backend's Device, nothing here touches the simulated runtime until a method needs
+it: `probe()` and `count()` read only the environment, so loading and probing the plugin (as
+`hwsync info` and the test suite's backend listing do) never claims torch's PrivateUse1 slot.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hwsync.interfaces import Device, ProbeResult
+from hwsync_sim.runtime import ENV_VISIBLE, TYPE, NodeConfig, SimError, runtime
+
+
+class SimDevice(Device):
+    """N simulated devices on host memory (test-only; see hwsync_sim)."""
+
+    name = TYPE
+    torch_type = TYPE
+    visible_devices_env = ENV_VISIBLE
+
+    def probe(self) -> ProbeResult:
+        """Always usable where its environment parses: it is simulated; says so, and what it models."""
+        try:
+            config = NodeConfig.from_env()
+        except (SimError, ValueError) as exc:
+            return ProbeResult(False, f"the simulated accelerator's settings are wrong: {exc}")
+        return ProbeResult(
+            True,
+            f"SIMULATED accelerator for tests (not hardware): {len(config.visible)} of {config.devices} devices "
+            f"visible, {config.memory_bytes >> 30} GiB each, in host memory",
+            {"visible": list(config.visible), "devices": config.devices, "stream_delay_s": config.delay_s},
+        )
+
+    def count(self) -> int:
+        """Visible simulated devices."""
+        return len(NodeConfig.from_env().visible)
+
+    def current_index(self) -> int:
+        """This thread's current device (a new thread starts on 0)."""
+        return runtime().current()
+
+    def set_index(self, index: int) -> None:
+        """Make `index` this thread's current device."""
+        runtime().set_current(index)
+
+    def synchronize(self) -> None:
+        """Wait for every stream of this thread's current device."""
+        rt = runtime()
+        rt.synchronize(rt.current())
+
+    def _index(self, index: int | None) -> int:
+        return runtime().current() if index is None else index
+
+    def mem_get_info(self, index: int | None = None) -> tuple[int, int]:
+        """(free, total): the device's size minus what every live process on the node holds on it."""
+        return runtime().mem_get_info(self._index(index))
+
+    def memory_allocated(self, index: int | None = None) -> int:
+        """Bytes of this process's live allocations on the device."""
+        return runtime().allocated(self._index(index))
+
+    def memory_reserved(self, index: int | None = None) -> int:
+        """The sim has no caching allocator: what is reserved is what is allocated."""
+        return runtime().allocated(self._index(index))
+
+    def empty_cache(self) -> None:
+        """Nothing is cached."""
+
+    def physical_id(self, index: int | None = None) -> str:
+        """SIM-<host>-<physical index>: the same in every process whatever its visible devices."""
+        return runtime().physical_id(self._index(index))
+
+    def local_index(self, physical_id: str) -> int:
+        """This process's index of the device named `physical_id`; the error says how to see it."""
+        rt = runtime()
+        prefix = f"SIM-{rt.host}-"
+        local = None
+        if physical_id.startswith(prefix) and physical_id[len(prefix):].isdigit():
+            local = rt.local_of_physical(int(physical_id[len(prefix):]))
+        if local is None:
+            raise LookupError(f"sim device {physical_id} is not visible to this process "
+                              f"({ENV_VISIBLE}={os.environ.get(ENV_VISIBLE, 'unset')!r}); add its physical index there")
+        return local
+
+    def torch_device(self, index: int | None = None) -> torch.device:
+        """torch.device("sim", index), the current device when index is None."""
+        return torch.device(TYPE, self._index(index))

@@ -1,0 +1,266 @@
+"""Device memory shared between processes, counted the way torch counts CUDA IPC.
+
+What torch does (torch/csrc/CudaIPCTypes.cpp, StorageSharing.cpp, and rebuild_cuda_tensor in
+torch/multiprocessing/reductions.py), and the sim with it:
+- every export of a block (`storage._share_cuda_()`, here `share`) takes a fresh slot in the
+  exporting process's ref-counter file and sets it to 1: one export expects one consumer;
+- a consumer maps a block once per process; mapping another export of a block it already maps
+  releases that export's counter at once;
+- when a consumer's mapping is freed it waits for its stream and decrements the counter of the
+  export it mapped. A killed consumer never does;
+- when the exporter frees the block: if any of its counters is still above 0 the block goes to
+  limbo, else it is freed at once. Two consumers of one export take its counter to -1, so the
+  memory is freed while one still maps it: the sim poisons freed memory, so that one reads
+  garbage, as it would read another tensor's bytes on a GPU;
+- collect (torch.cuda.ipc_collect, also run after every free) frees limbo blocks whose counters
+  reached 0. torch keeps the rest silently until the process exits; the sim reports each as a
+  leak when its owner collects (a transport's close), saying why: exported but never mapped,
+  mapped by a process that exited without closing, or still mapped by a live one.
+The sim always synchronises the stream at export (torch does once it runs out of IPC events),
+and a process cannot open its own export (cudaIpcOpenMemHandle refuses that too).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+import struct
+import threading
+import weakref
+from multiprocessing import resource_tracker
+from typing import Any
+
+import torch
+
+from hwsync.shm import SharedSegment
+from hwsync_sim.runtime import FILE_PREFIX, POISON, SHM_DIR, TYPE, Block, Memory, Runtime, SimError, process_alive, \
+    runtime
+from hwsync_sim.tensor import SimTensor
+
+SLOTS = 4096
+SLOT = struct.Struct("qq")  # counter, pid of the process that mapped the export (0: none yet)
+
+_lock = threading.RLock()
+_limbo: list[Memory] = []
+_reported: set[int] = set()  # id() of limbo memories already reported
+_mapped: dict[str, "weakref.ref[Block]"] = {}  # segment name -> the Block this process maps it as
+_counters: "_Counters | None" = None
+_exported: "weakref.WeakSet[Memory]" = weakref.WeakSet()  # live exported memories, unlinked at exit
+_exiting = False
+
+
+class _Counters:
+    """This process's ref-counter file: one slot per export (torch's CudaIPCRefCountersFile)."""
+
+    def __init__(self, pid: int) -> None:
+        self.name = f"{FILE_PREFIX}{pid}-refs-{secrets.token_hex(4)}"
+        self.path = os.path.join(SHM_DIR, self.name)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        resource_tracker.register("/" + self.name, "shared_memory")
+        os.ftruncate(fd, SLOTS * SLOT.size)
+        os.close(fd)
+        self.free = list(range(SLOTS - 1, -1, -1))
+
+    def take(self) -> int:
+        """A fresh slot set to 1."""
+        if not self.free:
+            raise SimError(f"sim: more than {SLOTS} exports alive in one process")
+        slot = self.free.pop()
+        update(self.name, slot, set_to=(1, 0))
+        return slot
+
+    def give_back(self, slot: int) -> None:
+        """The export is gone: its slot may be reused."""
+        self.free.append(slot)
+
+    def close(self) -> None:
+        """Remove the file (consumers that still hold a slot's name fail softly, as in torch)."""
+        try:
+            os.unlink(self.path)
+            resource_tracker.unregister("/" + self.name, "shared_memory")
+        except OSError:
+            pass
+
+
+def update(name: str, slot: int, delta: int = 0, mapper: int | None = None,
+           set_to: tuple[int, int] | None = None) -> tuple[int, int]:
+    """Read-modify-write one slot of a counter file under a lock; returns (counter, mapper pid)."""
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX, SLOT.size, slot * SLOT.size)
+        counter, pid = set_to if set_to is not None else SLOT.unpack(os.pread(fd, SLOT.size, slot * SLOT.size))
+        counter += delta
+        pid = pid if mapper is None else mapper
+        os.pwrite(fd, SLOT.pack(counter, pid), slot * SLOT.size)
+        return counter, pid
+    finally:
+        os.close(fd)  # closing drops the lock
+
+
+def share(tensor: SimTensor) -> dict[str, Any]:
+    """Export the block behind `tensor` (storage._share_cuda_): a msgpack-safe record for open()."""
+    global _counters
+    rt = runtime()
+    mem = tensor._block.mem
+    rt.require_current(mem.index, "exporting device memory")
+    if mem.segment is None:
+        _move_to_shared(rt, mem)
+    with _lock:
+        if _counters is None:
+            _counters = _Counters(rt.pid)
+        slot = _counters.take()
+        mem.sent.append(slot)
+        _exported.add(mem)
+        refs = _counters.name
+    return {"segment": mem.segment.name, "bytes": mem.nbytes, "physical": rt.physical(mem.index), "pid": rt.pid,
+            "refs": refs, "slot": slot, "dtype": str(tensor.dtype).removeprefix("torch."),
+            "shape": list(tensor.shape), "stride": list(tensor.stride()), "offset": tensor.storage_offset()}
+
+
+def _move_to_shared(rt: Runtime, mem: Memory) -> None:
+    """Put a block's bytes in a shared segment, in stream order (all earlier writes land first)."""
+    rt.synchronize(mem.index)
+    segment = SharedSegment(f"{FILE_PREFIX}{rt.pid}-{secrets.token_hex(8)}", max(mem.nbytes, 1), create=True)
+
+    def swap() -> None:
+        segment.tensor[: mem.nbytes].copy_(mem.data)
+        mem.data, mem.segment = segment.tensor[: mem.nbytes], segment
+
+    rt.stream(mem.index).call(swap)
+
+
+def open_shared(record: dict[str, Any], index: int | None = None) -> SimTensor:
+    """Map another process's export (_new_shared_cuda / _new_shared_npu) as a tensor of device `index`.
+
+    None means this process's index of the exporting device, as torch's rebuild_cuda_tensor does; any
+    other visible device works too (peer access, what torch_npu and vllm-ascend use).
+    """
+    rt = runtime()
+    if int(record["pid"]) == rt.pid:
+        raise SimError("sim: a process cannot open its own IPC export (CUDA refuses that too); use the tensor itself")
+    if index is None:
+        index = rt.local_of_physical(int(record["physical"]))
+        if index is None:
+            raise SimError(f"sim: the exported block is on physical device {record['physical']}, which this "
+                           f"process does not see ({rt.config.visible}); make it visible or map it on a device "
+                           "it sees (peer access)")
+    rt.check_index(index)
+    rt.require_current(index, "opening an IPC handle")
+    dtype = getattr(torch, str(record["dtype"]))
+    name, refs, slot = str(record["segment"]), str(record["refs"]), int(record["slot"])
+    with _lock:
+        ref = _mapped.get(name)
+        block = ref() if ref is not None else None
+        if block is not None:
+            update(refs, slot, delta=-1)  # already mapped here: this export is released at once
+        else:
+            try:
+                segment = SharedSegment(name, max(int(record["bytes"]), 1), create=False)
+            except FileNotFoundError as exc:
+                raise SimError(f"sim: IPC handle {name} names a block its owner (pid {record['pid']}) already "
+                               "freed") from exc
+            mem = Memory(index, segment.tensor[: int(record["bytes"])])
+            mem.segment, mem.mapping = segment, (refs, slot)
+            block = Block(mem)
+            weakref.finalize(block, rt.free, mem)
+            _mapped[name] = weakref.ref(block)
+            update(refs, slot, mapper=rt.pid)
+    return SimTensor(block, record["shape"], record["stride"], int(record["offset"]), dtype)
+
+
+def freed(rt: Runtime, mem: Memory) -> None:
+    """Runtime.free for shared memory: a consumer releases its export, an exporter frees or parks."""
+    if mem.mapping is not None:
+        stream = rt.stream(mem.index)
+        if threading.current_thread() is not stream.thread:
+            stream.record().synchronize()  # torch syncs the stream before releasing the counter
+        refs, slot = mem.mapping
+        try:
+            update(refs, slot, delta=-1)
+        except OSError:
+            pass  # the exporter is gone; torch ignores this too
+        mem.data = torch.empty(0, dtype=torch.uint8)
+        mem.segment.close()
+        return
+    if _exiting:
+        return  # at_exit already let this process's exports go
+    with _lock:
+        if any(_counter(slot) > 0 for slot in mem.sent):
+            _limbo.append(mem)
+        else:
+            _release(rt, mem)
+    collect(rt, report=False)
+
+
+def _counter(slot: int) -> int:
+    assert _counters is not None
+    return update(_counters.name, slot)[0]
+
+
+def _release(rt: Runtime, mem: Memory) -> None:
+    """Really free an exported block: poison it (consumers still mapping it see that), unlink it."""
+    mem.data.fill_(POISON)
+    mem.data = torch.empty(0, dtype=torch.uint8)
+    mem.segment.close()
+    for slot in mem.sent:
+        _counters.give_back(slot)  # type: ignore[union-attr]
+    mem.sent = []
+    rt.account(mem.index, -mem.nbytes)
+
+
+def collect(rt: Runtime, report: bool = True) -> list[str]:
+    """Free limbo blocks whose counters reached 0 (torch.cuda.ipc_collect); report the rest once."""
+    leaks = []
+    with _lock:
+        for mem in list(_limbo):
+            states = [update(_counters.name, slot) for slot in mem.sent]  # type: ignore[union-attr]
+            if all(counter <= 0 for counter, _ in states):
+                _limbo.remove(mem)
+                _reported.discard(id(mem))
+                _release(rt, mem)
+            elif report and id(mem) not in _reported:
+                _reported.add(id(mem))
+                leaks.append(_leak_text(rt, mem, states))
+    for text in leaks:
+        rt.report_leak(text)
+    return leaks
+
+
+def _leak_text(rt: Runtime, mem: Memory, states: list[tuple[int, int]]) -> str:
+    why = []
+    for (counter, pid), slot in zip(states, mem.sent):
+        if counter <= 0:
+            continue
+        if pid == 0:
+            why.append(f"export {slot} was never mapped")
+        elif not process_alive(pid):
+            why.append(f"export {slot} was mapped by process {pid}, which exited without closing it")
+        else:
+            why.append(f"export {slot} is still mapped by process {pid}")
+    return (f"sim IPC leak: {mem.nbytes} bytes of {TYPE}:{mem.index} in process {rt.pid} stay held after their "
+            f"owner freed them ({'; '.join(why)}). torch parks such a block until every process that mapped "
+            "each export closed it, and until exit when none ever does")
+
+
+def limbo_bytes() -> int:
+    """Bytes of this process's blocks waiting in limbo."""
+    with _lock:
+        return sum(mem.nbytes for mem in _limbo)
+
+
+def at_exit(rt: Runtime) -> None:
+    """Process exit: report what is still parked, then let everything go (the driver frees it all)."""
+    global _exiting
+    try:
+        collect(rt, report=True)
+        with _lock:
+            _exiting = True
+            for mem in list(_limbo) + list(_exported):
+                if mem.segment is not None:
+                    mem.segment.close()
+            _limbo.clear()
+            if _counters is not None:
+                _counters.close()
+    except Exception:  # noqa: BLE001 - never fail an interpreter's exit
+        pass

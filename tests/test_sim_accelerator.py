@@ -1,0 +1,349 @@
+"""The strict simulated accelerator (tests/plugins/hwsync_sim) models what the issue's bugs depend on.
+
+Each test shows that one modelled behaviour bites: code that forgets what a GPU or NPU needs
+gets stale bytes, garbage, an error, a leak report or a hang here, not silent success.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import pytest
+import torch
+
+pytest.importorskip("hwsync_sim", reason="the sim backend is not installed: pip install -e tests/plugins/hwsync_sim")
+
+from hwsync.registry import load_backend  # noqa: E402
+from hwsync_sim import sharing  # noqa: E402
+from hwsync_sim.runtime import POISON, UNINITIALIZED, SimDeviceError, SimLeakWarning, SimOutOfMemoryError, \
+    runtime  # noqa: E402
+from hwsync_sim.simccl import SimcclError, SimProcessGroup  # noqa: E402
+from hwsync_sim.peers import Peer  # noqa: E402
+from hwsync_sim.tensor import host_view  # noqa: E402
+
+
+
+@pytest.fixture
+def sim():
+    """The sim backend, this thread on device 0 before and after."""
+    backend = load_backend("sim")
+    backend.device().set_index(0)
+    yield backend
+    backend.device().set_index(0)
+
+
+def _bytes(t: torch.Tensor) -> list[int]:
+    """What is in device memory right now, without waiting for anything (a racing reader)."""
+    return host_view(t).reshape(-1).view(torch.uint8).tolist()
+
+
+# -- streams: copies finish later ---------------------------------------------------------------
+
+def test_a_copy_read_before_synchronize_sees_stale_bytes(sim):
+    device = sim.device()
+    src = torch.empty(8, dtype=torch.uint8, device=device.torch_device())
+    src.copy_(torch.arange(8, dtype=torch.uint8))
+    dst = torch.empty(8, dtype=torch.uint8, device=device.torch_device())
+    dst.copy_(src)
+    assert _bytes(dst) == [UNINITIALIZED] * 8, "the copy must still be queued"
+    device.synchronize()
+    assert _bytes(dst) == list(range(8))
+
+
+def test_a_device_to_host_copy_waits_for_queued_work(sim):
+    where = sim.device().torch_device()
+    dst = torch.empty(4, dtype=torch.int32, device=where)
+    dst.copy_(torch.tensor([1, 2, 3, 4], dtype=torch.int32))
+    assert dst.cpu().tolist() == [1, 2, 3, 4]
+
+
+def test_a_host_source_is_read_when_copy_returns(sim):
+    host = torch.zeros(4)
+    dst = torch.empty(4, device=sim.device().torch_device())
+    dst.copy_(host)
+    host.fill_(7.0)  # pageable memory: torch has staged it already, so this must not show up
+    assert dst.cpu().tolist() == [0.0] * 4
+
+
+def test_synchronizing_another_device_does_not_finish_the_copy(sim):
+    device = sim.device()
+    device.set_index(1)
+    dst = torch.empty(4, dtype=torch.uint8, device=device.torch_device())
+    dst.copy_(torch.ones(4, dtype=torch.uint8))
+    device.set_index(0)
+    device.synchronize()  # the wrong device: what a thread left on device 0 does
+    assert _bytes(dst) == [UNINITIALIZED] * 4
+    device.set_index(1)
+    device.synchronize()
+    assert _bytes(dst) == [1] * 4
+
+
+# -- devices: per thread, strict ----------------------------------------------------------------
+
+def test_a_new_thread_starts_on_device_0(sim):
+    sim.device().set_index(1)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(sim.device().current_index()))
+    thread.start()
+    thread.join()
+    assert sim.device().current_index() == 1 and seen == [0]
+
+
+def test_using_a_device_1_tensor_with_device_0_current_raises(sim):
+    device = sim.device()
+    device.set_index(1)
+    t = torch.zeros(4, device=device.torch_device())
+    errors = []
+
+    def worker():
+        for work in (lambda: t.add_(1), lambda: t.cpu(), lambda: t.copy_(torch.ones(4)),
+                     lambda: torch.empty(4, device=t.device), lambda: torch.ones(4, device=t.device)):
+            try:
+                work()
+            except SimDeviceError as exc:
+                errors.append(str(exc))
+        t[1:3].view(torch.uint8)  # views are metadata only: allowed anywhere
+
+    thread = threading.Thread(target=worker, name="hwsync-worker")
+    thread.start()
+    thread.join()
+    assert len(errors) == 5 and "'hwsync-worker'" in errors[0] and "current device is sim:0" in errors[0]
+    assert t.cpu().tolist() == [0.0] * 4
+
+
+def test_the_main_thread_starts_where_hwsync_sim_device_says(peers):
+    # the peers run with HWSYNC_SIM_DEVICE=1: a launcher's set_device(local_rank) in the main thread
+    assert peers["a"].call("devices") == [1, 0]
+
+
+def test_numpy_on_a_device_tensor_fails_as_on_a_gpu(sim):
+    t = torch.zeros(2, device=sim.device().torch_device())
+    with pytest.raises(TypeError, match="can't convert sim:0 device type tensor to numpy"):
+        t.numpy()
+    assert t.cpu().numpy().tolist() == [0.0, 0.0]
+
+
+def test_parameters_move_with_data_and_back(sim):
+    model = torch.nn.Linear(3, 2)
+    host = model.weight.data
+    model.weight.data = host.to(sim.device().torch_device())
+    assert isinstance(model.weight, torch.nn.Parameter) and model.weight.device.type == "sim"
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    moved = model.weight.cpu()
+    model.weight.data = host
+    assert model.weight.device.type == "cpu" and torch.equal(moved, host + 1.0)
+
+
+def test_an_allocation_past_free_memory_is_refused(sim):
+    free, total = sim.device().mem_get_info()
+    with pytest.raises(SimOutOfMemoryError, match="out of memory on sim:0"):
+        torch.empty(free + 1, dtype=torch.uint8, device=sim.device().torch_device())
+
+
+def test_free_memory_counts_other_processes(sim, peers):
+    device = sim.device()
+    free_before, _ = device.mem_get_info()
+    assert peers["a"].call("hold", 64 << 20) == "allocated"
+    free_during, _ = device.mem_get_info()
+    assert peers["a"].call("free") == "freed"
+    assert free_before - free_during >= 64 << 20
+    assert device.mem_get_info()[0] >= free_before - (1 << 20)
+
+
+# -- poison ---------------------------------------------------------------------------------------
+
+def test_fresh_memory_is_not_zero_and_freed_memory_is_poisoned(sim):
+    t = torch.empty(16, dtype=torch.uint8, device=sim.device().torch_device())
+    raw = host_view(t)  # a pointer kept past the free, as a late reader (or another process) has
+    assert raw.tolist() == [UNINITIALIZED] * 16
+    del t
+    assert raw.tolist() == [POISON] * 16
+
+
+def test_a_read_still_queued_when_its_buffer_is_released_and_refilled_sees_poison(sim):
+    transport = sim.transports()["sim_ipc"]
+    sender = transport.open_sender(256, 2)
+    try:
+        sender.buffer(0).copy_(torch.full((256,), 7, dtype=torch.uint8))
+        sender.publish(0, 256)
+        receiver = transport.open_receiver(sender.handles())  # same process: the sender's own tensors
+        out = torch.empty(256, dtype=torch.uint8, device=sim.device().torch_device())
+        out.copy_(receiver.view(0, 256))  # queued, not yet run
+        receiver.release(0)  # sim_ipc's release, like NPU IPC's, does not wait
+        sender.buffer(0)  # the sender starts refilling buffer 0
+        assert set(out.cpu().tolist()) == {POISON}
+        receiver.close()
+    finally:
+        with pytest.warns(SimLeakWarning):  # a same-process receiver never releases an export
+            sender.close()
+
+
+# -- IPC: torch's reference counting --------------------------------------------------------------
+
+def _open_sender(sim):
+    sender = sim.transports()["sim_ipc"].open_sender(4096, 1)
+    sender.buffer(0).copy_(torch.full((4096,), 3, dtype=torch.uint8))
+    sender.publish(0, 4096)
+    return sender
+
+
+def test_an_export_never_mapped_is_reported_as_a_leak_when_the_sender_closes(sim):
+    sender = _open_sender(sim)
+    with pytest.warns(SimLeakWarning, match="export .* was never mapped"):
+        sender.close()
+    assert sharing.limbo_bytes() >= 4096
+
+
+def test_an_export_mapped_and_closed_is_freed_without_a_leak(sim, peers):
+    sender = _open_sender(sim)
+    allocated = sim.device().memory_allocated()
+    assert peers["a"].call("map", sender.handles()) == [3, 3, 3, 3]
+    assert peers["a"].call("close") == "closed"
+    leaks_before = len(runtime().leaks)
+    sender.close()
+    assert len(runtime().leaks) == leaks_before
+    assert sim.device().memory_allocated() == allocated - 4096
+
+
+def test_an_export_mapped_by_a_process_that_died_is_reported_as_a_leak(sim, peers):
+    sender = _open_sender(sim)
+    mortal = peers["mortal-1"]
+    assert mortal.call("map", sender.handles()) == [3, 3, 3, 3]
+    mortal.die()  # no finalizers run: the mapping is never closed, as for a killed process
+    with pytest.warns(SimLeakWarning, match=f"mapped by process {mortal.pid}, which exited without closing it"):
+        sender.close()
+
+
+def test_an_export_still_mapped_when_the_sender_closes_is_reported_as_a_leak(sim, peers):
+    sender = _open_sender(sim)
+    peer = peers["a"]
+    assert peer.call("map", sender.handles()) == [3, 3, 3, 3]
+    with pytest.warns(SimLeakWarning, match=f"still mapped by process {peer.pid}"):
+        sender.close()
+    parked = sharing.limbo_bytes()
+    assert peer.call("read") == [3, 3, 3, 3]  # parked, not freed: the consumer still reads good bytes
+    assert peer.call("close") == "closed"
+    sharing.collect(runtime())  # the consumer let go: the parked block is freed at the next collect
+    assert sharing.limbo_bytes() == parked - 4096
+
+
+def test_an_export_maps_on_the_consumers_own_device_too(sim, peers):
+    # what torch_npu and vllm-ascend do (peer access), and what bug 6's fix needs from the sim
+    sender = _open_sender(sim)
+    assert peers["b"].call("map", sender.handles(), 1) == [3, 3, 3, 3]
+    assert peers["b"].call("device of mapped") == "sim:1"
+    assert peers["b"].call("close") == "closed"
+    sender.close()
+
+
+def test_two_consumers_of_one_export_free_it_while_one_still_maps_it(sim, peers):
+    sender = _open_sender(sim)
+    first, second = peers["a"], peers["b"]
+    assert first.call("map", sender.handles()) == [3, 3, 3, 3]
+    assert second.call("map", sender.handles()) == [3, 3, 3, 3]
+    assert first.call("close") == "closed"  # counter 1 -> 0: the sender thinks nobody maps it any more
+    sender.close()  # so it is freed at once, although the second consumer maps it
+    assert second.call("read") == [POISON] * 4
+    assert second.call("close") == "closed"
+
+
+# -- simccl: NCCL's behaviour ---------------------------------------------------------------------
+
+def test_barrier_made_of_all_reduce_wait_is_not_a_host_barrier(sim, peers, free_port):
+    address = f"tcp://127.0.0.1:{free_port}"
+    peer = peers["b"]
+    peer.send("join", address, 1, 2)
+    comm = sim.communicator(address, 0, 2, timeout_s=20)
+    assert peer.recv() == "joined"
+    comm.barrier()  # returns although rank 1 has not even called it
+    peer.send("barrier")
+    sim.device().synchronize()  # the device, not the host, waited for the barrier
+    assert peer.recv() == "passed"
+    assert peer.call("destroy") == "destroyed"
+    comm.destroy()
+
+
+def test_destroy_after_the_peer_died_hangs_unless_aborted(sim, peers, free_port):
+    address = f"tcp://127.0.0.1:{free_port}"
+    mortal = peers["mortal-2"]
+    mortal.send("join", address, 1, 2)
+    comm = sim.communicator(address, 0, 2, timeout_s=20)
+    assert mortal.recv() == "joined"
+    mortal.die()
+    comm.broadcast(torch.zeros(8, dtype=torch.uint8, device=sim.device().torch_device()), 0)
+    destroyer = threading.Thread(target=comm.destroy, daemon=True)
+    destroyer.start()
+    destroyer.join(2.0)
+    assert destroyer.is_alive(), "destroy must wait for the collective stuck on the dead peer"
+    for group in SimProcessGroup.live():  # what the fix of bug 5 must do before destroying
+        group.abort()
+    destroyer.join(5.0)
+    assert not destroyer.is_alive()
+    sim.device().synchronize()  # the stream that waited for the collective is free again
+
+
+def test_two_groups_issued_in_different_orders_deadlock_as_on_nccl(sim, peers, free_port):
+    # each collective waits for the device stream, which waits for the collective issued before it
+    addresses = [f"tcp://127.0.0.1:{free_port}", f"tcp://127.0.0.1:{_another_port(free_port)}"]
+    peer = peers["b"]
+    peer.send("join", addresses[0], 1, 2)
+    first = sim.communicator(addresses[0], 0, 2, timeout_s=20)
+    assert peer.recv() == "joined"
+    peer.send("join second", addresses[1], 1, 2)
+    second = sim.communicator(addresses[1], 0, 2, timeout_s=20)
+    assert peer.recv() == "joined"
+    where = sim.device().torch_device()
+    first.all_reduce(torch.zeros(4, device=where))  # here: first, then second
+    second.all_reduce(torch.zeros(4, device=where))
+    assert peer.call("all_reduce second then first") == "queued"
+    waiter = threading.Thread(target=sim.device().synchronize, daemon=True)
+    waiter.start()
+    waiter.join(1.5)
+    assert waiter.is_alive(), "each rank waits for its other group, which waits for the other rank: a deadlock"
+    for group in SimProcessGroup.live():
+        group.abort()
+    assert peer.call("abort") == "aborted"
+    waiter.join(5.0)
+    assert not waiter.is_alive()
+
+
+def _another_port(taken: int) -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return port if port != taken else _another_port(taken)
+
+
+def test_two_ranks_on_one_device_are_refused(sim, free_port):
+    address = f"tcp://127.0.0.1:{free_port}"
+    errors = []
+
+    def rank(r):
+        try:
+            sim.communicator(address, r, 2, timeout_s=10)  # both threads start on device 0
+        except SimcclError as exc:
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(errors) == 2 and all("Duplicate device" in e for e in errors)
+
+
+# -- peer processes -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def peers():
+    """Four peers started together (process start-up is what costs): two that live, two that die.
+
+    Their main threads start on device 1, as after a launcher's set_device(local_rank).
+    """
+    started = {name: Peer({"HWSYNC_SIM_DEVICE": "1"}) for name in ("a", "b", "mortal-1", "mortal-2")}
+    yield started
+    for peer in started.values():
+        peer.close()
