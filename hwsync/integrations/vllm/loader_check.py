@@ -97,8 +97,10 @@ def check_announced(model: torch.nn.Module, model_config: Any, vllm_config: Any,
     The header check names a bad name, shape or dtype; the dry run then refuses what the model's
     own loader would (e.g. a tied `lm_head.weight` in a model that has no head). Names the
     checkpoint lacks that the loader accepts but skips (a tied head next to its embedding) are
-    returned: handing them over only risks the loader's guard when a bucket splits them from
-    the embedding, and they change nothing.
+    returned, not to be handed over: outside a reload the loader refuses such a head in any call
+    without the embedding (a bucket split), and inside vLLM's layerwise reload the tie is
+    undone, so the head loads as a layer of its own and whichever of head and embedding is
+    processed last wins the shared storage.
     """
     text_config = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
     tied = bool(getattr(text_config, "tie_word_embeddings", False))

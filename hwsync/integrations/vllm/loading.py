@@ -86,7 +86,7 @@ def keep_pending_layers(tensors: list[tuple[str, torch.Tensor]]) -> bool:
     return True
 
 
-class _Reload:
+class LayerwiseReload:
     """One layerwise reload of a target: started at the first bucket, finalized exactly once."""
 
     def __init__(self, target: Target) -> None:
@@ -134,7 +134,7 @@ def load_sync(receiver: WeightReceiver, target: Target, expected: list[TensorSpe
               state: dict[str, Any]) -> SyncStats:
     """Receive one sync into `target`: checked first, loaded layerwise, finalized on every exit path."""
     skip: frozenset[str] | None = None
-    reload = _Reload(target)
+    reload = LayerwiseReload(target)
 
     def check(announced: list[TensorSpec]) -> None:
         nonlocal skip

@@ -25,6 +25,10 @@ class HwsyncWorkerExtension:
     _hwsync: WorkerSync | None = None
 
     def _hwsync_worker(self) -> WorkerSync:
+        # one WorkerSync per worker: the native backend's when vLLM made one, so both paths report one state
+        shared = getattr(getattr(self, "weight_transfer_engine", None), "worker", None)
+        if isinstance(shared, WorkerSync):
+            return shared
         if self._hwsync is None:
             self._hwsync = WorkerSync(rank=int(getattr(self, "rank", 0)))
         return self._hwsync
@@ -47,5 +51,4 @@ class HwsyncWorkerExtension:
 
     def hwsync_close(self) -> None:
         """Drop the receiver (its socket and buffer mappings); the next receive reconnects."""
-        if self._hwsync is not None:
-            self._hwsync.close()
+        self._hwsync_worker().close()
