@@ -96,7 +96,7 @@ def send_while(rpc: Callable[[], Any], sender: WeightSender, source: Iterable[tu
     stats = send_exc = None
     try:
         stats = sender.send(source, version=version, manifest=manifest)
-    except HwsyncError as exc:
+    except Exception as exc:  # the trainer's source too: the engine's side must still be waited for
         send_exc = exc
     thread.join(timeout_s + RPC_GRACE_S)
     if thread.is_alive():
@@ -208,7 +208,7 @@ class AsyncVllmWeightSync(_EngineSync):
         stats = send_exc = rpc_exc = results = None
         try:
             stats = await asyncio.to_thread(sender.send, source, version=version, manifest=manifest)
-        except HwsyncError as exc:
+        except Exception as exc:  # the trainer's source too: the engine's side is still awaited
             send_exc = exc
         try:
             results = await asyncio.wait_for(rpc, self.timeout_s + RPC_GRACE_S)
