@@ -19,6 +19,7 @@ vLLM is imported lazily: importing this module needs no vLLM.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +29,9 @@ import torch
 from hwsync.colocated import WeightReceiver
 from hwsync.errors import ManifestError
 from hwsync.integrations.vllm.checkpoint import checkpoint_manifest
-from hwsync.integrations.vllm.loader_check import check_announced
 from hwsync.integrations.vllm.kernels import prepare_tied_heads, reset_moe_kernels, restore_unbuilt_kernels, \
     tied_heads
+from hwsync.integrations.vllm.loader_check import check_announced
 from hwsync.manifest import TensorSpec
 from hwsync.stats import SyncStats
 
@@ -130,16 +131,18 @@ class LayerwiseReload:
             self.started = False
 
 
-def load_sync(receiver: WeightReceiver, target: Target, expected: list[TensorSpec], *, allow_partial: bool,
-              state: dict[str, Any]) -> SyncStats:
-    """Receive one sync into `target`: checked first, loaded layerwise, finalized on every exit path."""
+CheckFn = Callable[[list[TensorSpec]], frozenset[str]]
+
+
+def load_sync(receiver: WeightReceiver, target: Target, check: CheckFn, *, state: dict[str, Any]) -> SyncStats:
+    """Receive one sync into `target`: `check` first (it returns names not to hand over), loaded
+    layerwise, finalized on every exit path."""
     skip: frozenset[str] | None = None
     reload = LayerwiseReload(target)
 
-    def check(announced: list[TensorSpec]) -> None:
+    def accept(announced: list[TensorSpec]) -> None:
         nonlocal skip
-        skip = check_announced(target.model, target.model_config, target.vllm_config, expected, announced,
-                               allow_partial=allow_partial)
+        skip = check(announced)
 
     def load(tensors: list[tuple[str, torch.Tensor]]) -> None:
         if skip is None:
@@ -149,7 +152,7 @@ def load_sync(receiver: WeightReceiver, target: Target, expected: list[TensorSpe
         reload.load([(n, t) for n, t in tensors if n not in skip] if skip else tensors)
 
     try:
-        return receiver.receive(load, check_manifest=check, state=state)
+        return receiver.receive(load, check_manifest=accept, state=state)
     finally:
         # on failure too: restores the layers no bucket reached and unwraps the loaders, so the
         # engine stays runnable (receiver.incomplete says its weights are a mix)
@@ -167,6 +170,8 @@ class WorkerSync:
         self.weight_version: str | None = None
         #: the checkpoint manifest of each model a sync wrote into (the model, or a draft model)
         self._expected: dict[str, list[TensorSpec]] = {}
+        #: accepted manifests and the names not to hand over: a trainer announces the same one every step
+        self._accepted: dict[tuple[Any, ...], frozenset[str]] = {}
 
     def connect(self, endpoint: str, timeout_s: float) -> WeightReceiver:
         """The receiver for `endpoint`: kept across syncs of one sender (its socket and mappings serve each)."""
@@ -204,8 +209,17 @@ class WorkerSync:
                 weight_version: str | None = None) -> dict[str, Any]:
         """Receive one sync from `endpoint` into `target`; returns this worker's stats as a dict."""
         receiver = self.connect(endpoint, timeout_s)
-        stats = load_sync(receiver, target, self.expected(target), allow_partial=allow_partial,
-                          state=self.state(target.model_config))
+
+        def check(announced: list[TensorSpec]) -> frozenset[str]:
+            key = (str(target.model_config.model), id(target.model), allow_partial, tuple(announced))
+            if key not in self._accepted:  # refusals are not kept: they raise every time
+                if len(self._accepted) >= 8:  # a few manifests in use at once at most (e.g. base and partial)
+                    self._accepted.clear()
+                self._accepted[key] = check_announced(target.model, target.model_config, target.vllm_config,
+                                                      self.expected(target), announced, allow_partial=allow_partial)
+            return self._accepted[key]
+
+        stats = load_sync(receiver, target, check, state=self.state(target.model_config))
         self.weight_version = weight_version
         out = stats.to_dict()
         out["rank"] = self.rank
