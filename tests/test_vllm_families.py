@@ -22,8 +22,7 @@ pytest.importorskip("vllm", reason="vllm is not importable: pip install vllm (vl
 import torch  # noqa: E402
 
 from hwsync import ManifestError  # noqa: E402
-from hwsync.cli.toy_model import EngineOutputs, cpu_engine_env, engine_kwargs, engine_outputs, \
-    shutdown_engine  # noqa: E402
+from hwsync.cli.toy_model import EngineOutputs, engine_kwargs, engine_outputs  # noqa: E402
 from hwsync.integrations.vllm import LLMClient, VllmWeightSync  # noqa: E402
 from hwsync.integrations.vllm.checkpoint import checkpoint_manifest  # noqa: E402
 from hwsync.integrations.vllm.loader_check import check_announced  # noqa: E402
