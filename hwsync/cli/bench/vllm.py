@@ -1,10 +1,13 @@
 """`hwsync bench vllm`: a weight sync into a running vLLM engine against the alternatives.
 
-On one model and one engine, each round times, from the trainer's side (each ends with the
-engine's prefix cache reset):
+On one model and one engine (started with hwsync's worker extension and `backend="hwsync"`),
+each round times, from the trainer's side (each ends with the engine's prefix cache reset):
 - hwsync: `VllmWeightSync.sync` of the trainer's tensors (shared buffers, pipelined);
-- safetensors: save the tensors to a file (no fsync) and have the engine reload that file
-  with vLLM's own `reload_weights(weights_path=...)`;
+- native: the same tensors through vLLM's own weight-transfer API, hwsync's trainer engine
+  over `LLMClient` (start / update / finish(weight_version));
+- reload: the engine's own `reload_weights(weights_path=...)` of a checkpoint of the same
+  tensors already written and in the page cache (what vLLM does with no transfer at all);
+- safetensors: save the tensors to that file (no fsync), then the same reload;
 - floor: the engine's own layerwise reload of the same tensors already in its process
   (what any transfer adds its cost to).
 Medians over rounds after a warm-up round, in a rotating order; ratios against the floor.
@@ -29,8 +32,9 @@ from hwsync.cli.toy_model import ToyModel, cpu_engine_env, engine_kwargs, engine
     param_count, shutdown_engine
 from hwsync.integrations.vllm.worker import HwsyncWorkerExtension
 
-METHODS = ("hwsync", "safetensors", "floor")
-TARGET_VS_FLOOR, TARGET_VS_FILE = 1.3, 1.5
+METHODS = ("hwsync", "native", "reload", "safetensors", "floor")
+#: hwsync <= 1.3x the floor and <= 1.05x the page-cached reload; native <= 1.05x hwsync; save+reload >= 1.5x hwsync
+TARGET_VS_FLOOR, TARGET_VS_RELOAD, TARGET_NATIVE, TARGET_VS_FILE = 1.3, 1.05, 1.05, 1.5
 
 
 class BenchWorkerExtension(HwsyncWorkerExtension):
@@ -87,7 +91,10 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
     from vllm import LLM
 
-    from hwsync.integrations.vllm import VllmWeightSync
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from hwsync.integrations.vllm import HwsyncTrainerInitInfo, LLMClient, VllmWeightSync
 
     repeats = max(3, args.repeats)
     toy = ToyModel(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
@@ -105,9 +112,12 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
 
         kwargs = engine_kwargs(base, max_model_len=128)
         kwargs["worker_extension_cls"] = f"{__name__}.{BenchWorkerExtension.__qualname__}"
-        llm = LLM(**kwargs)
+        llm = LLM(**kwargs, weight_transfer_config=WeightTransferConfig(backend="hwsync"))
+        native = None
         try:
             bucket = int(args.bucket_mb * 2**20) if args.bucket_mb else None
+            native = WeightTransferTrainerFactory.trainer_init(HwsyncTrainerInitInfo(rank=0, bucket_bytes=bucket),
+                                                               client=LLMClient(llm), source=tensors)
             with VllmWeightSync(llm, bucket_bytes=bucket) as sync:
                 llm.collective_rpc("hwsync_bench_stage", args=(update_file,))
                 version = iter(range(1, 10**6))
@@ -116,32 +126,43 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
                 def via_hwsync() -> None:
                     sync.sync(tensors, version=next(version))
 
-                def via_safetensors() -> None:
-                    save_file(dict(tensors), update_file)  # no fsync: the page cache is the best case
+                def via_native() -> None:
+                    native.send_weights(str(next(version)))  # ends with the prefix cache reset
+
+                def via_reload() -> None:
                     llm.collective_rpc("reload_weights", kwargs={"weights_path": update})
                     llm.reset_prefix_cache()
+
+                def via_safetensors() -> None:
+                    save_file(dict(tensors), update_file)  # no fsync: the page cache is the best case
+                    via_reload()
 
                 def via_floor() -> None:
                     engine_s["floor"].append(llm.collective_rpc("hwsync_bench_reload_staged")[0])
                     llm.reset_prefix_cache()
 
-                runs = {"hwsync": via_hwsync, "safetensors": via_safetensors, "floor": via_floor}
+                runs = {"hwsync": via_hwsync, "native": via_native, "reload": via_reload,
+                        "safetensors": via_safetensors, "floor": via_floor}
                 times: dict[str, list[float]] = {m: [] for m in METHODS}
                 for round_ in range(repeats + 1):  # round 0 warms every path up and is not counted
-                    order = METHODS[round_ % 3:] + METHODS[:round_ % 3]
+                    shift = round_ % len(METHODS)
+                    order = METHODS[shift:] + METHODS[:shift]
                     for method in order:
                         seconds, _ = _timed(runs[method])
                         if round_ > 0:
                             times[method].append(seconds)
                     print(f"round {round_}/{repeats}: " + ", ".join(f"{m} {times[m][-1]:.3f}s" for m in METHODS
                           if times[m] and round_ > 0), file=sys.stderr, flush=True)
-                # the same tensors through two paths must leave the engine in the same state
-                via_hwsync()
-                after_hwsync = engine_outputs(llm)
-                via_safetensors()
-                agree = engine_outputs(llm).prompt_logprobs == after_hwsync.prompt_logprobs
+                # the same tensors through every path must leave the engine in the same state
+                outputs = []
+                for method in ("hwsync", "native", "reload"):
+                    runs[method]()
+                    outputs.append(engine_outputs(llm).prompt_logprobs)
+                agree = outputs[0] == outputs[1] == outputs[2]
                 last_stats = sync.engine_stats
         finally:
+            if native is not None:
+                native.shutdown()
             shutdown_engine(llm)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -154,12 +175,19 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
         "seconds": times, "median_s": med,
         "gbps": {m: nbytes / med[m] / 1e9 for m in METHODS},
         "hwsync_vs_floor": med["hwsync"] / med["floor"],
+        "hwsync_vs_reload": med["hwsync"] / med["reload"],
+        "native_vs_hwsync": med["native"] / med["hwsync"],
+        "native_vs_reload": med["native"] / med["reload"],
         "safetensors_vs_hwsync": med["safetensors"] / med["hwsync"],
         "floor_in_engine_median_s": statistics.median(engine_s["floor"][1:] or engine_s["floor"]),
         "hwsync_engine_stats": last_stats,
         "outputs_agree": agree,
     }
+    result["targets"] = {"hwsync_vs_floor": TARGET_VS_FLOOR, "hwsync_vs_reload": TARGET_VS_RELOAD,
+                         "native_vs_hwsync": TARGET_NATIVE, "safetensors_vs_hwsync": TARGET_VS_FILE}
     result["targets_met"] = (result["hwsync_vs_floor"] <= TARGET_VS_FLOOR
+                             and result["hwsync_vs_reload"] <= TARGET_VS_RELOAD
+                             and result["native_vs_hwsync"] <= TARGET_NATIVE
                              and result["safetensors_vs_hwsync"] >= TARGET_VS_FILE)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -177,8 +205,11 @@ def _print_table(r: dict[str, Any]) -> None:
         print(f"{m:<12} {r['median_s'][m]:9.3f} {min(r['seconds'][m]):8.3f} {r['gbps'][m]:6.2f} "
               f"{r['median_s'][m] / r['median_s']['floor']:8.2f}x")
     print(f"hwsync / floor = {r['hwsync_vs_floor']:.2f}x (target <= {TARGET_VS_FLOOR}x); "
-          f"safetensors / hwsync = {r['safetensors_vs_hwsync']:.2f}x (target >= {TARGET_VS_FILE}x); "
-          f"engine outputs agree across paths: {r['outputs_agree']}")
+          f"hwsync / reload = {r['hwsync_vs_reload']:.2f}x (target <= {TARGET_VS_RELOAD}x); "
+          f"native / hwsync = {r['native_vs_hwsync']:.2f}x (target <= {TARGET_NATIVE}x); "
+          f"safetensors / hwsync = {r['safetensors_vs_hwsync']:.2f}x (target >= {TARGET_VS_FILE}x)")
+    print(f"engine outputs agree across hwsync, native and reload: {r['outputs_agree']}; "
+          f"targets met: {r['targets_met']}")
 
 
 if __name__ == "__main__":

@@ -1,17 +1,35 @@
-"""hwsync for vLLM (and vllm-ascend, a vLLM platform plugin): trainer helpers and the worker extension.
+"""hwsync for vLLM (and vllm-ascend, a vLLM platform plugin): two ways in, one loading path.
 
-    llm = LLM(model=path, worker_extension_cls=EXTENSION)      # engine side: every worker receives
-    sync = VllmWeightSync(llm)                                  # trainer side, kept across steps
+vLLM's own weight-transfer API, with hwsync as its `hwsync` backend (registered by the
+`vllm.general_plugins` entry point, plugin.py):
+
+    llm = LLM(model=path, weight_transfer_config=WeightTransferConfig(backend="hwsync"))
+    trainer = WeightTransferTrainerFactory.trainer_init(HwsyncTrainerInitInfo(rank=0),
+                                                        client=LLMClient(llm), source=model)
+    trainer.send_weights("step-1")
+
+or hwsync's worker extension and trainer helpers:
+
+    llm = LLM(model=path, worker_extension_cls=EXTENSION)
+    sync = VllmWeightSync(llm)
     stats = sync.sync(model, version=step)
 
-Files: trainer.py (VllmWeightSync, AsyncVllmWeightSync, HttpVllmWeightSync: drive both sides
-of a sync), worker.py (HwsyncWorkerExtension: receive into the running model with vLLM's
-layerwise reload), checkpoint.py (what the engine's loader accepts, checked before any weight
-changes). Importing this package imports no vLLM: it is imported where it is used.
+Files: engine.py (worker side of the backend) and native.py (its trainer side), clients.py
+(LLMClient / AsyncLLMClient for vLLM's client protocol), worker.py (the extension), trainer.py
+(VllmWeightSync, AsyncVllmWeightSync, HttpVllmWeightSync), loading.py (the one way into the
+model: check, MoE kernel reset, layerwise reload, finalize), loader_check.py (the engine's own
+loader, dry-run), kernels.py (MoE and tied-head kernels the reload leaves stale), checkpoint.py (the checkpoint's manifest),
+sources.py (what a trainer holds, as checkpoint-named tensors). Importing this package imports
+no vLLM; `HwsyncTrainerInitInfo` / `HwsyncTrainerEngine` import it when first named.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from hwsync.integrations.vllm.clients import AsyncLLMClient, LLMClient
+from hwsync.integrations.vllm.plugin import BACKEND, register
+from hwsync.integrations.vllm.sources import weights_and_manifest
 from hwsync.integrations.vllm.trainer import (
     EXTENSION,
     AsyncVllmWeightSync,
@@ -19,9 +37,21 @@ from hwsync.integrations.vllm.trainer import (
     VllmWeightSync,
     auto_bucket_bytes,
     settle,
-    weights_and_manifest,
 )
 from hwsync.integrations.vllm.worker import HwsyncWorkerExtension
 
-__all__ = ["EXTENSION", "AsyncVllmWeightSync", "HttpVllmWeightSync", "HwsyncWorkerExtension", "VllmWeightSync",
-           "auto_bucket_bytes", "settle", "weights_and_manifest"]
+_NATIVE = ("HwsyncTrainerInitInfo", "HwsyncTrainerEngine")
+
+
+def __getattr__(name: str) -> Any:
+    # the backend's trainer side subclasses vLLM's classes: import vLLM only when it is asked for
+    if name in _NATIVE:
+        from hwsync.integrations.vllm import native
+
+        return getattr(native, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["BACKEND", "EXTENSION", "AsyncLLMClient", "AsyncVllmWeightSync", "HttpVllmWeightSync",
+           "HwsyncTrainerEngine", "HwsyncTrainerInitInfo", "HwsyncWorkerExtension", "LLMClient", "VllmWeightSync",
+           "auto_bucket_bytes", "register", "settle", "weights_and_manifest"]

@@ -7,10 +7,12 @@ Trainer side, one object per engine, kept across steps (its sender's buffers are
     sync = VllmWeightSync(llm)                    # vllm.LLM; AsyncVllmWeightSync for AsyncLLM,
     stats = sync.sync(model, version=step)        # HttpVllmWeightSync for `vllm serve`
 
-`sync()` starts `hwsync_receive` on every worker through `collective_rpc` (on a thread, since
-it blocks), drives the WeightSender meanwhile, resets the engine's prefix cache (cached KV
-blocks were computed with the old weights) and returns the sender's SyncStats. A refused or
-failed sync raises with the engine's own message. Nothing here is specific to a device.
+What `sync()` takes is normalised by sources.py (an HF module goes under its checkpoint's
+names, a vLLM WeightSource as it says). `sync()` starts `hwsync_receive` on every worker
+through `collective_rpc` (on a thread, since it blocks), drives the WeightSender meanwhile,
+resets the engine's prefix cache (cached KV blocks were computed with the old weights) and
+returns the sender's SyncStats. A refused or failed sync raises with the engine's own message.
+Nothing here is specific to a device. vLLM's own weight-transfer API is native.py's.
 """
 
 from __future__ import annotations
@@ -19,15 +21,16 @@ import asyncio
 import json
 import threading
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hwsync.colocated import WeightSender
 from hwsync.errors import HwsyncError, ManifestError, ProtocolError, RemoteError, SyncError, SyncTimeout
+from hwsync.integrations.vllm.sources import Weights, weights_and_manifest
 from hwsync.manifest import TensorSpec
-from hwsync.source import with_manifest
 from hwsync.stats import SyncStats
 from hwsync.timing import DEFAULT_TIMEOUT_S, RPC_GRACE_S
 
@@ -36,8 +39,6 @@ EXTENSION = "hwsync.integrations.vllm.HwsyncWorkerExtension"
 #: bucket size when every tensor fits; bigger tensors raise it up to the cap (two buffers are kept)
 DEFAULT_BUCKET_BYTES = 32 * 2**20
 MAX_AUTO_BUCKET_BYTES = 512 * 2**20
-
-Weights = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
 def auto_bucket_bytes(manifest: list[TensorSpec], default: int = DEFAULT_BUCKET_BYTES,
@@ -48,16 +49,6 @@ def auto_bucket_bytes(manifest: list[TensorSpec], default: int = DEFAULT_BUCKET_
     if largest <= default:
         return default
     return min(-(-largest // 2**20) * 2**20, cap)
-
-
-def weights_and_manifest(weights: Weights, manifest: list[TensorSpec] | None
-                         ) -> tuple[Iterable[tuple[str, torch.Tensor]], list[TensorSpec]]:
-    """The (name, tensor) source and its manifest; a lazy source must come with its manifest."""
-    if isinstance(weights, torch.nn.Module):
-        weights = weights.state_dict()
-    if isinstance(weights, Mapping):
-        weights = list(weights.items())
-    return with_manifest(weights, manifest, "the engine checks names, shapes and dtypes before loading")
 
 
 def settle(stats: SyncStats | None, send_exc: BaseException | None, results: Any,
@@ -73,6 +64,45 @@ def settle(stats: SyncStats | None, send_exc: BaseException | None, results: Any
         message += f" (engine RPC: {type(rpc_exc).__name__}: {rpc_exc})"
     cls = ManifestError if "ManifestError" in message else SyncError
     raise cls(f"the vLLM engine did not take the sync: {message}") from (rpc_exc or send_exc)
+
+
+@dataclass
+class Outcome:
+    """Both sides of one sync: the sender's stats or error, the engine RPC's results or error."""
+
+    stats: SyncStats | None
+    send_exc: BaseException | None
+    results: Any
+    rpc_exc: BaseException | None
+
+    def result(self) -> SyncStats:
+        """The sender's stats, or one error carrying the engine's message."""
+        return settle(self.stats, self.send_exc, self.results, self.rpc_exc)
+
+
+def send_while(rpc: Callable[[], Any], sender: WeightSender, source: Iterable[tuple[str, torch.Tensor]], *,
+               version: int, manifest: list[TensorSpec], timeout_s: float) -> Outcome:
+    """Run the engine's receiving RPC on a thread (it blocks until the sync is loaded) while this thread sends."""
+    outcome: dict[str, Any] = {}
+
+    def receive() -> None:
+        try:
+            outcome["results"] = rpc()
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=receive, name="hwsync-vllm-rpc", daemon=True)
+    thread.start()
+    stats = send_exc = None
+    try:
+        stats = sender.send(source, version=version, manifest=manifest)
+    except Exception as exc:  # the trainer's source too: the engine's side must still be waited for
+        send_exc = exc
+    thread.join(timeout_s + RPC_GRACE_S)
+    if thread.is_alive():
+        raise SyncTimeout(f"the engine's receiving RPC has not returned {RPC_GRACE_S:.0f}s after the sender "
+                          f"finished ({send_exc or 'successfully'}); the engine may be stuck in a load")
+    return Outcome(stats, send_exc, outcome.get("results"), outcome.get("error"))
 
 
 class _EngineSync:
@@ -105,29 +135,11 @@ class _EngineSync:
     def _drive(self, rpc: Callable[[], Any], reset_prefix_cache: Callable[[], Any],
                source: Iterable[tuple[str, torch.Tensor]], version: int, manifest: list[TensorSpec]) -> SyncStats:
         """Run the engine's receive RPC on a thread (it blocks) while this thread sends."""
-        outcome: dict[str, Any] = {}
-
-        def receive() -> None:
-            try:
-                outcome["results"] = rpc()
-            except BaseException as exc:
-                outcome["error"] = exc
-
-        sender = self._session(manifest)
-        thread = threading.Thread(target=receive, name="hwsync-vllm-rpc", daemon=True)
-        thread.start()
-        stats = send_exc = None
-        try:
-            stats = sender.send(source, version=version, manifest=manifest)
-        except HwsyncError as exc:
-            send_exc = exc
-        thread.join(self.timeout_s + RPC_GRACE_S)
-        if thread.is_alive():
-            raise SyncTimeout(f"the engine's hwsync_receive has not returned {RPC_GRACE_S:.0f}s after the sender "
-                              f"finished ({send_exc or 'successfully'}); the engine may be stuck in a load")
+        outcome = send_while(rpc, self._session(manifest), source, version=version, manifest=manifest,
+                             timeout_s=self.timeout_s)
         reset_prefix_cache()  # also after a failure: a sync that broke midway changed some layers
-        self.engine_stats = outcome.get("results") or []
-        return settle(stats, send_exc, outcome.get("results"), outcome.get("error"))
+        self.engine_stats = outcome.results or []
+        return outcome.result()
 
     def close(self) -> None:
         """Close the sender (buffers, socket); the engine's receivers reconnect to the next one."""
@@ -163,7 +175,7 @@ class VllmWeightSync(_EngineSync):
         return self.llm.collective_rpc("hwsync_status")
 
     def sync(self, weights: Weights, *, version: int, manifest: list[TensorSpec] | None = None) -> SyncStats:
-        """Push `weights` (module, state dict, or (name, tensor) pairs) as `version`; raises on failure."""
+        """Push `weights` (module, state dict, (name, tensor) pairs, vLLM WeightSource) as `version`; raises on failure."""
         source, manifest = weights_and_manifest(weights, manifest)
         return self._drive(lambda: self.llm.collective_rpc("hwsync_receive", args=self._receive_args()),
                            self.llm.reset_prefix_cache, source, version, manifest)
@@ -196,7 +208,7 @@ class AsyncVllmWeightSync(_EngineSync):
         stats = send_exc = rpc_exc = results = None
         try:
             stats = await asyncio.to_thread(sender.send, source, version=version, manifest=manifest)
-        except HwsyncError as exc:
+        except Exception as exc:  # the trainer's source too: the engine's side is still awaited
             send_exc = exc
         try:
             results = await asyncio.wait_for(rpc, self.timeout_s + RPC_GRACE_S)

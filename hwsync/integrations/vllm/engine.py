@@ -1,0 +1,100 @@
+"""hwsync as vLLM's own weight-transfer backend, worker side: `WeightTransferConfig(backend="hwsync")`.
+
+vLLM creates one `HwsyncWeightTransferEngine` per worker when the engine starts (registered by
+plugin.py) and drives it through its weight-transfer API, whichever entry the trainer uses
+(`LLM`, `AsyncLLM`, the HTTP routes):
+
+    init_weight_transfer_engine {endpoint, timeout_s, allow_partial}   the trainer's WeightSender
+    start_weight_update                                                (nothing changes yet)
+    update_weights {weight_version}        one whole hwsync sync: receive, check, load, finalize
+    finish_weight_update(weight_version)   vLLM stamps the version on the engine's outputs
+
+Every value is a str, float, bool or None: msgpack and JSON carry them natively, so no pickle
+and no VLLM_ALLOW_INSECURE_SERIALIZATION. The loading is loading.py's: the manifest is checked
+before the layerwise reload starts, and the reload is finalized inside `update_weights` on every
+exit path — vLLM's worker never calls `finish_weight_update` after a failed `update_weights`,
+and a reload left open breaks the next forward pass. The worker never sees the weight version
+given to `finish_weight_update`, so the trainer also puts it in the update info, for the
+worker's reported state. This module imports vLLM: only vLLM's factory imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, \
+    WeightTransferUpdateInfo
+
+from hwsync.errors import HwsyncError
+from hwsync.integrations.vllm.loading import Target, WorkerSync
+from hwsync.timing import DEFAULT_TIMEOUT_S
+
+BACKEND = "hwsync"
+
+
+@dataclass
+class HwsyncInitInfo(WeightTransferInitInfo):
+    """Where the trainer's WeightSender listens, and how each sync is received."""
+
+    endpoint: str
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    allow_partial: bool = False
+
+
+@dataclass
+class HwsyncUpdateInfo(WeightTransferUpdateInfo):
+    """One sync: the vLLM weight version it becomes (the worker reports it), optionally a new endpoint."""
+
+    weight_version: str | None = None
+    endpoint: str | None = None
+
+
+class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpdateInfo]):
+    """Worker side of the `hwsync` backend: a WeightReceiver per worker, loading through loading.py."""
+
+    init_info_cls = HwsyncInitInfo
+    update_info_cls = HwsyncUpdateInfo
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.worker = WorkerSync(rank=int(getattr(self.parallel_config, "rank", 0)))
+        self._init: HwsyncInitInfo | None = None
+
+    def init_transfer_engine(self, init_info: HwsyncInitInfo) -> None:
+        """Remember the trainer's sender; a later init (a new sender) replaces it."""
+        self._init = init_info
+        self.worker.connect(init_info.endpoint, float(init_info.timeout_s))
+
+    def start_weight_update(self) -> None:
+        """Nothing changes yet: the reload starts at the first bucket, once the manifest is accepted."""
+        self._require_init()
+
+    def receive_weights(self, update_info: HwsyncUpdateInfo) -> None:
+        """Receive one whole sync into the model (checked, loaded layerwise, finalized)."""
+        init = self._require_init()
+        self.worker.receive(update_info.endpoint or init.endpoint, self.target(),
+                            timeout_s=float(init.timeout_s), allow_partial=bool(init.allow_partial),
+                            weight_version=update_info.weight_version)
+
+    def finish_weight_update(self) -> None:
+        """Nothing left to do: update_weights finalized the reload (vLLM sets the version itself)."""
+
+    def shutdown(self) -> None:
+        """Drop the receiver: its socket and buffer mappings."""
+        self.worker.close()
+
+    def target(self) -> Target:
+        """The model this update writes into (vLLM may point it at a draft model for one session)."""
+        return Target(self.model, self.model_config, self.vllm_config)
+
+    def state(self) -> dict[str, Any]:
+        """This worker's reported state (see WorkerSync.state)."""
+        return self.worker.state(self.model_config)
+
+    def _require_init(self) -> HwsyncInitInfo:
+        if self._init is None:
+            raise HwsyncError("the hwsync weight-transfer engine has no sender yet: call "
+                              "init_weight_transfer_engine first (the hwsync trainer engine's trainer_init does)")
+        return self._init

@@ -1,0 +1,113 @@
+"""Ask the engine's own `load_weights`, without changing a weight, whether it takes a manifest.
+
+The checkpoint's headers (checkpoint.py) say which names, shapes and dtypes the engine loaded at
+start-up; what its `load_weights` refuses or ignores depends on the model's code (name mappers,
+stacking rules, skip lists, the tied-embedding guard). So, before any weight changes, the
+announced manifest is fed to the model's real `load_weights` as meta tensors while every
+parameter's and buffer's `weight_loader` is a recorder: the model's own rules run, nothing can be
+written (the recorders copy nothing; a direct copy from a meta tensor raises instead of
+writing). What it raises, `load_weights` would raise mid-load; an announced tensor no recorder
+saw is one it would silently skip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hwsync.errors import ManifestError
+from hwsync.integrations.vllm.checkpoint import check_manifest
+from hwsync.manifest import TensorSpec, dtype_from_name
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class LoaderVerdict:
+    """What the engine's load_weights made of a manifest: its error, if any, and the names it skips."""
+
+    error: str | None
+    skipped: frozenset[str] = field(default_factory=frozenset)
+
+
+@contextmanager
+def recording_loaders(model: torch.nn.Module) -> Iterator[set[int]]:
+    """Swap every parameter's and buffer's weight_loader for a recorder of the tensors handed to it."""
+    seen: set[int] = set()
+    saved: list[tuple[torch.Tensor, Any]] = []
+    done: set[int] = set()
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
+        seen.add(id(loaded))
+        # expert loaders are asked whether they took the tensor (return_success=True)
+        return True if kwargs.get("return_success") else None
+
+    tensors = [t for _, t in model.named_parameters(remove_duplicate=False)]
+    tensors += [t for _, t in model.named_buffers(remove_duplicate=False)]
+    try:
+        for tensor in tensors:
+            if id(tensor) in done:
+                continue
+            done.add(id(tensor))
+            saved.append((tensor, tensor.__dict__.get("weight_loader", _MISSING)))
+            tensor.weight_loader = record
+        yield seen
+    finally:
+        for tensor, loader in saved:
+            if loader is _MISSING:
+                del tensor.weight_loader
+            else:
+                tensor.weight_loader = loader
+
+
+def dry_run(model: torch.nn.Module, announced: list[TensorSpec], vllm_config: Any = None) -> LoaderVerdict:
+    """Feed `announced` as meta tensors to the model's load_weights in one call; no weight changes.
+
+    Must run outside a layerwise reload, which wraps the same weight_loader attributes.
+    """
+    pairs = [(s.name, torch.empty(s.shape, dtype=dtype_from_name(s.dtype), device="meta")) for s in announced]
+    try:
+        with _config(vllm_config), recording_loaders(model) as seen, torch.no_grad():
+            model.load_weights(weights=iter(pairs))
+    except Exception as exc:  # any refusal counts: the message is the engine's own
+        return LoaderVerdict(error=f"{type(exc).__name__}: {exc}")
+    return LoaderVerdict(error=None, skipped=frozenset(name for name, t in pairs if id(t) not in seen))
+
+
+def _config(vllm_config: Any) -> Any:
+    # some weight loaders read the current vLLM config, as the engine's own loading provides
+    from contextlib import nullcontext
+
+    if vllm_config is None:
+        return nullcontext()
+    from vllm.config import set_current_vllm_config
+
+    return set_current_vllm_config(vllm_config)
+
+
+def check_announced(model: torch.nn.Module, model_config: Any, vllm_config: Any, expected: list[TensorSpec],
+                    announced: list[TensorSpec], *, allow_partial: bool = False) -> frozenset[str]:
+    """Refuse (ManifestError) what the engine would refuse mid-load; return the names not to hand it.
+
+    The header check names a bad name, shape or dtype; the dry run then refuses what the model's
+    own loader would (e.g. a tied `lm_head.weight` in a model that has no head). Names the
+    checkpoint lacks that the loader accepts but skips (a tied head next to its embedding) are
+    returned, not to be handed over: outside a reload the loader refuses such a head in any call
+    without the embedding (a bucket split), and inside vLLM's layerwise reload the tie is
+    undone, so the head loads as a layer of its own and whichever of head and embedding is
+    processed last wins the shared storage.
+    """
+    text_config = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    tied = bool(getattr(text_config, "tie_word_embeddings", False))
+    check_manifest(expected, announced, allow_partial=allow_partial, tied_embeddings=tied)
+    verdict = dry_run(model, announced, vllm_config)
+    if verdict.error is not None:
+        raise ManifestError(f"sync refused before any weight changed: the engine's load_weights refuses this "
+                            f"manifest ({verdict.error[:400]}); send the checkpoint's names only")
+    in_checkpoint = {spec.name for spec in expected}
+    return frozenset(name for name in verdict.skipped if name not in in_checkpoint)

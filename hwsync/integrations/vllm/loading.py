@@ -1,0 +1,232 @@
+"""The one way hwsync writes into a running vLLM model; the worker extension and the native engine both use it.
+
+One sync, in order:
+1. the announced manifest is checked against the checkpoint's headers and the engine's own
+   loader (loader_check.py) before anything changes: a refused sync leaves every weight as it was;
+2. at the first bucket, the prepared kernels of MoE layers that transform their weights are
+   reset (kernels.py) and vLLM's layerwise reload starts;
+3. each bucket goes to `model.load_weights`; the few tensors of a layer that straddles two
+   buckets are copied, since the bucket's buffer is refilled once load returns;
+4. the layerwise reload is finalized on every exit path, errors included, so the engine keeps
+   serving (a sync broken midway is reported as `incomplete` until the next complete one), and
+   heads tied to the embedding rebuild their kernels from it (kernels.py).
+
+`WorkerSync` is one worker's side across syncs: its WeightReceiver, the checkpoint's manifest,
+and the state it reports (`state()`, the one place a worker says what it holds).
+vLLM is imported lazily: importing this module needs no vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hwsync.colocated import WeightReceiver
+from hwsync.errors import ManifestError
+from hwsync.integrations.vllm.checkpoint import checkpoint_manifest
+from hwsync.integrations.vllm.kernels import prepare_tied_heads, reset_moe_kernels, restore_unbuilt_kernels, \
+    tied_heads
+from hwsync.integrations.vllm.loader_check import check_announced
+from hwsync.manifest import TensorSpec
+from hwsync.stats import SyncStats
+
+log = logging.getLogger("hwsync")
+
+
+@dataclass
+class Target:
+    """The model a sync writes into, with the configs its loaders and vLLM's reload need."""
+
+    model: torch.nn.Module
+    model_config: Any
+    vllm_config: Any = None
+
+    def context(self) -> Any:
+        """vLLM's current config, which some weight loaders read (vLLM's own reload sets it too)."""
+        if self.vllm_config is None:
+            return nullcontext()
+        from vllm.config import set_current_vllm_config
+
+        return set_current_vllm_config(self.vllm_config)
+
+
+def _layerwise_infos() -> list[Any] | None:
+    """vLLM's per-layer reload records, or None where this vLLM keeps them elsewhere."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.types import LayerReloadingInfo
+    except ImportError:
+        return None
+    if "loaded_weights" not in getattr(LayerReloadingInfo, "__dataclass_fields__", {}):
+        return None
+    return list(LAYERWISE_INFO.values())
+
+
+def keep_pending_layers(tensors: list[tuple[str, torch.Tensor]]) -> bool:
+    """Copy what layerwise reload still holds of this bucket: its buffer is refilled after load returns.
+
+    vLLM's layerwise reload buffers a layer's weights until the whole layer arrived; a layer that
+    straddles two buckets would otherwise be completed from a buffer the sender already reuses.
+    Only those few tensors are copied. False where vLLM's records are not found: the caller
+    must then hand load_weights copies.
+    """
+    infos = _layerwise_infos()
+    if infos is None:
+        return False
+    storages = {t.untyped_storage().data_ptr() for _, t in tensors}
+    for info in infos:
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in storages:
+                    bound.arguments[key] = value.clone()
+    return True
+
+
+class LayerwiseReload:
+    """One layerwise reload of a target: started at the first bucket, finalized exactly once."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.started = False
+        self._kernels: list[tuple[Any, Any]] = []
+        self._heads: list[torch.nn.Module] = []
+        self._copy_buckets = _layerwise_infos() is None
+
+    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Hand one bucket's tensors to the model's load_weights."""
+        model = self.target.model
+        if not self.started:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            self._kernels = reset_moe_kernels(model)
+            self._heads = tied_heads(model)
+            self.started = True  # from here on, finalize must run whatever happens
+            initialize_layerwise_reload(model)
+        if self._copy_buckets:  # an unknown vLLM: never keep views of a buffer
+            tensors = [(n, t.clone()) for n, t in tensors]
+        with self.target.context(), torch.no_grad():
+            model.load_weights(weights=iter(tensors))
+        if not self._copy_buckets:
+            keep_pending_layers(tensors)
+
+    def finalize(self) -> None:
+        """End the reload: layers no bucket reached get their old tensors (and MoE kernels) back."""
+        if not self.started:
+            return
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        try:
+            with self.target.context(), torch.no_grad():
+                finalize_layerwise_reload(self.target.model, self.target.model_config)
+                prepare_tied_heads(self._heads)  # their shared weight may have changed through the embedding
+        finally:
+            restored = restore_unbuilt_kernels(self._kernels)
+            if restored:
+                log.warning("hwsync: %d MoE layers kept their previous weights and kernels", restored)
+            self.started = False
+
+
+CheckFn = Callable[[list[TensorSpec]], frozenset[str]]
+
+
+def load_sync(receiver: WeightReceiver, target: Target, check: CheckFn, *, state: dict[str, Any]) -> SyncStats:
+    """Receive one sync into `target`: `check` first (it returns names not to hand over), loaded
+    layerwise, finalized on every exit path."""
+    skip: frozenset[str] | None = None
+    reload = LayerwiseReload(target)
+
+    def accept(announced: list[TensorSpec]) -> None:
+        nonlocal skip
+        skip = check(announced)
+
+    def load(tensors: list[tuple[str, torch.Tensor]]) -> None:
+        if skip is None:
+            # without a manifest a bad tensor would be found only after earlier layers changed
+            raise ManifestError("the sender announced no manifest; pass manifest=manifest_from_module(model) "
+                                "(or manifest_from_tensors(...)) to WeightSender.send")
+        reload.load([(n, t) for n, t in tensors if n not in skip] if skip else tensors)
+
+    try:
+        return receiver.receive(load, check_manifest=accept, state=state)
+    finally:
+        # on failure too: restores the layers no bucket reached and unwraps the loaders, so the
+        # engine stays runnable (receiver.incomplete says its weights are a mix)
+        reload.finalize()
+
+
+class WorkerSync:
+    """One vLLM worker's side of hwsync across syncs: receiver, expected manifest, reported state."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+        self.receiver: WeightReceiver | None = None
+        self.endpoint: str | None = None
+        #: the vLLM weight version of the last complete sync, when the trainer said it (native API)
+        self.weight_version: str | None = None
+        #: the checkpoint manifest of each model a sync wrote into (the model, or a draft model)
+        self._expected: dict[str, list[TensorSpec]] = {}
+        #: accepted manifests and the names not to hand over: a trainer announces the same one every step
+        self._accepted: dict[tuple[Any, ...], frozenset[str]] = {}
+
+    def connect(self, endpoint: str, timeout_s: float) -> WeightReceiver:
+        """The receiver for `endpoint`: kept across syncs of one sender (its socket and mappings serve each)."""
+        if self.receiver is not None and self.endpoint == endpoint:
+            self.receiver.timeout_s = timeout_s
+            return self.receiver
+        self.close()
+        self.receiver, self.endpoint = WeightReceiver(endpoint, timeout_s=timeout_s), endpoint
+        return self.receiver
+
+    def expected(self, target: Target) -> list[TensorSpec]:
+        """The checkpoint's tensors, read once: what load_weights accepts for the engine's lifetime."""
+        config = target.model_config
+        model = str(config.model)
+        if model not in self._expected:
+            load_config = getattr(target.vllm_config, "load_config", None)
+            self._expected[model] = checkpoint_manifest(model, getattr(config, "revision", None),
+                                                        getattr(load_config, "download_dir", None))
+        return self._expected[model]
+
+    def state(self, model_config: Any = None) -> dict[str, Any]:
+        """What this worker holds: rank, last complete version (hwsync's and vLLM's), whether a sync broke midway."""
+        receiver = self.receiver
+        out: dict[str, Any] = {
+            "rank": self.rank,
+            "version": None if receiver is None else receiver.version,
+            "weight_version": self.weight_version,
+            "incomplete": False if receiver is None else receiver.incomplete,
+        }
+        if model_config is not None:
+            out["model"] = str(model_config.model)
+        return out
+
+    def receive(self, endpoint: str, target: Target, *, timeout_s: float, allow_partial: bool = False,
+                weight_version: str | None = None) -> dict[str, Any]:
+        """Receive one sync from `endpoint` into `target`; returns this worker's stats as a dict."""
+        receiver = self.connect(endpoint, timeout_s)
+
+        def check(announced: list[TensorSpec]) -> frozenset[str]:
+            key = (str(target.model_config.model), id(target.model), allow_partial, tuple(announced))
+            if key not in self._accepted:  # refusals are not kept: they raise every time
+                if len(self._accepted) >= 8:  # a few manifests in use at once at most (e.g. base and partial)
+                    self._accepted.clear()
+                self._accepted[key] = check_announced(target.model, target.model_config, target.vllm_config,
+                                                      self.expected(target), announced, allow_partial=allow_partial)
+            return self._accepted[key]
+
+        stats = load_sync(receiver, target, check, state=self.state(target.model_config))
+        self.weight_version = weight_version
+        out = stats.to_dict()
+        out["rank"] = self.rank
+        return out
+
+    def close(self) -> None:
+        """Drop the receiver (its socket and buffer mappings); the next receive reconnects."""
+        if self.receiver is not None:
+            self.receiver.close()
+        self.receiver = self.endpoint = None

@@ -1,0 +1,138 @@
+"""hwsync as vLLM's own weight-transfer backend, trainer side: `HwsyncTrainerInitInfo` selects it.
+
+    from hwsync.integrations.vllm.native import HwsyncTrainerInitInfo   # registers "hwsync" here
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        HwsyncTrainerInitInfo(rank=0), client=client, source=model)      # client: LLMClient(llm),
+    trainer.send_weights("step-3")                                       # AsyncLLMClient, vLLM's HTTP one
+
+The source is what a trainer holds, as VllmWeightSync takes it (sources.py): a vLLM
+WeightSource, an HF module (sent under its checkpoint's names), a state dict or pairs.
+`send_weights` is one whole hwsync sync inside vLLM's update: `start_weight_update`, then
+`update_weights` on a thread (each worker's WeightReceiver blocks in it) while this thread's
+WeightSender sends, then `finish_weight_update(weight_version)`. Importing this module imports
+vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+
+from hwsync.colocated import WeightSender
+from hwsync.integrations.vllm.clients import engine_world_size, reset_prefix_cache
+from hwsync.integrations.vllm.engine import HwsyncInitInfo, HwsyncUpdateInfo
+from hwsync.integrations.vllm.plugin import BACKEND, register
+from hwsync.integrations.vllm.sources import weights_and_manifest
+from hwsync.integrations.vllm.trainer import auto_bucket_bytes, send_while
+from hwsync.stats import SyncStats
+from hwsync.timing import DEFAULT_TIMEOUT_S
+
+log = logging.getLogger("hwsync")
+
+
+@dataclass
+class HwsyncTrainerInitInfo(TrainerInitInfo):
+    """The trainer's side of the `hwsync` backend; every field is optional."""
+
+    backend: ClassVar[str] = BACKEND
+
+    #: workers that receive (tensor x pipeline x data parallel); None: asked from the client
+    num_workers: int | None = None
+    #: how long either side waits for a silent peer
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    #: None: sized at trainer_init so the source's largest tensor fits whole (at least 32 MiB)
+    bucket_bytes: int | None = None
+    #: let a sync carry only some of the checkpoint's tensors (whole layers only)
+    allow_partial: bool = False
+    #: where the sender listens; None: a private ipc:// path (trainer and engine on one host)
+    endpoint: str | None = None
+
+
+def _version_number(weight_version: str | None, fallback: int) -> int:
+    """hwsync's integer version for vLLM's string one: the number it spells, else a count of syncs."""
+    if weight_version is not None and weight_version.strip().isdigit():
+        return int(weight_version)
+    return fallback
+
+
+class HwsyncTrainerEngine(TrainerWeightTransferEngine[HwsyncTrainerInitInfo]):
+    """Trainer side of the `hwsync` backend: one WeightSender kept across rounds."""
+
+    init_info_cls = HwsyncTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True,
+                 init_info: HwsyncTrainerInitInfo | None = None) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.init_info = init_info or HwsyncTrainerInitInfo(rank=0 if is_sender else 1)
+        self.sender: WeightSender | None = None
+        #: the sender's stats of the last round (None before the first, and on non-sender ranks)
+        self.last_stats: SyncStats | None = None
+        self._rounds = 0
+
+    @classmethod
+    def trainer_init(cls, init_info: HwsyncTrainerInitInfo, *, client: Any, source: Any = None
+                     ) -> "HwsyncTrainerEngine":
+        """Open the sender and tell every worker where it listens (rank 0 only)."""
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, init_info=init_info)
+        if engine.is_sender:
+            engine.sender = engine._open_sender()
+            init = HwsyncInitInfo(endpoint=engine.sender.endpoint, timeout_s=float(init_info.timeout_s),
+                                  allow_partial=bool(init_info.allow_partial))
+            try:
+                client.init_weight_transfer_engine(asdict(init))
+            except BaseException:
+                engine.shutdown()
+                raise
+        return engine
+
+    def _open_sender(self) -> WeightSender:
+        info = self.init_info
+        workers = engine_world_size(self.client)
+        if info.num_workers is not None and workers is not None and workers != info.num_workers:
+            raise ValueError(f"HwsyncTrainerInitInfo(num_workers={info.num_workers}) but the engine has {workers} "
+                             "workers; leave num_workers out to take the engine's")
+        bucket = info.bucket_bytes
+        if bucket is None:  # the largest tensor whole: it then reaches load_weights as a zero-copy view
+            bucket = auto_bucket_bytes(weights_and_manifest(self.source, None)[1] if self.source is not None else [])
+        return WeightSender(info.endpoint, bucket_bytes=bucket, timeout_s=float(info.timeout_s),
+                            num_receivers=info.num_workers or workers or 1)
+
+    def send_weights(self, weight_version: str | None = None, *, source: Any = None,
+                     version: int | None = None) -> SyncStats | None:
+        """One round: every worker receives the source (or `source`) and vLLM's version becomes `weight_version`.
+
+        `version` is hwsync's integer version (default: the number `weight_version` spells, else
+        the round count). Raises ManifestError (nothing changed) or SyncError with the engine's message.
+        """
+        source = self.source if source is None else source
+        if source is None:
+            raise ValueError("the hwsync trainer engine has no source: pass source= to trainer_init or send_weights")
+        tensors, manifest = weights_and_manifest(source, None)
+        if not self.is_sender:
+            for _ in tensors:  # take part in the collectives materialising each tensor (FSDP full_tensor)
+                pass
+            return None
+        assert self.sender is not None, "trainer_init opens the sender"
+        self._rounds += 1
+        number = version if version is not None else _version_number(weight_version, self._rounds)
+        update = asdict(HwsyncUpdateInfo(weight_version=weight_version))
+        self.client.start_weight_update()
+        outcome = send_while(lambda: self.client.update_weights(update), self.sender, tensors, version=number,
+                             manifest=manifest, timeout_s=float(self.init_info.timeout_s))
+        if outcome.rpc_exc is None:  # vLLM's workers closed nothing after a failed update; after this one, close
+            self.client.finish_weight_update(weight_version if outcome.send_exc is None else None)
+        reset_prefix_cache(self.client)  # also after a failure: a sync that broke midway changed some layers
+        self.last_stats = outcome.result()
+        return self.last_stats
+
+    def shutdown(self) -> None:
+        """Close the sender (buffers, socket); the workers' receivers reconnect to the next one."""
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
+
+register()  # the trainer process may never start an engine, so vLLM's plugin loader may never run here

