@@ -28,3 +28,7 @@ DOORBELL_MAX_SLEEP_S = 1e-3
 WORKER_JOIN_S = 2.0
 #: extra time the trainer gives the engine's receive call after its own side finished
 RPC_GRACE_S = 30.0
+#: how long close() called from another thread waits for a running sync to send its abort and end
+CLOSE_GRACE_S = 5.0
+#: a peer whose frames are dropped (no token, malformed) is logged at most once per this many seconds
+DROP_LOG_INTERVAL_S = 10.0
