@@ -23,6 +23,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -30,7 +31,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from hwsync.control import Endpoint
-from hwsync.errors import HwsyncError, ProtocolError, SyncError
+from hwsync.errors import HwsyncError, ProtocolError, SyncTimeout
 from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES, MAX_SENDER_FRAME_BYTES, PEER_QUEUE_FRAMES
 from hwsync.timing import DROP_LOG_INTERVAL_S
 
@@ -114,7 +115,7 @@ class ConnectionWatch:
         return self._monitor
 
     def check(self, what: str) -> None:
-        """Read the events so far; raise SyncError when the peer went away, ProtocolError for a failed handshake."""
+        """Read the events so far; raise SyncTimeout when the peer went away, ProtocolError for a failed handshake."""
         monitor = self._monitor
         while monitor is not None and monitor.poll(0, zmq.POLLIN):
             event = recv_monitor_message(monitor)["event"]
@@ -126,8 +127,8 @@ class ConnectionWatch:
                     "that sender's, or another program listens there; pass sender.endpoint as it is")
             elif event == zmq.EVENT_DISCONNECTED:
                 self.gone = what
-        if self.gone is not None:
-            raise SyncError(f"the connection to {self.address} closed while {what}: the other side exited or was "
+        if self.gone is not None:  # a SyncTimeout, as for a same-host peer process found gone
+            raise SyncTimeout(f"the connection to {self.address} closed while {what}: the other side exited or was "
                             "closed (check its log)")
 
     def close(self) -> None:
@@ -206,8 +207,9 @@ class DropLog:
     #: peers remembered at most (a stranger that reconnects again and again gets a new identity each time)
     MAX_PEERS = 256
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.where = where
+        self._clock = clock
         self._peers: OrderedDict[bytes, list[float]] = OrderedDict()  # identity -> [dropped since logged, when]
         #: every frame dropped so far (tests and `hwsync info` read it)
         self.total = 0
@@ -215,7 +217,7 @@ class DropLog:
     def drop(self, identity: bytes, address: str, reason: str) -> None:
         """Count one dropped frame from `identity` and log it unless that peer was logged recently."""
         self.total += 1
-        now = time.monotonic()
+        now = self._clock()
         entry = self._peers.pop(identity, None) or [0, -DROP_LOG_INTERVAL_S]
         self._peers[identity] = entry
         while len(self._peers) > self.MAX_PEERS:

@@ -22,6 +22,8 @@ FORWARD_SLICE_S = 0.2
 DOORBELL_FIRST_CHECK_S = 0.002
 #: ... and this often after (a non-blocking poll and a /proc read: cheap at this rate)
 DOORBELL_CHECK_S = 0.005
+#: while packing, how often the sender reads its socket: errors, close(), receivers that exited or were refused
+PACKING_CHECK_S = 0.005
 #: the longest sleep between doorbell checks once spinning has stopped paying
 DOORBELL_MAX_SLEEP_S = 1e-3
 #: how long a collective worker thread gets to finish its queue when its group is dropped

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from hwsync import WeightReceiver, WeightSender
+from hwsync import CollectiveReceiver, WeightReceiver, WeightSender
 
 import transfer_procs as procs
 
@@ -33,7 +33,46 @@ def serve(endpoint: str, q, doorbell: bool = True, timeout_s: float = 30.0) -> N
             receiver.receive(load)
             q.put({"digests": got, "version": receiver.version})
         except Exception as exc:  # noqa: BLE001 - reported to the test
+            q.put({"error": f"{type(exc).__name__}: {exc}", "after_s": time.monotonic() - t0, "at": time.time()})
+
+
+def serve_collective(endpoint: str, q, rank: int = 0, timeout_s: float = 30.0, proto: int | None = None,
+                     toy: bool = False) -> None:
+    """A CollectiveReceiver that receives syncs until killed; a misfit one (`proto`, `toy`, rank) stops at a failure.
+
+    `proto`: the protocol version this process speaks; `toy`: run the third-party test backend
+    (tests/plugins/hwsync_toy, gloo under another name) instead of cpu.
+    """
+    os.environ["HWSYNC_BACKEND"] = "cpu"
+    if proto is not None:  # this process runs a "newer" hwsync
+        import hwsync.disaggregated.hub
+
+        hwsync.disaggregated.hub.PROTOCOL_VERSION = proto
+    backend = None
+    if toy:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "plugins", "hwsync_toy"))
+        from hwsync_toy import ToyBackend
+
+        backend = ToyBackend()
+    receiver = CollectiveReceiver(endpoint, rank=rank, timeout_s=timeout_s, backend=backend)
+    misfit = proto is not None or toy or rank > 0
+    q.put({"up": os.getpid()})
+    while True:
+        got: dict[str, list] = {}
+
+        def load(pairs):
+            for name, t in pairs:
+                got[name] = procs.digest(t)
+
+        t0 = time.monotonic()
+        try:
+            receiver.receive(load)
+            q.put({"digests": got, "version": receiver.version})
+        except Exception as exc:  # noqa: BLE001 - reported to the test
             q.put({"error": f"{type(exc).__name__}: {exc}", "after_s": time.monotonic() - t0})
+            if misfit:
+                break
+    receiver.close()
 
 
 def receive_once(endpoint: str, q, timeout_s: float) -> None:
@@ -50,8 +89,11 @@ def receive_once(endpoint: str, q, timeout_s: float) -> None:
 
 
 def sender_then_idle(address: str, syncs: int) -> None:
-    """A sender that prints its endpoint, completes `syncs` syncs, prints "idle" and waits to be killed."""
-    with WeightSender(address, timeout_s=30) as sender:
+    """A sender that prints its endpoint, completes `syncs` syncs, prints "idle" and waits to be killed.
+
+    `address` is "ipc" (a private ipc:// socket) or a tcp:// address to bind.
+    """
+    with WeightSender(None if address == "ipc" else address, timeout_s=30) as sender:
         print(json.dumps({"endpoint": sender.endpoint, "pid": os.getpid()}), flush=True)
         for v in range(1, syncs + 1):
             sender.send(procs.versioned(v).items(), version=v)

@@ -85,9 +85,11 @@ def session(request):
     s.close()
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def log_every_drop(monkeypatch):
-    """Each test looks for its own stranger in the log: no rate limit across tests (test_drop_log checks it)."""
+    """A test that looks for its own stranger in the log: no rate limit across tests (units test it).
+
+    Not for the tests that send thousands of frames: the log records would weigh on the memory checks."""
     monkeypatch.setattr("hwsync.sockets.DROP_LOG_INTERVAL_S", 0.0)
 
 
@@ -121,7 +123,7 @@ JUNK = {
 
 @pytest.mark.parametrize("session", TRANSPORTS, indirect=True)
 @pytest.mark.parametrize("junk", list(JUNK) + ["REQ delimiter"])
-def test_junk_is_dropped_and_logged_and_the_next_sync_is_exact(session, junk, caplog):
+def test_junk_is_dropped_and_logged_and_the_next_sync_is_exact(session, junk, caplog, log_every_drop):
     caplog.set_level(logging.WARNING, logger="hwsync")
     before = rss_bytes()
     if junk == "REQ delimiter":  # a REQ socket puts an empty delimiter frame before every message
@@ -174,7 +176,7 @@ def test_forged_frames_without_the_token_never_touch_a_running_sync(session, cap
 
 @pytest.mark.parametrize("session", TRANSPORTS, indirect=True)
 @pytest.mark.parametrize("size,count", [(MAX_PEER_FRAME_BYTES + 1, 3), (200 << 20, 5)], ids=["limit+1", "5x200MB"])
-def test_oversized_frames_never_reach_the_sender(session, size, count, caplog):
+def test_oversized_frames_never_reach_the_sender(session, size, count, caplog, log_every_drop):
     caplog.set_level(logging.INFO, logger="hwsync")
     before = rss_bytes()
     stranger = session.stranger([[b"zeros", str(size).encode()]] * count, seconds=2.0)
@@ -185,7 +187,7 @@ def test_oversized_frames_never_reach_the_sender(session, size, count, caplog):
 
 
 @pytest.mark.parametrize("session", TRANSPORTS, indirect=True)
-def test_a_silent_stranger_is_ignored(session, caplog):
+def test_a_silent_stranger_is_ignored(session, caplog, log_every_drop):
     caplog.set_level(logging.DEBUG, logger="hwsync")
     stranger = session.stranger([], mode="silent", seconds=3.0)
     session.sync_exact()

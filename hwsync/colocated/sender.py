@@ -19,7 +19,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -92,7 +92,13 @@ class WeightSender:
             raise ValueError(f"endpoint {endpoint!r} must start with ipc:// or tcp://")
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None
-        self._sock, self._address, self._server_key = bind_control(self._ctx, self._address)
+        try:
+            self._sock, self._address, self._server_key = bind_control(self._ctx, self._address)
+        except BaseException:
+            self._ctx.term()
+            if self._owns_ipc_dir:
+                remove_ipc_dir(self._address)
+            raise
         self._connections = ConnectionLog(self._sock, "the sender")
         self._peers = PeerTable(self._token, num_receivers, self.backend.name, self.transport.name,
                                 reply_on(lambda: self._sock))
@@ -155,7 +161,7 @@ class WeightSender:
             link = self._offer(peers, sync, version, manifest, stats)
             assert self._buffers is not None and self._pool is not None
             stream = BucketStream(link, self._buffers, self._pool, self.bucket_bytes, sync, self._seq, stats,
-                                  dense=all(p.into for p in peers), closing=self._closing)
+                                  dense=all(p.into for p in peers))
             if onload is None:
                 self._seq = stream.run(source, manifest)
             else:
@@ -277,14 +283,22 @@ class WeightSender:
             return DoorbellLink(self._doorbell, len(peers), poll, self.timeout_s, self.endpoint), self._doorbell
         link = FrameLink([p.identity for p in peers], self._seq, lambda frame: self._broadcast(peers, frame),
                          lambda what: self._recv(what, [(p.pid, p.host) for p in peers]),
-                         lambda frame: self._raise_if_error(frame, sync))
+                         lambda frame: self._raise_if_error(frame, sync),
+                         lambda what: self._poll_failures(peers, sync, what, link.note))
         return link, None
 
-    def _poll_failures(self, peers: list[Peer], sync: int, what: str) -> None:
-        """While spinning on the doorbell: raise on close(), an error frame or a receiver that exited."""
+    def _poll_failures(self, peers: list[Peer], sync: int, what: str,
+                       note: Callable[[bytes, Frame], None] | None = None) -> None:
+        """While packing or spinning: raise on close(), an error frame or a receiver that exited.
+
+        Every frame queued now is read (a Ready of another receiver is answered at once); `note`
+        takes this sync's receivers' frames (the frame link counts releases).
+        """
         self._closing.check(what)
-        for _identity, frame in self._drain():
+        for identity, frame in self._drain():
             self._raise_if_error(frame, sync)
+            if note is not None:
+                note(identity, frame)
         raise_if_exited([(p.pid, p.host) for p in peers], what=what, endpoint=self.endpoint)
 
     def _finish(self, peers: list[Peer], sync: int, stats: SyncStats) -> None:

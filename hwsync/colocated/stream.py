@@ -14,12 +14,12 @@ from hwsync.bucket import BucketPacker, Closed, as_bytes, copy_bytes
 from hwsync.colocated.buffer_pool import BufferPool
 from hwsync.colocated.doorbell import DESCRIPTOR_BYTES
 from hwsync.colocated.links import BucketLink, timed_wait
-from hwsync.control import CloseSignal
 from hwsync.interfaces import SendBuffers
 from hwsync.manifest import TensorSpec, dtype_name
 from hwsync.protocol import Bucket
 from hwsync.source import NamedTensors, checked_items
 from hwsync.stats import SyncStats
+from hwsync.timing import PACKING_CHECK_S
 
 #: room kept in a descriptor for the frame's own fields besides the entries
 _FRAME_OVERHEAD = 1024
@@ -29,9 +29,8 @@ class BucketStream:
     """Streams one sync's (name, tensor) pairs through the buffers; `run` returns the next sequence number."""
 
     def __init__(self, link: BucketLink, buffers: SendBuffers, pool: BufferPool, bucket_bytes: int, sync: int,
-                 first_seq: int, stats: SyncStats, dense: bool = False, closing: CloseSignal | None = None) -> None:
+                 first_seq: int, stats: SyncStats, dense: bool = False) -> None:
         self.link, self.buffers, self.pool, self.sync, self.stats = link, buffers, pool, sync, stats
-        self.closing = closing  # checked per tensor: close() from another thread ends the sync
         self.seq = first_seq
         self.packer = BucketPacker(bucket_bytes, dense=dense, max_wire_bytes=DESCRIPTOR_BYTES - _FRAME_OVERHEAD)
         self.current: int | None = None  # the buffer being filled
@@ -40,9 +39,11 @@ class BucketStream:
         """Pack and post every tensor of `source`, checking it against `manifest` when given."""
         stats = self.stats
         self.pool.begin_sync()
+        next_check = time.perf_counter() + PACKING_CHECK_S
         for _position, name, tensor in checked_items(source, manifest):
-            if self.closing is not None and self.closing.is_set():
-                self.closing.check(f"packing tensor {name!r}")
+            if time.perf_counter() >= next_check:  # a long bucket (or a slow source) still hears failures
+                self.link.check(f"packing tensor {name!r}")
+                next_check = time.perf_counter() + PACKING_CHECK_S
             nbytes = tensor.numel() * tensor.element_size()
             flat = None
             for step in self.packer.place(name, dtype_name(tensor.dtype), tuple(tensor.shape), nbytes):

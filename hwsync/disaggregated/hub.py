@@ -123,10 +123,12 @@ class Hub:
         wanted = [("sender", s) for s in range(1, followers + 1)] + [("receiver", r) for r in range(receivers)]
         self._by_identity = {}  # late frames of the previous sync are ignored from here on
         deadline = time.monotonic() + self.timeout_s
-        while any(key not in self.waiting for key in wanted):
+        while True:
             refusal = self.gate.take_fatal()
             if refusal is not None:
                 raise ProtocolError(f"a rank was refused: {refusal}")
+            if all(key in self.waiting for key in wanted):
+                break
             if time.monotonic() > deadline:
                 missing = ", ".join(f"{role} {rank}" for role, rank in wanted if (role, rank) not in self.waiting)
                 raise SyncTimeout(f"timed out after {self.timeout_s:.1f}s waiting for {missing} to call "
