@@ -22,6 +22,10 @@ NamedTensors = Iterable[tuple[str, torch.Tensor]]
 TensorSource = Union[NamedTensors, Callable[[dict[str, Any]], NamedTensors]]
 
 
+#: the torch dtypes the wire has a name for (a set: this check runs once per tensor of every sync)
+_SENDABLE = frozenset(WIRE_DTYPES.values())
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -48,7 +52,7 @@ def named_tensor(position: int, item: Any, where: str = "the source",
     if not isinstance(tensor, torch.Tensor):
         raise error(f"{label} is of type {type(tensor).__name__}, not a torch.Tensor; yield (name, tensor) pairs "
                     "(torch.as_tensor(x) turns an array into one)")
-    if tensor.device.type == "meta":
+    if tensor.is_meta:
         raise error(f"{label} is a meta tensor: it has a shape but no data; materialise it before sending (load "
                     "its weights, e.g. after model.to_empty(device=...))")
     if tensor.is_nested:
@@ -57,7 +61,7 @@ def named_tensor(position: int, item: Any, where: str = "the source",
     if tensor.layout is not torch.strided:
         raise error(f"{label} has layout {tensor.layout}, which has no plain bytes to send; send tensor.to_dense() "
                     "instead, or its parts (indices, values) as tensors of their own")
-    if str(tensor.dtype).removeprefix("torch.") not in WIRE_DTYPES:
+    if tensor.dtype not in _SENDABLE:
         raise error(f"{label} has dtype {tensor.dtype}, which hwsync cannot send (it sends "
                     f"{', '.join(sorted(WIRE_DTYPES))}); convert it first, e.g. tensor.dequantize() or "
                     "tensor.to(torch.float32)")
