@@ -7,6 +7,7 @@ _run_pre_torch_hooks()
 
 from hwsync.errors import (
     BackendError,
+    ClosedError,
     HwsyncError,
     ManifestError,
     ProtocolError,
@@ -36,7 +37,7 @@ from hwsync.disaggregated import CollectiveReceiver, CollectiveSender, LocalForw
 __version__ = "0.1.0"
 
 __all__ = [
-    "Backend", "BackendError", "Communicator", "Device", "HwsyncError", "ManifestError", "ProbeResult",
+    "Backend", "BackendError", "ClosedError", "Communicator", "Device", "HwsyncError", "ManifestError", "ProbeResult",
     "ProtocolError", "RemoteError", "SyncError", "SyncStats", "SyncTimeout", "TensorSpec", "Transport",
     "WeightReceiver", "WeightSender", "get_backend", "manifest_from_module", "manifest_from_tensors",
     "select_backend", "BalanceResult", "BucketChoice", "MemoryImbalanceError", "MemoryReport", "check_balance",

@@ -1,46 +1,73 @@
-"""The control plane's sockets: endpoints and tokens, and waits with a timeout and a liveness check.
+"""The control plane's endpoints and waits: tokens, keys, and waits with a timeout and liveness checks.
 
-The sender binds a ZeroMQ ROUTER socket; receivers connect DEALER sockets. What travels on
-them is defined in hwsync.protocol. An ipc:// endpoint lives in a private 0700 directory;
-every endpoint carries a random token that receivers must present.
+The sender binds a ZeroMQ ROUTER socket; receivers connect DEALER sockets (hwsync.sockets makes
+both). What travels on them is defined in hwsync.protocol. An endpoint string carries all a
+receiver needs: the address, a random token it must present, and for tcp:// the sender's CURVE
+public key (the channel is encrypted and the sender authenticated):
+
+    ipc://PATH#TOKEN                 a socket file in a private 0700 directory (one host)
+    tcp://HOST:PORT#TOKEN#KEY        KEY: the sender's CURVE public key, 64 hex digits
+
+A wait returns a frame, or raises: at its deadline (SyncTimeout naming the phase), when a
+same-host peer process is gone, when the connection closed, or when close() was called from
+another thread (ClosedError).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import secrets
 import shutil
 import socket
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import zmq
 
-from hwsync.errors import SyncTimeout
-from hwsync.timing import LIVENESS_SLICE_S
+from hwsync.errors import ClosedError, SyncTimeout
+
+log = logging.getLogger("hwsync")
+from hwsync.timing import CLOSE_GRACE_S, LIVENESS_SLICE_S
+
+_FORMATS = "ipc://PATH#TOKEN, or tcp://HOST:PORT#TOKEN#KEY"
+_HEX_KEY = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
 class Endpoint:
-    """A bindable address plus the token receivers must present."""
+    """A bindable address, the token receivers must present and, for tcp://, the sender's CURVE public key."""
 
     address: str
     token: str
+    #: the bound side's CURVE public key, 64 hex digits (tcp:// only)
+    server_key: str | None = None
 
     def __str__(self) -> str:
-        return f"{self.address}#{self.token}"
+        return f"{self.address}#{self.token}" + (f"#{self.server_key}" if self.server_key else "")
 
     @classmethod
     def parse(cls, text: str) -> "Endpoint":
-        """Split "ADDRESS#TOKEN" as produced by WeightSender.endpoint."""
-        address, sep, token = text.rpartition("#")
-        if not sep or not address.startswith(("ipc://", "tcp://")):
-            raise ValueError(
-                f"endpoint {text!r} is not one a WeightSender printed; pass sender.endpoint as it is "
-                "(ipc://PATH#TOKEN or tcp://HOST:PORT#TOKEN)"
-            )
-        return cls(address, token)
+        """Split an endpoint string as a WeightSender or CollectiveSender printed it (see the module doc)."""
+        if text.startswith("ipc://"):
+            address, sep, token = text.rpartition("#")  # a socket path may itself hold a '#'
+            if sep and token:
+                return cls(address, token)
+        elif text.startswith("tcp://"):
+            parts = text.split("#")
+            if len(parts) == 2:
+                raise ValueError(f"endpoint {text!r} has no CURVE key: tcp:// endpoints carry the sender's public "
+                                 f"key since hwsync protocol 4; pass sender.endpoint as it is ({_FORMATS})")
+            if len(parts) == 3 and parts[1] and _HEX_KEY.fullmatch(parts[2]):
+                return cls(parts[0], parts[1], parts[2])
+        raise ValueError(f"endpoint {text!r} is not one a WeightSender printed; pass sender.endpoint as it is "
+                         f"({_FORMATS})")
 
 
 def private_ipc_dir() -> str:
@@ -84,22 +111,165 @@ def timeout_error(timeout_s: float, what: str, endpoint: str) -> SyncTimeout:
     )
 
 
-def raise_if_exited(peers: list[tuple[int | None, str | None]], *, what: str, endpoint: str) -> None:
+def raise_if_exited(peers: Sequence[tuple[int | None, str | None]], *, what: str, endpoint: str) -> None:
     """Raise SyncTimeout naming the first same-host peer process that no longer exists."""
     for pid, host in peers:
         if not peer_alive(pid, host):
             raise SyncTimeout(f"peer process {pid} exited {what} (endpoint {endpoint})")
 
 
+class Watch(Protocol):
+    """Something a wait polls besides its socket, which raises once it has something to say."""
+
+    def fileno_or_socket(self) -> int | zmq.Socket:
+        """What to poll: a file descriptor or a ZeroMQ socket."""
+
+    def check(self, what: str) -> None:
+        """Raise if what it watches calls for ending the wait (`what` names the phase)."""
+
+
+class CloseSignal:
+    """close() called from another thread: a flag checked between steps, and a pipe that wakes a wait at once.
+
+    ZeroMQ sockets belong to one thread, so close() never touches the socket of a running sync:
+    it sets this, and the thread running the sync raises ClosedError, sends its abort and ends.
+    """
+
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self._event = threading.Event()
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+
+    def set(self) -> None:
+        """Ask the running sync (if any) to end; safe from any thread, and to call twice."""
+        if not self._event.is_set():
+            self._event.set()
+            try:
+                os.write(self._write, b"x")
+            except OSError:
+                pass
+
+    def is_set(self) -> bool:
+        """Whether close() was called."""
+        return self._event.is_set()
+
+    def fileno_or_socket(self) -> int:
+        """The pipe's read end, readable once set."""
+        return self._read
+
+    def check(self, what: str) -> None:
+        """Raise ClosedError once close() was called."""
+        if self._event.is_set():
+            raise ClosedError(f"the {self.who} was closed (close() called from another thread) while {what}")
+
+    def close(self) -> None:
+        """Release the pipe (once nothing waits on it any more)."""
+        for fd in (self._read, self._write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._read = self._write = -1
+
+
+class Lifetime:
+    """A sender's or receiver's calls and its close(), from any thread.
+
+    One call at a time; ClosedError for any call after close(). close() from another thread
+    during a call sets the close signal, so the call's own thread ends it (sending the abort
+    or error its peers hear at once) and then waits for it; the resources are released by
+    whichever of the two finishes last. A call stuck in the caller's own code (a source that
+    does not yield) is given CLOSE_GRACE_S; it then releases them itself when it returns.
+    """
+
+    def __init__(self, who: str, release: Callable[[], None]) -> None:
+        self.who = who
+        self.signal = CloseSignal(who)
+        self._release = release
+        self._lock = threading.Lock()
+        self._running: int | None = None  # the thread inside a call, if any
+        self._idle = threading.Event()
+        self._idle.set()
+        self._closed = False
+        self._released = False
+
+    @contextmanager
+    def call(self, name: str) -> Iterator[None]:
+        """Run one call (`name`, for messages): refused after close() and while another runs."""
+        with self._lock:
+            if self._closed:
+                raise ClosedError(f"this {self.who} is closed; make a new one to {name} again")
+            if self._running is not None:
+                raise RuntimeError(f"{name}() is already running in another thread; one at a time per {self.who}")
+            self._running = threading.get_ident()
+            self._idle.clear()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running = None
+                self._idle.set()
+                release = self._closed  # close() came meanwhile and left the release to this thread
+            if release:
+                self._release_once()
+
+    def close(self) -> None:
+        """End a running call (from another thread) and release the resources; safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            running = self._running not in (None, threading.get_ident())
+        self.signal.set()
+        if running and not self._idle.wait(CLOSE_GRACE_S):
+            with self._lock:
+                if self._running is not None:
+                    log.warning("hwsync: close() left the running call of this %s to end by itself: it is in the "
+                                "caller's code (a source or load), and ends when that returns", self.who)
+                    return
+        self._release_once()
+
+    def _release_once(self) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        try:
+            self._release()
+        finally:
+            self.signal.close()
+
+
 def receive_frame(
-    sock: zmq.Socket, timeout_s: float, *, what: str, endpoint: str, peers: list[tuple[int | None, str | None]] = ()
-) -> list[bytes]:
-    """Wait for one multipart message, or raise SyncTimeout naming the phase and endpoint."""
-    deadline = time.monotonic() + timeout_s
+    sock: zmq.Socket, timeout_s: float, *, what: str, endpoint: str,
+    peers: Sequence[tuple[int | None, str | None]] = (), watches: Sequence[Watch] = (),
+    deadline: float | None = None, copy: bool = True,
+) -> list:
+    """Wait for one multipart message, or raise SyncTimeout naming the phase and endpoint.
+
+    `deadline` (time.monotonic()) lets a caller that skips some messages keep one deadline for
+    the whole wait; `watches` (a close signal, a connection monitor) are polled with the socket.
+    `copy=False` returns zmq.Frame parts (with their connection's metadata).
+    """
+    for watch in watches:
+        if isinstance(watch, CloseSignal):
+            watch.check(what)
+    if sock.poll(0, zmq.POLLIN):  # the common case: the frame is already there
+        return sock.recv_multipart(copy=copy)
+    deadline = time.monotonic() + timeout_s if deadline is None else deadline
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    for watch in watches:
+        poller.register(watch.fileno_or_socket(), zmq.POLLIN)
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             raise timeout_error(timeout_s, what, endpoint)
-        if sock.poll(int(min(left, LIVENESS_SLICE_S) * 1000), zmq.POLLIN):
-            return sock.recv_multipart()
-        raise_if_exited(list(peers), what=what, endpoint=endpoint)
+        ready = dict(poller.poll(int(min(left, LIVENESS_SLICE_S) * 1000)))
+        if sock in ready:  # before the watches: what a peer sent before it went away (an abort) comes first
+            return sock.recv_multipart(copy=copy)
+        for watch in watches:
+            if watch.fileno_or_socket() in ready:
+                watch.check(what)
+        raise_if_exited(peers, what=what, endpoint=endpoint)

@@ -33,3 +33,7 @@ class ManifestError(SyncError):
 
 class SourceError(HwsyncError, ValueError):
     """What the caller passed as a sync's source is unusable; the message names the item and the fix."""
+
+
+class ClosedError(HwsyncError):
+    """The sender or receiver was closed: a sync it was running ended, and it serves no more; make a new one."""

@@ -15,25 +15,56 @@ from typing import Any, Union
 import torch
 
 from hwsync.errors import ManifestError, SourceError
-from hwsync.manifest import TensorSpec, manifest_from_tensors
+from hwsync.manifest import WIRE_DTYPES, TensorSpec
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 #: what a sender's send() accepts: the tensors, or a function of the receivers' reported state giving them
 TensorSource = Union[NamedTensors, Callable[[dict[str, Any]], NamedTensors]]
 
 
+#: the torch dtypes the wire has a name for (a set: this check runs once per tensor of every sync)
+_SENDABLE = frozenset(WIRE_DTYPES.values())
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def named_tensor(position: int, item: Any, where: str = "the source",
                  error: type[Exception] = SourceError) -> tuple[str, torch.Tensor]:
-    """The (name, tensor) pair at `position` of `where`, or `error` naming the item and the fix."""
-    try:
-        name, tensor = item
-    except (TypeError, ValueError):
-        raise error(f"item #{position} of {where} is a {type(item).__name__}, not a (name, tensor) pair; "
-                    "yield (str, torch.Tensor) pairs, e.g. model.state_dict().items()") from None
-    if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-        label = f" ({name!r})" if isinstance(name, str) else ""
-        raise error(f"item #{position}{label} of {where}: yield (str, torch.Tensor) pairs, got "
-                    f"({type(name).__name__}, {type(tensor).__name__})")
+    """The (name, tensor) pair at `position` of `where`, or `error` naming the item and the fix.
+
+    Refused: anything but a 2-item tuple or list; a name that is not a str; a value that is not
+    a tensor; tensors without plain bytes to copy (meta, sparse and other non-strided layouts,
+    nested, quantized or other dtypes the wire has no name for).
+    """
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        kind = f"a {type(item).__name__} of {len(item)} items" if isinstance(item, (tuple, list)) else \
+            f"of type {type(item).__name__}"
+        raise error(f"item #{position} of {where} is {kind} ({_short(item)}), not a (name, tensor) pair; yield "
+                    "(str, torch.Tensor) pairs, e.g. model.state_dict().items()")
+    name, tensor = item
+    if not isinstance(name, str):
+        raise error(f"item #{position} of {where} is named {_short(name)}, of type {type(name).__name__}: names must "
+                    "be str; name it with a str (f\"layer.{i}\" for a number, name.decode() for bytes)")
+    label = f"item #{position} ({name!r}) of {where}"
+    if not isinstance(tensor, torch.Tensor):
+        raise error(f"{label} is of type {type(tensor).__name__}, not a torch.Tensor; yield (name, tensor) pairs "
+                    "(torch.as_tensor(x) turns an array into one)")
+    if tensor.is_meta:
+        raise error(f"{label} is a meta tensor: it has a shape but no data; materialise it before sending (load "
+                    "its weights, e.g. after model.to_empty(device=...))")
+    if tensor.is_nested:
+        raise error(f"{label} is a nested tensor, which has no single shape to announce; send its components "
+                    "(tensor.unbind()) as tensors of their own")
+    if tensor.layout is not torch.strided:
+        raise error(f"{label} has layout {tensor.layout}, which has no plain bytes to send; send tensor.to_dense() "
+                    "instead, or its parts (indices, values) as tensors of their own")
+    if tensor.dtype not in _SENDABLE:
+        raise error(f"{label} has dtype {tensor.dtype}, which hwsync cannot send (it sends "
+                    f"{', '.join(sorted(WIRE_DTYPES))}); convert it first, e.g. tensor.dequantize() or "
+                    "tensor.to(torch.float32)")
     return name, tensor
 
 
@@ -74,5 +105,5 @@ def with_manifest(source: NamedTensors, manifest: list[TensorSpec] | None, why: 
         return source, manifest
     if not isinstance(source, Sequence):
         raise SourceError(f"a lazy (name, tensor) source needs manifest=...: {why}; pass "
-                            "manifest_from_module(model), or the pairs as a list")
-    return source, manifest_from_tensors(source)
+                          "manifest_from_module(model), or the pairs as a list")
+    return source, [TensorSpec.of(*named_tensor(position, item)) for position, item in enumerate(source)]

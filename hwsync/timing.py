@@ -22,9 +22,15 @@ FORWARD_SLICE_S = 0.2
 DOORBELL_FIRST_CHECK_S = 0.002
 #: ... and this often after (a non-blocking poll and a /proc read: cheap at this rate)
 DOORBELL_CHECK_S = 0.005
+#: while packing, how often the sender reads its socket: errors, close(), receivers that exited or were refused
+PACKING_CHECK_S = 0.005
 #: the longest sleep between doorbell checks once spinning has stopped paying
 DOORBELL_MAX_SLEEP_S = 1e-3
 #: how long a collective worker thread gets to finish its queue when its group is dropped
 WORKER_JOIN_S = 2.0
 #: extra time the trainer gives the engine's receive call after its own side finished
 RPC_GRACE_S = 30.0
+#: how long close() called from another thread waits for a running sync to send its abort and end
+CLOSE_GRACE_S = 5.0
+#: a peer whose frames are dropped (no token, malformed) is logged at most once per this many seconds
+DROP_LOG_INTERVAL_S = 10.0

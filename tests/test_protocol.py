@@ -47,7 +47,7 @@ def _example(cls):
             kwargs[f.name] = [TensorSpec("w", "float32", (2, 3))]
         elif f.name in ("nbytes", "bucket_bytes"):
             kwargs[f.name] = 4096
-        elif f.name == "addresses":
+        elif kind == "list[str]":
             kwargs[f.name] = ["tcp://h:1"]
         elif kind.startswith(("Map", "dict")):
             kwargs[f.name] = {"k": [1, "v"]}
@@ -124,7 +124,8 @@ def test_entries_come_back_as_entries_and_manifests_as_specs():
 
 
 def test_ready_and_error_keep_their_fields():
-    ready = Ready(token="t", proto=3, pid=1, host="h", state={"engine": {"sleep_level": 0}}, doorbell=True, into=False)
+    ready = Ready(token="t", proto=4, pid=1, host="h", state={"engine": {"sleep_level": 0}}, doorbell=True, into=False,
+                  backend="cpu", transports=["shm"], instance="r1")
     assert decode(encode(ready), TO_SENDER) == ready
     error = Error(sync=None, kind="load", message="boom")
     assert decode(encode(error), TO_HUB) == error

@@ -202,7 +202,7 @@ def test_protocol_version_mismatch_is_refused(backend):
         q = CTX.Queue()
         p = CTX.Process(target=_mismatched_receiver, args=(sender.endpoint, q))
         p.start()
-        with pytest.raises(ProtocolError, match=f"speaks hwsync protocol {PROTOCOL_VERSION} and this receiver speaks 99"):
+        with pytest.raises(ProtocolError, match=f"speaks hwsync protocol 99 and this sender speaks {PROTOCOL_VERSION}"):
             sender.send(procs.versioned(1).items(), version=1)
         assert "install the same hwsync version on both sides" in q.get(timeout=60)["error"]
         p.join(30)

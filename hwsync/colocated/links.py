@@ -28,16 +28,20 @@ class BucketLink(Protocol):
     def wait_released(self, seq: int, what: str) -> None:
         """Return once every receiver has released bucket `seq`."""
 
+    def check(self, what: str) -> None:
+        """Raise if a receiver failed or went away, or close() was called (cheap: called while packing too)."""
+
 
 class FrameLink:
     """One ZeroMQ frame per bucket out, one release frame per bucket back."""
 
     def __init__(self, identities: list[bytes], first: int, broadcast: Callable[[Frame], None],
-                 recv: RecvFn, on_frame: Callable[[Frame], None]) -> None:
+                 recv: RecvFn, on_frame: Callable[[Frame], None], poll: Callable[[str], None]) -> None:
         self._released = {identity: first for identity in identities}
         self._broadcast = broadcast
         self._recv = recv
         self._on_frame = on_frame  # raises on an error frame
+        self._poll = poll  # poll(what): what is queued now goes to note(); raises on failures
 
     def post(self, seq: int, frame: Bucket) -> None:
         """Send the bucket frame to every receiver."""
@@ -46,10 +50,17 @@ class FrameLink:
     def wait_released(self, seq: int, what: str) -> None:
         """Read release frames until every receiver is past `seq`."""
         while min(self._released.values()) <= seq:
-            identity, frame = self._recv(what)
-            self._on_frame(frame)
-            if isinstance(frame, Release) and identity in self._released:
-                self._released[identity] = max(self._released[identity], frame.seq + 1)
+            self.note(*self._recv(what))
+
+    def note(self, identity: bytes, frame: Frame) -> None:
+        """Take one frame of a receiver: raise on an error, count a release."""
+        self._on_frame(frame)
+        if isinstance(frame, Release) and identity in self._released:
+            self._released[identity] = max(self._released[identity], frame.seq + 1)
+
+    def check(self, what: str) -> None:
+        """Read what is queued without waiting (releases are counted), raising on failures."""
+        self._poll(what)
 
 
 class DoorbellLink:
@@ -72,6 +83,10 @@ class DoorbellLink:
         bell, ranks = self._bell, self._ranks
         spin_wait(lambda: bell.min_released(ranks) > seq, lambda: self._poll(what), timeout_s=self._timeout_s, what=what,
                   endpoint=self._endpoint)
+
+    def check(self, what: str) -> None:
+        """Poll ZeroMQ for failures (the counters need no reading until a buffer is wanted)."""
+        self._poll(what)
 
 
 def timed_wait(link: BucketLink, seq: int, what: str) -> float:

@@ -7,13 +7,17 @@ only, and tensors reassembled from chunks are valid until the next sync (their m
 reused). `into` names the caller's own tensors to copy straight into, chunk by chunk: the
 fastest way for a receiver that owns preallocated destinations.
 A failure is reported to the sender as an error frame carrying the message, and leaves the
-receiver marked as holding an incomplete update until the next complete sync.
+receiver marked as holding an incomplete update until the next complete sync. A sender that
+exits or closes is noticed at once, between syncs too: the connection's monitor sees it go
+(and a same-host sender's pid, from its Welcome, is checked as well). A sender that refuses
+this receiver says why, and receive() raises ProtocolError with the reason.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -25,14 +29,16 @@ import zmq
 
 from hwsync.bucket import BucketReader, IntoFn
 from hwsync.colocated.doorbell import Doorbell, doorbell_supported, spin_wait
-from hwsync.control import Endpoint, peer_alive, raise_if_exited, receive_frame, remove_ipc_dir
+from hwsync.control import Endpoint, Lifetime, peer_alive, raise_if_exited, receive_frame, remove_ipc_dir
 from hwsync.errors import ProtocolError, RemoteError, SyncError
 from hwsync.interfaces import Backend, Handles, ReceiveBuffers
 from hwsync.manifest import TensorSpec
 from hwsync.memory import local_memory
-from hwsync.protocol import PROTOCOL_VERSION, TO_RECEIVER, Abort, Accept, Bucket, Complete, Done, Error, Frame, \
-    Gone, Offer, Ready, Release, decode, encode
+from hwsync.protocol import PROTOCOL_VERSION, TO_RECEIVER, Abort, Accept, BadFrame, Bucket, Complete, Done, Error, \
+    Frame, Gone, Offer, Ready, Refused, Release, Welcome, decode, encode, peek
+from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES, check_size, cut
 from hwsync.registry import get_backend
+from hwsync.sockets import ConnectionWatch, connect_control
 from hwsync.stats import SyncStats
 from hwsync.timing import DEFAULT_TIMEOUT_S
 
@@ -50,6 +56,12 @@ class WeightReceiver:
         self._backend = backend
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
+        self._watch: ConnectionWatch | None = None
+        #: this receiver's id, the same on every connection it makes (the sender tells reconnections apart)
+        self._instance = secrets.token_hex(8)
+        self._lifetime = Lifetime("WeightReceiver", self._release)
+        #: the sender refused this receiver: no Gone follows (it is not the sender's peer)
+        self._refused = False
         self._buffers: ReceiveBuffers | None = None
         self._handles: Handles | None = None
         self._doorbell: Doorbell | None = None
@@ -62,7 +74,7 @@ class WeightReceiver:
         self._reader = BucketReader()
         #: id of the last offer seen on this socket: older frames are stale
         self._last_sync = 0
-        #: (pid, host) of the sender, from its last offer
+        #: (pid, host) of the sender, from its Welcome or last offer
         self._sender: tuple[int | None, str | None] = (None, None)
 
     @property
@@ -90,6 +102,12 @@ class WeightReceiver:
         if load is None and into is None:
             raise ValueError("receive() needs load (called with each bucket's tensors), into (naming "
                              "destination tensors), or both")
+        with self._lifetime.call("receive"):
+            return self._receive(load, into, on_done, check_manifest, state)
+
+    def _receive(self, load: LoadFn | None, into: IntoFn | None, on_done: Callable[[], None] | None,
+                 check_manifest: Callable[[list[TensorSpec]], None] | None, state: dict[str, Any] | None
+                 ) -> SyncStats:
         start = time.perf_counter()
         stats = SyncStats()
         sync = None
@@ -98,14 +116,15 @@ class WeightReceiver:
             self._connect()
             self._send(Ready(token=self._endpoint.token, proto=PROTOCOL_VERSION, pid=os.getpid(),
                              host=socket.gethostname(), state=self._state(state), doorbell=doorbell_supported(),
-                             into=into is not None))
-            offer = self._await(Offer, None, "waiting for the sender's offer", None, stats)
+                             into=into is not None, backend=self.backend.name,
+                             transports=sorted(self.backend.transports()), instance=self._instance))
+            offer = self._await(Offer, None, "waiting for the sender's offer", stats)
             assert isinstance(offer, Offer)
             sync = offer.sync
             self._last_sync = sync
-            peer = self._sender = (offer.pid, offer.host)
+            self._sender = (offer.pid, offer.host)
             self._accept(offer, check_manifest, stats)
-            self._receive_buckets(offer, peer, load, into, stats)
+            self._receive_buckets(offer, load, into, stats)
             if on_done is not None:
                 t0 = time.perf_counter()
                 on_done()
@@ -158,18 +177,19 @@ class WeightReceiver:
         stats.transport = offer.transport
         self._send(Accept(sync=offer.sync))
 
-    def _receive_buckets(self, offer: Offer, peer: tuple, load: LoadFn | None, into: IntoFn | None,
-                         stats: SyncStats) -> None:
+    def _receive_buckets(self, offer: Offer, load: LoadFn | None, into: IntoFn | None, stats: SyncStats) -> None:
         assert self._buffers is not None
         sync, reader, seq, rank = offer.sync, self._reader, offer.first, offer.rank
         bell = self._doorbell if offer.doorbell else None
         reader.begin()
         while True:
             what = f"waiting for bucket {stats.buckets}"
+            if self._lifetime.signal.is_set():  # close() from another thread: checked per bucket, the waits check too
+                self._lifetime.signal.check(what)
             if bell is None:
-                frame = self._await((Bucket, Done), sync, what, peer, stats)
+                frame = self._await((Bucket, Done), sync, what, stats)
             else:
-                frame = self._ring_next(bell, seq, sync, what, peer, stats)
+                frame = self._ring_next(bell, seq, sync, what, stats)
             if isinstance(frame, Done):
                 if reader.pending():
                     raise SyncError(f"the sync ended with tensors incomplete: {reader.pending()[:5]}")
@@ -188,7 +208,7 @@ class WeightReceiver:
             del view  # no view may outlive the buffer's release
             early = not reader.aliases_view  # only reassembled tensors: the sender may refill now
             if early:
-                self._release(sync, frame.buf, seq, bell, rank)
+                self._release_bucket(sync, frame.buf, seq, bell, rank)
             if tensors:
                 if load is None:
                     raise ValueError(f"into() returned None for {tensors[0][0]!r} and no load was given; return "
@@ -196,15 +216,14 @@ class WeightReceiver:
                 load(tensors)
             del tensors
             if not early:
-                self._release(sync, frame.buf, seq, bell, rank)
+                self._release_bucket(sync, frame.buf, seq, bell, rank)
             stats.load_s += time.perf_counter() - t0
             stats.buckets += 1
             stats.tensors += sum(1 for e in frame.entries if e.is_last)
             stats.bytes += sum(e.chunk_bytes for e in frame.entries)
             seq += 1
 
-    def _ring_next(self, bell: Doorbell, seq: int, sync: int, what: str, peer: tuple,
-                   stats: SyncStats) -> Frame:
+    def _ring_next(self, bell: Doorbell, seq: int, sync: int, what: str, stats: SyncStats) -> Frame:
         """The next bucket's descriptor from the doorbell, or the sender's Done frame."""
         t0 = time.perf_counter()
         try:
@@ -214,25 +233,45 @@ class WeightReceiver:
                 if self._done is not None:  # "done" follows the last post: nothing more will come
                     return self._done
                 spin_wait(lambda: bell.posted > seq or self._done is not None,
-                          lambda: self._poll_sender(sync, what, peer), timeout_s=self.timeout_s, what=what,
+                          lambda: self._poll_sender(sync, what), timeout_s=self.timeout_s, what=what,
                           endpoint=str(self._endpoint.address))
         finally:
             stats.wait_s += time.perf_counter() - t0
 
-    def _poll_sender(self, sync: int, what: str, peer: tuple) -> None:
-        """While spinning on the doorbell: take Done, raise on Abort or a sender that exited."""
-        assert self._sock is not None
+    def _poll_sender(self, sync: int, what: str) -> None:
+        """While spinning on the doorbell: take Done, raise on Abort, close() or a sender that went away."""
+        assert self._sock is not None and self._watch is not None
+        self._lifetime.signal.check(what)
         while self._sock.poll(0, zmq.POLLIN):
-            frame = decode(self._sock.recv(), TO_RECEIVER)
-            if frame.sync != sync:
+            frame = self._decode(self._sock.recv_multipart())
+            if getattr(frame, "sync", None) != sync:
                 continue
             if isinstance(frame, Abort):
                 raise RemoteError(f"sender aborted the sync: {frame.message}")
             if isinstance(frame, Done):
                 self._done = frame
-        raise_if_exited([peer], what=what, endpoint=str(self._endpoint.address))
+        self._watch.check(what)  # after the frames: an abort sent just before the sender closed comes first
+        raise_if_exited([self._sender], what=what, endpoint=str(self._endpoint.address))
 
-    def _release(self, sync: int, buf: int, seq: int, bell: Doorbell | None, rank: int) -> None:
+    def _decode(self, parts: list[bytes]) -> Frame:
+        """The sender's frame; a Welcome is noted, a Refused raises its reason (in any protocol version)."""
+        if len(parts) != 1:
+            raise ProtocolError(f"the sender sent a message of {len(parts)} parts; expected one frame")
+        try:
+            frame = decode(parts[0], TO_RECEIVER)
+        except BadFrame:
+            raw = peek(parts[0])
+            if raw is None or raw.get("t") != Refused.T or not isinstance(raw.get("reason"), str):
+                raise
+            frame = Refused(reason=raw["reason"])
+        if isinstance(frame, Refused):
+            self._refused = True
+            raise ProtocolError(f"the sender refused this receiver: {frame.reason}")
+        if isinstance(frame, Welcome):
+            self._sender = (frame.pid, frame.host)
+        return frame
+
+    def _release_bucket(self, sync: int, buf: int, seq: int, bell: Doorbell | None, rank: int) -> None:
         assert self._buffers is not None
         self._buffers.release(buf)
         if bell is not None:
@@ -240,15 +279,18 @@ class WeightReceiver:
         else:
             self._send(Release(sync=sync, buf=buf, seq=seq))
 
-    def _await(self, kinds: type[Frame] | tuple[type[Frame], ...], sync: int | None, what: str, peer: tuple | None,
+    def _await(self, kinds: type[Frame] | tuple[type[Frame], ...], sync: int | None, what: str,
                stats: SyncStats) -> Frame:
         t0 = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
         try:
             while True:
-                assert self._sock is not None
-                (data,) = receive_frame(self._sock, self.timeout_s, what=what, endpoint=str(self._endpoint.address),
-                                        peers=[peer] if peer else [])
-                frame = decode(data, TO_RECEIVER)
+                assert self._sock is not None and self._watch is not None
+                frame = self._decode(receive_frame(
+                    self._sock, self.timeout_s, what=what, endpoint=str(self._endpoint.address), peers=[self._sender],
+                    watches=[self._lifetime.signal, self._watch], deadline=deadline))
+                if isinstance(frame, Welcome):
+                    continue
                 frame_sync = getattr(frame, "sync", None)
                 if sync is not None and frame_sync != sync:
                     continue  # a frame of an earlier, abandoned sync
@@ -263,35 +305,39 @@ class WeightReceiver:
 
     def _connect(self) -> None:
         if self._sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 1000)
-            sock.connect(self._endpoint.address)
-            self._sock = sock
+            self._sock, self._watch = connect_control(self._ctx, self._endpoint)
+            self._refused = False
 
     def _send(self, frame: Frame) -> None:
         assert self._sock is not None
-        self._sock.send(encode(frame))
+        self._sock.send(check_size(encode(frame), MAX_PEER_FRAME_BYTES, f"this receiver's {frame.T} frame"))
 
     def _fail(self, sync: int | None, exc: BaseException) -> None:
         """Report the failure to the sender (unless it came from there), then drop buffers and socket."""
         if self._sock is not None:
             try:
-                if sync is None:  # no offer came: withdraw our Ready so a later send() skips us
+                if sync is None and not self._refused:  # no offer came: withdraw our Ready so send() skips us
                     self._send(Gone())
-                elif not isinstance(exc, RemoteError):
+                elif sync is not None and not isinstance(exc, RemoteError):
                     kind = "protocol" if isinstance(exc, ProtocolError) else "load"
-                    self._send(Error(sync=sync, kind=kind, message=f"{type(exc).__name__}: {exc}"))
-            except zmq.ZMQError:
+                    self._send(Error(sync=sync, kind=kind, message=cut(f"{type(exc).__name__}: {exc}")))
+            except (zmq.ZMQError, ProtocolError):
                 pass
         log.warning("hwsync receive failed: %s", exc)
         if self._sender[0] and not peer_alive(*self._sender):
             # the sender died without cleaning up: its private ipc directory is ours to remove
             remove_ipc_dir(self._endpoint.address)
         self._close_buffers()
+        self._close_socket(linger_ms=1000)
+        self._last_sync = 0  # a new socket sees no frame of earlier syncs
+
+    def _close_socket(self, linger_ms: int) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         if self._sock is not None:
-            self._sock.close()
+            self._sock.close(linger=linger_ms)
             self._sock = None
-            self._last_sync = 0  # a new socket sees no frame of earlier syncs
 
     def _close_doorbell(self) -> None:
         if self._doorbell is not None:
@@ -306,11 +352,16 @@ class WeightReceiver:
             self._handles = None
 
     def close(self) -> None:
-        """Detach from buffers and close the socket; safe to call twice."""
+        """Detach from buffers and close the socket; safe to call twice, and from any thread.
+
+        A receive() running in another thread ends at once, telling the sender; every later call
+        raises ClosedError.
+        """
+        self._lifetime.close()
+
+    def _release(self) -> None:
         self._close_buffers()
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        self._close_socket(linger_ms=500)
         if not self._ctx.closed:
             self._ctx.term()
 

@@ -5,8 +5,10 @@ sync streams the caller's (name, tensor) iterable into the transport's buffers, 
 bucket; while receivers load bucket k the sender packs bucket k+1 into another buffer, and a
 buffer is refilled only after every receiver has released it. Which buffer comes next is the
 BufferPool's choice; buckets are signalled through the shared doorbell where it works, else by
-a ZeroMQ frame each (links). The frames are hwsync.protocol's. Any failure tears the session down (segments unlinked; the
-bound socket stays) and the next send() builds it again.
+a ZeroMQ frame each (links). The frames are hwsync.protocol's; who may send them is the peer
+table's (peers.py). Any failure tears the session down (segments unlinked; the bound socket
+stays) and the next send() builds it again. close() from another thread ends a running sync
+with an abort every receiver hears at once.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import dataclasses
 import logging
 import os
 import socket
+import sys
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -27,34 +29,26 @@ from hwsync.bucket import ALIGN
 from hwsync.colocated.buffer_pool import BufferPool
 from hwsync.colocated.doorbell import Doorbell, doorbell_supported
 from hwsync.colocated.links import BucketLink, DoorbellLink, FrameLink
+from hwsync.colocated.peers import Peer, PeerTable
 from hwsync.colocated.stream import BucketStream
-from hwsync.control import Endpoint, new_token, private_ipc_dir, raise_if_exited, receive_frame, remove_ipc_dir
-from hwsync.errors import ProtocolError, RemoteError
+from hwsync.control import Endpoint, Lifetime, new_token, private_ipc_dir, raise_if_exited, receive_frame, \
+    remove_ipc_dir
+from hwsync.errors import ClosedError, ProtocolError, RemoteError
+from hwsync.gate import reply_on
 from hwsync.interfaces import Backend, SendBuffers, Transport
 from hwsync.manifest import TensorSpec
 from hwsync.memory import MemoryReport, choose_bucket_bytes, local_memory
 from hwsync.offload import onload as onload_params
 from hwsync.planner import TrainerModel, plan_for_engines
-from hwsync.protocol import PROTOCOL_VERSION, TO_SENDER, Abort, Accept, BadFrame, Complete, Done, Error, Frame, \
-    Gone, Offer, Ready, decode, encode
+from hwsync.protocol import PROTOCOL_VERSION, Abort, Accept, Complete, Done, Error, Frame, Offer, encode
+from hwsync.protocol.limits import MAX_SENDER_FRAME_BYTES, check_size, cut
 from hwsync.registry import get_backend
+from hwsync.sockets import ConnectionLog, bind_control
 from hwsync.source import NamedTensors, TensorSource
 from hwsync.stats import SyncStats
 from hwsync.timing import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("hwsync")
-
-
-@dataclass
-class _Peer:
-    identity: bytes
-    pid: int | None
-    host: str | None
-    state: dict[str, Any]
-    #: whether it can read buckets from a shared doorbell
-    doorbell: bool = False
-    #: whether it copies straight into its own tensors (receive(into=...))
-    into: bool = False
 
 
 class WeightSender:
@@ -97,16 +91,26 @@ class WeightSender:
         if not self._address.startswith(("ipc://", "tcp://")):
             raise ValueError(f"endpoint {endpoint!r} must start with ipc:// or tcp://")
         self._ctx = zmq.Context()
-        self._sock: zmq.Socket | None = None
+        self._sock: zmq.Socket | None
+        try:
+            self._sock, self._address, self._server_key = bind_control(self._ctx, self._address)
+        except BaseException:
+            self._ctx.term()
+            if self._owns_ipc_dir:
+                remove_ipc_dir(self._address)
+            raise
+        self._connections = ConnectionLog(self._sock, "the sender")
+        self._peers = PeerTable(self._token, num_receivers, self.backend.name, self.transport.name,
+                                reply_on(lambda: self._sock))
         self._buffers: SendBuffers | None = None
         self._doorbell: Doorbell | None = None
         self._pool: BufferPool | None = None
         #: sequence number of the next bucket; grows across the syncs of one set of buffers
         self._seq = 0
         self._syncs = 0
-        #: Ready/Gone frames that arrived during a sync, for the next one
-        self._early: list[tuple[bytes, Frame]] = []
-        self._bind()
+        #: close() from another thread: the running sync ends and aborts its receivers
+        self._lifetime = Lifetime("WeightSender", self._release)
+        self._closing = self._lifetime.signal
 
     def _resolve_transport(self, transport: str | Transport | None) -> Transport:
         if isinstance(transport, Transport):
@@ -118,18 +122,10 @@ class WeightSender:
             raise ValueError(f"backend {self.backend.name!r} has no transport {transport!r}; it has {sorted(available)}")
         return available[transport]
 
-    def _bind(self) -> None:
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(self._address)
-        # a tcp://host:0 endpoint gets its real port here, and keeps it for rebinds
-        self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._sock = sock
-
     @property
     def endpoint(self) -> str:
-        """What a WeightReceiver connects to (address and token)."""
-        return str(Endpoint(self._address, self._token))
+        """What a WeightReceiver connects to: address, token and (tcp://) the CURVE public key."""
+        return str(Endpoint(self._address, self._token, self._server_key))
 
     def send(
         self,
@@ -145,11 +141,16 @@ class WeightSender:
         state returning one, or a TrainerModel, which is planned against the engines' state.
         `onload`: parameters to bring from host memory to the device for the sync, and back.
         """
+        with self._lifetime.call("send"):
+            return self._send(named_tensors, version, manifest, onload)
+
+    def _send(self, named_tensors: TensorSource | TrainerModel, version: int, manifest: list[TensorSpec] | None,
+              onload: torch.nn.Module | Iterable[torch.Tensor] | None) -> SyncStats:
         start = time.perf_counter()
         self._syncs += 1
         sync = self._syncs
         stats = SyncStats(version=version, num_buffers=self.num_buffers, transport=self.transport.name)
-        peers: list[_Peer] = []
+        peers: list[Peer] = []
         try:
             peers = self._await_ready(stats)
             source = self._source(named_tensors, peers, stats)
@@ -172,11 +173,13 @@ class WeightSender:
         except BaseException as exc:
             self._fail(peers, sync, exc)
             raise
+        finally:
+            self._peers.end_sync(failed=sys.exc_info()[0] is not None)
         stats.total_s = time.perf_counter() - start
         log.info("hwsync sent %s", stats)
         return stats
 
-    def _source(self, named_tensors: TensorSource | TrainerModel, peers: list[_Peer], stats: SyncStats) -> NamedTensors:
+    def _source(self, named_tensors: TensorSource | TrainerModel, peers: list[Peer], stats: SyncStats) -> NamedTensors:
         if isinstance(named_tensors, TrainerModel):
             t0 = time.perf_counter()
             plan = plan_for_engines([p.state.get("engine") for p in peers], named_tensors)
@@ -186,7 +189,7 @@ class WeightSender:
             return plan.tensors()
         return named_tensors(peers[0].state) if callable(named_tensors) else named_tensors
 
-    def _size_buckets(self, peers: list[_Peer], stats: SyncStats) -> None:
+    def _size_buckets(self, peers: list[Peer], stats: SyncStats) -> None:
         """Default sizes: by how receivers take tensors; "auto": by the least free memory of all sides."""
         geometry = self.transport.into_geometry
         if self._default_geometry:  # decided afresh whenever buffers are opened: receivers may have changed
@@ -214,32 +217,45 @@ class WeightSender:
         if doorbell_supported():
             self._doorbell = Doorbell.create(self.num_receivers, self.num_buffers)
 
-    def _await_ready(self, stats: SyncStats) -> list[_Peer]:
-        peers: dict[bytes, _Peer] = {}
+    def _await_ready(self, stats: SyncStats) -> list[Peer]:
+        """Receivers ready for this sync; the peer table answers (and refuses) each Ready as it comes."""
         t0 = time.perf_counter()
-        early, self._early = self._early, []
-        for identity, frame in early:  # receivers that were ready before the last sync ended
-            self._note_ready(peers, identity, frame)
-        while len(peers) < self.num_receivers:
-            self._note_ready(peers, *self._recv("waiting for receivers to call receive()", []))
-            if len(peers) >= self.num_receivers:
-                # a receiver that gave up says "gone" right after its "ready": drain what is queued
-                while self._sock is not None and self._sock.poll(0, zmq.POLLIN):
-                    frame = self._decode(*self._sock.recv_multipart())
-                    if frame is not None:
-                        self._note_ready(peers, *frame)
+        what, deadline = "waiting for receivers to call receive()", time.monotonic() + self.timeout_s
+        while True:
+            self._drain()  # a receiver that gave up says "gone" right after its "ready": read all that is queued
+            refusal = self._peers.gate.take_fatal()
+            if refusal is not None:
+                raise ProtocolError(f"a receiver was refused: {refusal}")
+            if self._peers.ready_count() >= self.num_receivers:
+                break
+            self._take(receive_frame(self._socket(), self.timeout_s, what=what, endpoint=self.endpoint,
+                                     watches=[self._closing, self._connections], deadline=deadline, copy=False))
         stats.wait_s += time.perf_counter() - t0
-        return list(peers.values())[: self.num_receivers]
+        return self._peers.start_sync()
 
-    def _note_ready(self, peers: dict[bytes, _Peer], identity: bytes, frame: Frame) -> None:
-        if isinstance(frame, Gone):
-            peers.pop(identity, None)
-        elif isinstance(frame, Ready) and frame.token == self._token:
-            peers[identity] = _Peer(identity, frame.pid, frame.host, frame.state, frame.doorbell, frame.into)
-        elif isinstance(frame, Ready):
-            log.warning("hwsync: ignored a receiver that presented a wrong token")
+    def _take(self, parts: list[zmq.Frame]) -> tuple[bytes, Frame] | None:
+        """A checked frame of one of this sync's receivers, or None (handled, dropped, or another peer's)."""
+        got = self._peers.take(parts)
+        if got is None or self._peers.sync_peer(got[0]) is None:
+            return None
+        return got
 
-    def _offer(self, peers: list[_Peer], sync: int, version: int, manifest: list[TensorSpec] | None,
+    def _drain(self) -> list[tuple[bytes, Frame]]:
+        """Every message queued now, taken; the frames of this sync's receivers among them."""
+        sock, frames = self._socket(), []
+        self._connections.check()
+        while sock.poll(0, zmq.POLLIN):
+            got = self._take(sock.recv_multipart(copy=False))
+            if got is not None:
+                frames.append(got)
+        return frames
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            raise ClosedError("this WeightSender is closed; make a new one to send again")
+        return self._sock
+
+    def _offer(self, peers: list[Peer], sync: int, version: int, manifest: list[TensorSpec] | None,
                stats: SyncStats) -> BucketLink:
         """Announce the sync's geometry to each receiver (its rank, the signalling way) and await the accepts."""
         assert self._buffers is not None
@@ -252,12 +268,13 @@ class WeightSender:
             total_bytes=None if manifest is None else sum(s.nbytes for s in manifest),
             first=self._seq, doorbell=None if bell is None else bell.handle(), rank=0)
         for rank, peer in enumerate(peers):
-            assert self._sock is not None
-            self._sock.send_multipart([peer.identity, encode(dataclasses.replace(offer, rank=rank))])
+            data = check_size(encode(dataclasses.replace(offer, rank=rank)), MAX_SENDER_FRAME_BYTES,
+                              f"the offer of {len(manifest or [])} tensors")
+            self._socket().send_multipart([peer.identity, data])
         self._await_each(peers, sync, Accept, "waiting for receivers to accept the offer", stats)
         return link
 
-    def _link(self, peers: list[_Peer], sync: int) -> tuple[BucketLink, Doorbell | None]:
+    def _link(self, peers: list[Peer], sync: int) -> tuple[BucketLink, Doorbell | None]:
         """The doorbell when every receiver shares this host and can use it, else a frame per bucket."""
         here = socket.gethostname()
         if self._doorbell is not None and all(p.doorbell and p.host == here for p in peers):
@@ -266,19 +283,25 @@ class WeightSender:
             return DoorbellLink(self._doorbell, len(peers), poll, self.timeout_s, self.endpoint), self._doorbell
         link = FrameLink([p.identity for p in peers], self._seq, lambda frame: self._broadcast(peers, frame),
                          lambda what: self._recv(what, [(p.pid, p.host) for p in peers]),
-                         lambda frame: self._raise_if_error(frame, sync))
+                         lambda frame: self._raise_if_error(frame, sync),
+                         lambda what: self._poll_failures(peers, sync, what, link.note))
         return link, None
 
-    def _poll_failures(self, peers: list[_Peer], sync: int, what: str) -> None:
-        """While spinning on the doorbell: raise on an error frame or a receiver that exited."""
-        assert self._sock is not None
-        while self._sock.poll(0, zmq.POLLIN):
-            got = self._decode(*self._sock.recv_multipart())
-            if got is not None:
-                self._raise_if_error(self._keep_early(*got)[1], sync)
+    def _poll_failures(self, peers: list[Peer], sync: int, what: str,
+                       note: Callable[[bytes, Frame], None] | None = None) -> None:
+        """While packing or spinning: raise on close(), an error frame or a receiver that exited.
+
+        Every frame queued now is read (a Ready of another receiver is answered at once); `note`
+        takes this sync's receivers' frames (the frame link counts releases).
+        """
+        self._closing.check(what)
+        for identity, frame in self._drain():
+            self._raise_if_error(frame, sync)
+            if note is not None:
+                note(identity, frame)
         raise_if_exited([(p.pid, p.host) for p in peers], what=what, endpoint=self.endpoint)
 
-    def _finish(self, peers: list[_Peer], sync: int, stats: SyncStats) -> None:
+    def _finish(self, peers: list[Peer], sync: int, stats: SyncStats) -> None:
         self._broadcast(peers, Done(sync=sync, buckets=stats.buckets, tensors=stats.tensors, bytes=stats.bytes))
         replies = self._await_each(peers, sync, Complete, "waiting for receivers to finish loading", stats)
         reports = [r.stats for r in replies]
@@ -287,7 +310,7 @@ class WeightSender:
         stats.peer = reports[0] if len(reports) == 1 else {"receivers": reports}
         stats.load_s = max((r.get("load_s", 0.0) for r in reports), default=0.0)
 
-    def _await_each(self, peers: list[_Peer], sync: int, kind: type[Accept] | type[Complete], what: str,
+    def _await_each(self, peers: list[Peer], sync: int, kind: type[Accept] | type[Complete], what: str,
                     stats: SyncStats) -> list[Any]:
         t0 = time.perf_counter()
         replies: dict[bytes, Any] = {}
@@ -306,37 +329,21 @@ class WeightSender:
             raise cls(f"receiver failed: {frame.message}")
 
     def _recv(self, what: str, peers: list[tuple[int | None, str | None]]) -> tuple[bytes, Frame]:
-        assert self._sock is not None
+        """The next frame of one of this sync's receivers; anything else that arrives meanwhile is handled."""
+        deadline = time.monotonic() + self.timeout_s  # one deadline, however many other frames arrive
         while True:
-            got = self._decode(*receive_frame(self._sock, self.timeout_s, what=what, endpoint=self.endpoint,
-                                              peers=peers))
+            got = self._take(receive_frame(self._socket(), self.timeout_s, what=what, endpoint=self.endpoint,
+                                           peers=peers, watches=[self._closing, self._connections], deadline=deadline,
+                                           copy=False))
             if got is not None:
-                return self._keep_early(*got) if peers else got
+                return got
 
-    @staticmethod
-    def _decode(identity: bytes, *parts: bytes) -> tuple[bytes, Frame] | None:
-        """A peer's frame, or None (logged) when it is not one a receiver may send."""
-        try:
-            if len(parts) != 1:
-                raise BadFrame(f"expected one frame part, got {len(parts)}")
-            return identity, decode(parts[0], TO_SENDER)
-        except BadFrame as exc:
-            log.warning("hwsync: dropped a bad frame from peer %s: %s", identity.hex(), exc)
-            return None
-
-    def _keep_early(self, identity: bytes, frame: Frame) -> tuple[bytes, Frame]:
-        """Mid-sync, one receiver may already be ready for the next sync: keep that frame for it."""
-        if isinstance(frame, (Ready, Gone)):
-            self._early.append((identity, frame))
-        return identity, frame
-
-    def _broadcast(self, peers: list[_Peer], frame: Frame) -> None:
-        assert self._sock is not None
-        data = encode(frame)
+    def _broadcast(self, peers: list[Peer], frame: Frame) -> None:
+        data, sock = encode(frame), self._socket()
         for peer in peers:
-            self._sock.send_multipart([peer.identity, data])
+            sock.send_multipart([peer.identity, data])
 
-    def _fail(self, peers: list[_Peer], sync: int, exc: BaseException) -> None:
+    def _fail(self, peers: list[Peer], sync: int, exc: BaseException) -> None:
         """Abort every receiver (one that failed first ignores it), then release the buffers.
 
         The bound socket stays: it is the session's address, and a receiver reconnecting after
@@ -344,7 +351,7 @@ class WeightSender:
         """
         if peers and self._sock is not None:
             try:
-                self._broadcast(peers, Abort(sync=sync, message=f"{type(exc).__name__}: {exc}"))
+                self._broadcast(peers, Abort(sync=sync, message=cut(f"{type(exc).__name__}: {exc}")))
             except zmq.ZMQError:
                 pass
         self._close_buffers()
@@ -358,15 +365,20 @@ class WeightSender:
             self._buffers = None
         self._pool = None
 
-    def _teardown(self) -> None:
-        self._close_buffers()
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
-
     def close(self) -> None:
-        """Release buffers, socket and the private ipc directory; safe to call twice."""
-        self._teardown()
+        """Release buffers, socket and the private ipc directory; safe to call twice, and from any thread.
+
+        A sync running in another thread ends at once: it aborts its receivers and raises
+        ClosedError there. Every later call raises ClosedError.
+        """
+        self._lifetime.close()
+
+    def _release(self) -> None:
+        self._close_buffers()
+        self._connections.close()
+        if self._sock is not None:
+            self._sock.close(linger=500)  # long enough for an abort just sent to reach live receivers
+            self._sock = None
         if not self._ctx.closed:
             self._ctx.term()
         if self._owns_ipc_dir:

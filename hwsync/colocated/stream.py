@@ -19,6 +19,7 @@ from hwsync.manifest import TensorSpec, dtype_name
 from hwsync.protocol import Bucket
 from hwsync.source import NamedTensors, checked_items
 from hwsync.stats import SyncStats
+from hwsync.timing import PACKING_CHECK_S
 
 #: room kept in a descriptor for the frame's own fields besides the entries
 _FRAME_OVERHEAD = 1024
@@ -38,7 +39,11 @@ class BucketStream:
         """Pack and post every tensor of `source`, checking it against `manifest` when given."""
         stats = self.stats
         self.pool.begin_sync()
+        next_check = time.perf_counter() + PACKING_CHECK_S
         for _position, name, tensor in checked_items(source, manifest):
+            if time.perf_counter() >= next_check:  # a long bucket (or a slow source) still hears failures
+                self.link.check(f"packing tensor {name!r}")
+                next_check = time.perf_counter() + PACKING_CHECK_S
             nbytes = tensor.numel() * tensor.element_size()
             flat = None
             for step in self.packer.place(name, dtype_name(tensor.dtype), tuple(tensor.shape), nbytes):

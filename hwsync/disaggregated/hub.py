@@ -10,6 +10,11 @@ Failure detection, all on the hub (sender rank 0):
   not know who is to blame, so the hub pings everyone and names those that do not answer;
 - when nothing has happened for half the timeout the hub pings too; at the timeout it gives up.
 The hub sends Alive frames meanwhile, so the other ranks time out only when it goes silent.
+
+Who may talk to the hub is its Gate's (hwsync.gate): a rank presents the token in its
+RankReady, which binds its connection; the hub answers Welcome, or Refused with the reason (a
+role or rank this sync has no place for, another protocol version, another backend). A Link
+notices at once when the hub's connection goes (its monitor), and the hub's pid from Welcome.
 """
 
 from __future__ import annotations
@@ -27,9 +32,12 @@ import zmq
 
 from hwsync.control import Endpoint, peer_alive
 from hwsync.disaggregated.worker import CollectiveWorker, Result
-from hwsync.errors import RemoteError, SyncError, SyncTimeout
-from hwsync.protocol import TO_HUB, TO_RANK, Abort, Alive, BadFrame, Error, Frame, Ping, PlanFrame, Pong, \
-    RankReady, Setup, decode, encode
+from hwsync.errors import ProtocolError, RemoteError, SyncError, SyncTimeout
+from hwsync.gate import Gate, reply_on
+from hwsync.protocol import PROTOCOL_VERSION, TO_HUB, TO_RANK, Abort, Alive, BadFrame, Error, Frame, Ping, \
+    PlanFrame, Pong, RankReady, Refused, Setup, Welcome, decode, encode, peek
+from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES, MAX_SENDER_FRAME_BYTES, check_size, cut
+from hwsync.sockets import ConnectionLog, bind_control, connect_control
 from hwsync.timing import CONTROL_SLICE_S
 
 log = logging.getLogger("hwsync")
@@ -44,6 +52,7 @@ def _close(sock: zmq.Socket, ctx: zmq.Context) -> None:
         sock.close(linger=1000)
     if not ctx.closed:
         ctx.term()
+
 
 
 @dataclass
@@ -81,14 +90,16 @@ def this_process() -> dict[str, Any]:
 class Hub:
     """Sender rank 0's ROUTER socket: gathers the other ranks, collects their replies, names failures."""
 
-    def __init__(self, address: str, token: str, timeout_s: float) -> None:
+    def __init__(self, address: str, token: str, timeout_s: float, *, num_senders: int = 1, num_receivers: int = 1,
+                 backend: str = "") -> None:
         self.token = token
         self.timeout_s = timeout_s
+        self.num_senders, self.num_receivers, self.backend = num_senders, num_receivers, backend
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock, self.address, self.server_key = bind_control(self._ctx, address)
         self._sock.setsockopt(zmq.LINGER, 1000)  # lets a final abort reach live peers
-        self._sock.bind(address)
-        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.gate = Gate(token, RankReady, TO_HUB, reply_on(lambda: self._sock), names=("rank", "hub"))
+        self._connections = ConnectionLog(self._sock, "the hub")
         self.waiting: dict[tuple[str, int], PeerInfo] = {}  # ready ranks for the next sync
         self.peers: list[PeerInfo] = []
         self.sync = 0
@@ -104,15 +115,20 @@ class Hub:
 
     @property
     def endpoint(self) -> str:
-        """What the other ranks pass as `endpoint` (address and token)."""
-        return str(Endpoint(self.address, self.token))
+        """What the other ranks pass as `endpoint` (address, token and, for tcp://, the CURVE key)."""
+        return str(Endpoint(self.address, self.token, self.server_key))
 
     def gather(self, followers: int, receivers: int) -> list[PeerInfo]:
         """Wait for every other rank's RankReady, then start a sync with them."""
         wanted = [("sender", s) for s in range(1, followers + 1)] + [("receiver", r) for r in range(receivers)]
         self._by_identity = {}  # late frames of the previous sync are ignored from here on
         deadline = time.monotonic() + self.timeout_s
-        while any(key not in self.waiting for key in wanted):
+        while True:
+            refusal = self.gate.take_fatal()
+            if refusal is not None:
+                raise ProtocolError(f"a rank was refused: {refusal}")
+            if all(key in self.waiting for key in wanted):
+                break
             if time.monotonic() > deadline:
                 missing = ", ".join(f"{role} {rank}" for role, rank in wanted if (role, rank) not in self.waiting)
                 raise SyncTimeout(f"timed out after {self.timeout_s:.1f}s waiting for {missing} to call "
@@ -128,7 +144,8 @@ class Hub:
 
     def send(self, frame: Frame, peers: list[PeerInfo] | None = None) -> None:
         """Send a frame of the current sync to `peers` (all of this sync's peers by default)."""
-        data = encode(dataclasses.replace(frame, sync=self.sync))
+        data = check_size(encode(dataclasses.replace(frame, sync=self.sync)), MAX_SENDER_FRAME_BYTES,
+                          f"the hub's {frame.T} frame")
         for peer in self.peers if peers is None else peers:
             self._sock.send_multipart([peer.identity, data])
 
@@ -150,20 +167,16 @@ class Hub:
     def _poll_once(self, slice_s: float) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._connections.fileno_or_socket(), zmq.POLLIN)
         for worker in self.workers:
             poller.register(worker, zmq.POLLIN)
         ready = dict(poller.poll(int(slice_s * 1000)))
+        self._connections.check()
         if self._sock in ready:
             while self._sock.poll(0, zmq.POLLIN):
-                identity, *parts = self._sock.recv_multipart()
-                try:
-                    if len(parts) != 1:
-                        raise BadFrame(f"expected one frame part, got {len(parts)}")
-                    frame = decode(parts[0], TO_HUB)
-                except BadFrame as exc:
-                    log.warning("hwsync: the hub dropped a bad frame from peer %s: %s", identity.hex(), exc)
-                    continue
-                self._on_frame(identity, frame)
+                got = self.gate.admit(self._sock.recv_multipart(copy=False))
+                if got is not None:
+                    self._on_frame(*got)
         for worker in self.workers:
             for result in worker.results():
                 self.last_event = time.monotonic()
@@ -173,12 +186,7 @@ class Hub:
 
     def _on_frame(self, identity: bytes, frame: Frame) -> None:
         if isinstance(frame, RankReady):
-            if frame.token != self.token:
-                log.warning("hwsync: ignored a ready frame with a wrong token")
-                return
-            peer = PeerInfo(frame.role, frame.rank, identity, frame.pid, frame.host, frame.epoch, frame.address,
-                            frame.state)
-            self.waiting[peer.key] = peer  # a later ready (a restarted rank) replaces an earlier one
+            self._on_ready(identity, frame)
             return
         peer = self._by_identity.get(identity)
         if peer is None or getattr(frame, "sync", None) != self.sync:
@@ -190,6 +198,28 @@ class Hub:
             if self._suspect is None:
                 self._start_round(f"{peer} reported: {frame.message}")
         self.replied(type(frame))[peer.key] = frame
+
+    def _on_ready(self, identity: bytes, frame: RankReady) -> None:
+        """Take a rank for the next sync (bound and welcomed), or refuse it with the reason."""
+        places = {"sender": range(1, self.num_senders), "receiver": range(self.num_receivers)}
+        if frame.role not in places or frame.rank not in places[frame.role]:
+            limits = f"num_senders={self.num_senders}, num_receivers={self.num_receivers}"
+            self.gate.refuse(identity, f"{frame.role} {frame.rank} (pid {frame.pid} on {frame.host}) has no place in "
+                                       f"this sync ({limits}; sender ranks 1.., receiver ranks 0..): give each rank a "
+                                       "distinct rank below those counts", fatal=False)
+            return
+        if frame.backend != self.backend:
+            self.gate.refuse(identity, f"{frame.role} {frame.rank} (pid {frame.pid} on {frame.host}) runs backend "
+                                       f"{frame.backend!r} and sender 0 runs {self.backend!r}: their collectives cannot "
+                                       "meet; set HWSYNC_BACKEND alike on every rank", fatal=True)
+            return
+        peer = PeerInfo(frame.role, frame.rank, identity, frame.pid, frame.host, frame.epoch, frame.address,
+                        frame.state)
+        old = self.waiting.get(peer.key)
+        if old is not None and old.identity != identity and old.identity not in self._by_identity:
+            self.gate.unbind(old.identity)  # a restarted rank: its old connection is gone
+        self.waiting[peer.key] = peer  # a later ready (a restarted rank) replaces an earlier one
+        self.gate.bind(identity)
 
     def _start_round(self, reason: str | None) -> None:
         """Ping every peer; whoever does not answer within a quarter of the timeout is named."""
@@ -229,25 +259,26 @@ class Hub:
     def abort(self, message: str) -> None:
         """Tell this sync's peers it failed, with the reason."""
         try:
-            self.send(Abort(sync=None, message=message))
+            self.send(Abort(sync=None, message=cut(message)))
         except zmq.ZMQError:
             pass
 
     def close(self) -> None:
         """Close the socket and the context; safe to call twice."""
+        self._connections.close()
         _close(self._sock, self._ctx)
 
 
 class Link:
     """A non-hub rank's DEALER socket to the hub: replies to pings, notices aborts and hub silence."""
 
-    def __init__(self, endpoint: str, timeout_s: float) -> None:
+    def __init__(self, endpoint: str, timeout_s: float, backend: str = "") -> None:
         self.endpoint = Endpoint.parse(endpoint)
         self.timeout_s = timeout_s
+        self.backend = backend
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 1000)
-        self._sock.connect(self.endpoint.address)
+        self._sock, self._watch = connect_control(self._ctx, self.endpoint)
+        self.refused = False  # the hub refused this rank: it is told nothing more
         self.sync = 0  # the sync in progress (0 before the first plan or setup frame)
         self.hub: tuple[int | None, str | None] = (None, None)  # the hub's pid and host, once known
         self.workers: list[CollectiveWorker] = []
@@ -256,16 +287,19 @@ class Link:
 
     def send(self, frame: Frame) -> None:
         """Send a frame, tagged with the current sync."""
-        self._sock.send(encode(dataclasses.replace(frame, sync=self.sync)))
+        self._send(dataclasses.replace(frame, sync=self.sync))
+
+    def _send(self, frame: Frame) -> None:
+        self._sock.send(check_size(encode(frame), MAX_PEER_FRAME_BYTES, f"this rank's {frame.T} frame"))
 
     def ready(self, role: str, rank: int, epoch: int | None, *, address: str | None = None,
               state: dict[str, Any] | None = None) -> None:
         """Announce this rank for the next sync."""
-        self.reported = None
+        self.reported, self.refused = None, False
         self.sync += 1  # the next sync's id is higher than any before: older frames are stale from here on
-        self._sock.send(encode(RankReady(token=self.endpoint.token, role=role, rank=rank, epoch=epoch,
-                                         pid=os.getpid(), host=socket.gethostname(), address=address,
-                                         state=state or {})))
+        self._send(RankReady(token=self.endpoint.token, proto=PROTOCOL_VERSION, backend=self.backend, role=role,
+                             rank=rank, epoch=epoch, pid=os.getpid(), host=socket.gethostname(), address=address,
+                             state=state or {}))
 
     def wait(self, kinds: tuple[type[Frame], ...], what: str, done: Callable[[], bool] = lambda: False
              ) -> Any:
@@ -274,6 +308,7 @@ class Link:
         while not done():
             poller = zmq.Poller()
             poller.register(self._sock, zmq.POLLIN)
+            poller.register(self._watch.fileno_or_socket(), zmq.POLLIN)
             for worker in self.workers:
                 poller.register(worker, zmq.POLLIN)
             ready = dict(poller.poll(int(CONTROL_SLICE_S * 1000)))
@@ -286,7 +321,10 @@ class Link:
                         self.send(Error(sync=None, kind=COLLECTIVE, message=result[2]))
                     self.on_result(result)
             while self._sock in ready and self._sock.poll(0, zmq.POLLIN):
-                frame = decode(self._sock.recv(), TO_RANK)  # from the hub, which this rank trusts
+                frame = self._decode(self._sock.recv())  # only the hub reaches this socket
+                if isinstance(frame, Welcome):
+                    self.hub = (frame.pid, frame.host)
+                    continue
                 if frame.sync is not None and frame.sync < self.sync:
                     continue  # left over from an earlier sync
                 last = time.monotonic()
@@ -300,6 +338,7 @@ class Link:
                     self.send(Pong(n=frame.n))
                 elif isinstance(frame, kinds):
                     return frame
+            self._watch.check(what)  # the hub's connection closed: it exited or was closed
             if not peer_alive(*self.hub):
                 raise SyncError(f"sender 0 (the hub, pid {self.hub[0]}) exited while {what}; restart the trainer")
             if time.monotonic() - last > self.timeout_s:
@@ -307,16 +346,31 @@ class Link:
                                   f"{self.endpoint.address}) went silent. Check its log, or raise timeout_s")
         return None
 
+    def _decode(self, data: bytes) -> Frame:
+        """A frame from the hub; a Refused (of any protocol version) raises its reason."""
+        try:
+            frame = decode(data, TO_RANK)
+        except BadFrame:
+            raw = peek(data)
+            if raw is None or raw.get("t") != Refused.T or not isinstance(raw.get("reason"), str):
+                raise
+            frame = Refused(reason=raw["reason"])
+        if isinstance(frame, Refused):
+            self.refused = True
+            raise ProtocolError(f"sender 0 (the hub) refused this rank: {frame.reason}")
+        return frame
+
     def report(self, exc: BaseException) -> None:
-        """Tell the hub this rank failed (unless the failure came from the hub)."""
-        if isinstance(exc, RemoteError):
+        """Tell the hub this rank failed (unless the failure came from the hub, or the hub refused it)."""
+        if isinstance(exc, RemoteError) or self.refused:
             return
         kind = COLLECTIVE if self.reported is not None else "local"
         try:
-            self.send(Error(sync=None, kind=kind, message=f"{type(exc).__name__}: {exc}"))
-        except zmq.ZMQError:
+            self.send(Error(sync=None, kind=kind, message=cut(f"{type(exc).__name__}: {exc}")))
+        except (zmq.ZMQError, ProtocolError):
             pass
 
     def close(self) -> None:
         """Close the socket and the context; safe to call twice."""
+        self._watch.close()
         _close(self._sock, self._ctx)

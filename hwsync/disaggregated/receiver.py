@@ -48,7 +48,7 @@ class CollectiveReceiver:
         self.num_buffers = num_buffers
         self.timeout_s = timeout_s
         self.backend = backend or get_backend()
-        self._link = Link(endpoint, timeout_s)
+        self._link = Link(endpoint, timeout_s, self.backend.name)
         self._comms: list[Communicator | None] = []
         self._workers: list[CollectiveWorker] = []
         self._epoch: int | None = None

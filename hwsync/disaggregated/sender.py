@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from hwsync.bucket import ALIGN, as_bytes
-from hwsync.control import Endpoint, new_token
+from hwsync.control import new_token
 from hwsync.disaggregated.hub import Hub, Link, PeerInfo, this_process
 from hwsync.disaggregated.plan import CollectivePlan, make_plan
 from hwsync.disaggregated.worker import CollectiveWorker, Result
@@ -95,15 +95,15 @@ class CollectiveSender:
         self._hub: Hub | None = None
         self._link: Link | None = None
         if rank == 0:
-            address, token = (endpoint or f"tcp://{self.group_host}:0"), new_token()
-            if "#" in address:
-                parsed = Endpoint.parse(address)
-                address, token = parsed.address, parsed.token
-            self._hub = Hub(address, token, timeout_s)
+            # ADDRESS, or ADDRESS#TOKEN to choose the token (a tcp:// endpoint's CURVE key is made here, always)
+            address, _, rest = (endpoint or f"tcp://{self.group_host}:0").partition("#")
+            token = rest.split("#")[0] or new_token()
+            self._hub = Hub(address, token, timeout_s, num_senders=num_senders, num_receivers=num_receivers,
+                            backend=self.backend.name)
         elif endpoint is None or "#" not in endpoint:
-            raise ValueError(f"sender rank {rank} needs endpoint=<sender 0's .endpoint> (tcp://HOST:PORT#TOKEN)")
+            raise ValueError(f"sender rank {rank} needs endpoint=<sender 0's .endpoint> (tcp://HOST:PORT#TOKEN#KEY)")
         else:
-            self._link = Link(endpoint, timeout_s)
+            self._link = Link(endpoint, timeout_s, self.backend.name)
         self._comm: Communicator | None = None
         self._worker: CollectiveWorker | None = None
         self._epoch: int | None = None

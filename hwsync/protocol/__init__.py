@@ -12,14 +12,16 @@ total_bytes]` (Entry); manifest items as `[name, dtype, shape]` (manifest.Tensor
 disaggregated plan's buckets as `[owner, nbytes, [entries]]` (BucketSpec).
 
 Files: fields.py (how a frame is defined and checked), layout.py (Entry, BucketSpec),
-colocated.py (the same-host frames, with Error and Abort), disaggregated.py (the cross-node
-frames); this module holds the version, the frame sets of each socket, `encode` and `decode`.
+colocated.py (the same-host frames, with Welcome, Refused, Error and Abort), disaggregated.py
+(the cross-node frames), limits.py (the largest frame each side may send); this module holds
+the version, the frame sets of each socket, `encode`, `decode` and `peek`.
 
-Two paths speak it. Same host (hwsync.colocated): a receiver says `Ready`; the sender answers
-with an `Offer` (geometry, handles, manifest), the receiver `Accept`s, then each bucket is a
+Two paths speak it. Same host (hwsync.colocated): a receiver says `Ready` (with the token; the
+sender binds the connection's identity to it, answers `Welcome` at once, or `Refused` with the
+reason, and drops every frame of an identity that never presented the token); then an `Offer` (geometry, handles, manifest), the receiver `Accept`s, then each bucket is a
 `Bucket` (a ZeroMQ frame, or a doorbell descriptor) and a `Release`; `Done` and `Complete` end
 the sync; `Error` and `Abort` end it early. Across nodes (hwsync.disaggregated): every rank says
-`RankReady` to sender 0's hub, which answers `Setup` (group addresses), `PlanFrame`, `Go`,
+`RankReady` to sender 0's hub (`Welcome` or `Refused` at once, as above), which then sends `Setup` (group addresses), `PlanFrame`, `Go`,
 `Commit`, and keeps everyone honest with `Ping`/`Pong`/`Alive`.
 """
 
@@ -29,19 +31,20 @@ from typing import Any
 
 import msgpack
 
-from hwsync.protocol.colocated import Abort, Accept, Bucket, Complete, Done, Error, Gone, Offer, Ready, Release
+from hwsync.protocol.colocated import Abort, Accept, Bucket, Complete, Done, Error, Gone, Offer, Ready, Refused, \
+    Release, Welcome
 from hwsync.protocol.disaggregated import Alive, Commit, Go, Joined, Ping, PlanAccept, PlanFrame, Pong, Progress, \
     RankComplete, RankReady, Sent, Setup
 from hwsync.protocol.fields import BadFrame, Frame, Map, short, value_to_wire
 from hwsync.protocol.layout import BucketSpec, Entry
 
 #: bump when frames change incompatibly; a receiver refuses any other version
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 __all__ = ["PROTOCOL_VERSION", "TO_HUB", "TO_RANK", "TO_RECEIVER", "TO_SENDER", "Abort", "Accept", "Alive", "BadFrame",
            "Bucket", "BucketSpec", "Commit", "Complete", "Done", "Entry", "Error", "Frame", "Go", "Gone", "Joined",
            "Map", "Offer", "Ping", "PlanAccept", "PlanFrame", "Pong", "Progress", "RankComplete", "RankReady", "Ready",
-           "Release", "Sent", "Setup", "decode", "encode", "frame_set"]
+           "Refused", "Release", "Sent", "Setup", "Welcome", "decode", "encode", "frame_set", "peek"]
 
 
 def frame_set(*classes: type[Frame]) -> dict[str, type[Frame]]:
@@ -53,9 +56,9 @@ def frame_set(*classes: type[Frame]) -> dict[str, type[Frame]]:
 
 
 TO_SENDER = frame_set(Ready, Gone, Accept, Release, Complete, Error)
-TO_RECEIVER = frame_set(Offer, Bucket, Done, Abort)
+TO_RECEIVER = frame_set(Welcome, Refused, Offer, Bucket, Done, Abort)
 TO_HUB = frame_set(RankReady, Joined, PlanAccept, Progress, Sent, RankComplete, Pong, Error)
-TO_RANK = frame_set(Setup, PlanFrame, Go, Commit, Ping, Alive, Abort)
+TO_RANK = frame_set(Welcome, Refused, Setup, PlanFrame, Go, Commit, Ping, Alive, Abort)
 
 
 def encode(frame: Frame) -> bytes:
@@ -66,12 +69,29 @@ def encode(frame: Frame) -> bytes:
     return msgpack.packb(out, use_bin_type=True)
 
 
-def decode(data: bytes, expected: dict[str, type[Frame]]) -> Frame:
-    """The frame in `data`, checked against its definition in `expected`; BadFrame otherwise."""
+def _unpack(data: bytes | memoryview) -> Any:
     try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
+        return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
     except Exception as exc:  # msgpack raises several types for truncated or garbage bytes
         raise BadFrame(f"not a msgpack frame ({type(exc).__name__}: {short(exc)})") from None
+
+
+def peek(data: bytes | memoryview) -> dict[Any, Any] | None:
+    """The raw map in `data` without checking it against any definition, or None.
+
+    Only for what must be read across protocol versions: a Ready's `proto` and `token` (to refuse
+    another version with the reason) and a Refused frame's `reason`.
+    """
+    try:
+        raw = _unpack(data)
+    except BadFrame:
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def decode(data: bytes | memoryview, expected: dict[str, type[Frame]]) -> Frame:
+    """The frame in `data`, checked against its definition in `expected`; BadFrame otherwise."""
+    raw = _unpack(data)
     if not isinstance(raw, dict):
         raise BadFrame(f"a frame must be a msgpack map, got {type(raw).__name__}")
     tag = raw.pop("t", None)

@@ -1,7 +1,8 @@
-"""Frames of the same-host path (hwsync.colocated), and the Error and Abort frames both paths share.
+"""Frames of the same-host path (hwsync.colocated), and the Welcome, Refused, Error and Abort frames both paths share.
 
     receiver                              sender
     Ready {token, proto, state, ...}  ->
+                                      <-  Welcome {pid, host}  (at once; or Refused {reason}: not served)
                                       <-  Offer {geometry, handles, manifest, first, doorbell, rank}
     Accept (or Error: refused)        ->
                                       <-  Bucket {seq, buf, nbytes, entries}  (a frame, or a doorbell descriptor)
@@ -27,6 +28,29 @@ class Ready(Frame):
     state: Map
     doorbell: bool
     into: bool
+    #: the receiver's backend and the transports it can open: the sender refuses one that lacks its own
+    backend: str
+    transports: list[str]
+    #: a random id of the WeightReceiver, the same on each connection it makes (it reconnects after a failure)
+    instance: str
+
+
+@frame("welcome")
+class Welcome(Frame):
+    """The sender took a receiver's Ready (sent at once): the receiver can watch this process from now on."""
+
+    pid: int
+    host: str
+
+
+@frame("refused")
+class Refused(Frame):
+    """The sender will not serve this receiver (beyond num_receivers, another protocol, a missing transport).
+
+    Its shape never changes between protocol versions, so a receiver of any version can read why.
+    """
+
+    reason: str
 
 
 @frame("gone")

@@ -2,6 +2,7 @@
 
     rank (sender s > 0, or receiver r)      hub (sender 0)
     RankReady {token, role, rank, epoch} ->
+                                         <-  Welcome {pid, host}  (at once; or Refused {reason}: not served)
                                          <-  Setup {epoch, addresses}     (only when groups are (re)built)
     Joined                               ->
                                          <-  PlanFrame {manifest, buckets, owners}
@@ -10,7 +11,8 @@
     Progress {k} / Sent                  ->  (buckets move over the collective library meanwhile)
     RankComplete {version, stats}        ->
                                          <-  Commit {version}
-    Ping {n} <-> Pong {n}, Alive: who is still there. Error and Abort are the same-host path's frames.
+    Ping {n} <-> Pong {n}, Alive: who is still there. Welcome, Refused, Error and Abort are the
+    same-host path's frames.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class RankReady(Frame):
     """A sender rank > 0 or a receiver is ready; `epoch` names the groups it still holds."""
 
     token: str
+    proto: int
+    backend: str
     role: str
     rank: int
     epoch: int | None

@@ -1,0 +1,230 @@
+"""The control plane's sockets: bound and connected with the protocol's limits, CURVE on tcp://, watched.
+
+- `bind_control`: the sender's (or hub's) ROUTER. Anyone who can reach its address can connect,
+  so it refuses any message over protocol.limits.MAX_PEER_FRAME_BYTES (ZMQ_MAXMSGSIZE: ZeroMQ
+  drops the connection before reading the bytes) and queues at most PEER_QUEUE_FRAMES per peer.
+  On tcp:// it is a CURVE server with a fresh key pair: the channel is encrypted, and only a
+  peer that knows the public key (from the endpoint string) can complete the handshake.
+- `connect_control`: a receiver's (or rank's) DEALER, a CURVE client with an ephemeral key pair
+  on tcp://, taking at most MAX_SENDER_FRAME_BYTES per message.
+- `ConnectionWatch`: the DEALER's monitor. When the bound side closes its socket or its
+  process dies, the connection drops and the watch says so at once, on any host; a CURVE
+  handshake that fails (a wrong key) is named too.
+- `ConnectionLog`: the bound socket's monitor. What ZeroMQ refuses on its own (a message over
+  the limit, a failed CURVE handshake) never reaches hwsync as a frame; it shows as a dropped
+  connection, which this logs.
+- `DropLog`: the log of frames dropped from a peer, naming its identity and address, at most
+  one line per peer every DROP_LOG_INTERVAL_S.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
+
+from hwsync.control import Endpoint
+from hwsync.errors import HwsyncError, ProtocolError, SyncTimeout
+from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES, MAX_SENDER_FRAME_BYTES, PEER_QUEUE_FRAMES
+from hwsync.timing import DROP_LOG_INTERVAL_S
+
+log = logging.getLogger("hwsync")
+
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+def require_curve() -> None:
+    """Raise HwsyncError when this pyzmq's libzmq lacks CURVE, which tcp:// endpoints need."""
+    if not zmq.has("curve"):
+        raise HwsyncError(
+            f"tcp:// endpoints are encrypted with ZeroMQ CURVE, which this libzmq ({zmq.zmq_version()}, used by "
+            f"pyzmq {zmq.__version__}) was built without; install pyzmq's own wheel (`pip install --force-reinstall "
+            "pyzmq`, which bundles a libzmq with CURVE), or use an ipc:// endpoint on one host")
+
+
+def bind_control(ctx: zmq.Context, address: str) -> tuple[zmq.Socket, str, str | None]:
+    """A bound ROUTER socket, its real address (a tcp port 0 resolved) and its CURVE public key (tcp://)."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_PEER_FRAME_BYTES)
+    sock.setsockopt(zmq.RCVHWM, PEER_QUEUE_FRAMES)
+    public_key = None
+    if address.startswith("tcp://"):
+        try:
+            require_curve()
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        public, secret = zmq.curve_keypair()
+        sock.curve_server = True
+        sock.curve_secretkey = secret
+        public_key = z85.decode(public).hex()
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        sock.close(linger=0)
+        raise HwsyncError(f"cannot bind the control endpoint {address}: {exc}; pick a free port or another "
+                          "address") from None
+    return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT), public_key
+
+
+def connect_control(ctx: zmq.Context, endpoint: Endpoint, *, linger_ms: int = 1000
+                    ) -> tuple[zmq.Socket, ConnectionWatch]:
+    """A DEALER connected to `endpoint` (a CURVE client on tcp://) and the watch of its connection."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_SENDER_FRAME_BYTES)
+    if endpoint.address.startswith("tcp://"):
+        if endpoint.server_key is None:
+            sock.close(linger=0)
+            raise ValueError(f"a tcp:// endpoint needs the sender's key: {endpoint.address}#TOKEN#KEY")
+        require_curve()
+        public, secret = zmq.curve_keypair()  # ephemeral: the token, not this key, says who we are
+        sock.curve_publickey, sock.curve_secretkey = public, secret
+        sock.curve_serverkey = z85.encode(bytes.fromhex(endpoint.server_key))
+    watch = ConnectionWatch(sock, endpoint.address)
+    sock.connect(endpoint.address)
+    return sock, watch
+
+
+class ConnectionWatch:
+    """The monitor of a connecting socket: raises once the connection to the bound side is gone."""
+
+    def __init__(self, sock: zmq.Socket, address: str) -> None:
+        self.address = address
+        self._sock = sock
+        # a name of its own: pyzmq's default is made from the socket's fd, which a socket opened right after
+        # this one closed may reuse while the old monitor's inproc name is still taken
+        self._monitor: zmq.Socket | None = sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED,
+            addr=f"inproc://hwsync-monitor-{secrets.token_hex(8)}")
+        self.connected = False
+        self.gone: str | None = None
+
+    def fileno_or_socket(self) -> zmq.Socket:
+        """The monitor socket, readable when an event arrived."""
+        assert self._monitor is not None
+        return self._monitor
+
+    def check(self, what: str) -> None:
+        """Read the events so far; raise SyncTimeout when the peer went away, ProtocolError for a failed handshake."""
+        monitor = self._monitor
+        while monitor is not None and monitor.poll(0, zmq.POLLIN):
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connected = True
+            elif event & _HANDSHAKE_FAILED or (event == zmq.EVENT_DISCONNECTED and not self.connected):
+                raise ProtocolError(
+                    f"the handshake with {self.address} failed while {what}: the endpoint's key or token is not "
+                    "that sender's, or another program listens there; pass sender.endpoint as it is")
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.gone = what
+        if self.gone is not None:  # a SyncTimeout, as for a same-host peer process found gone
+            raise SyncTimeout(f"the connection to {self.address} closed while {what}: the other side exited or was "
+                            "closed (check its log)")
+
+    def close(self) -> None:
+        """Stop monitoring (before the socket closes); safe to call twice."""
+        if self._monitor is not None:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(linger=0)
+            self._monitor = None
+
+
+class ConnectionLog:
+    """The monitor of a bound socket: logs the connections ZeroMQ dropped or refused (never raises)."""
+
+    def __init__(self, sock: zmq.Socket, where: str) -> None:
+        self.where = where
+        self._sock = sock
+        self._monitor: zmq.Socket | None = sock.get_monitor_socket(
+            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED,
+            addr=f"inproc://hwsync-monitor-{secrets.token_hex(8)}")
+        self._last: dict[str, float] = {}
+        self._counts: dict[str, int] = {}
+
+    def fileno_or_socket(self) -> zmq.Socket:
+        """The monitor socket, readable when an event arrived."""
+        assert self._monitor is not None
+        return self._monitor
+
+    def check(self, what: str = "") -> None:
+        """Log the events so far: accepted connections (debug), dropped ones, failed handshakes."""
+        monitor = self._monitor
+        while monitor is not None and monitor.poll(0, zmq.POLLIN):
+            event = recv_monitor_message(monitor)
+            kind = event["event"]
+            if kind == zmq.EVENT_ACCEPTED:
+                log.debug("hwsync: %s accepted a connection (fd %s)", self.where, event["value"])
+            elif kind & _HANDSHAKE_FAILED:
+                self._note("handshake", logging.WARNING, "refused a connection that failed the handshake (a tcp:// "
+                           "peer without the endpoint's CURVE key, or not a ZeroMQ peer)")
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self._note("closed", logging.INFO, "lost a connection: a peer left, or ZeroMQ dropped one that "
+                           "sent a message over the protocol's limit (hwsync.protocol.limits)")
+
+    def _note(self, key: str, level: int, text: str) -> None:
+        self._counts[key] = self._counts.get(key, 0) + 1
+        now = time.monotonic()
+        if now - self._last.get(key, -DROP_LOG_INTERVAL_S) >= DROP_LOG_INTERVAL_S:
+            count, self._counts[key] = self._counts[key], 0
+            log.log(level, "hwsync: %s %s%s", self.where, text, f" ({count} times)" if count > 1 else "")
+            self._last[key] = now
+
+    def close(self) -> None:
+        """Stop monitoring (before the socket closes); safe to call twice."""
+        if self._monitor is not None:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(linger=0)
+            self._monitor = None
+
+
+def peer_address(part: Any) -> str:
+    """The remote address of the connection a zmq.Frame came from ("" where the transport has none)."""
+    try:
+        return part.get("Peer-Address") or ""
+    except (AttributeError, zmq.ZMQError):
+        return ""
+
+
+class DropLog:
+    """Logs dropped frames per peer: the first at once, then one line with a count every DROP_LOG_INTERVAL_S."""
+
+    #: peers remembered at most (a stranger that reconnects again and again gets a new identity each time)
+    MAX_PEERS = 256
+
+    def __init__(self, where: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.where = where
+        self._clock = clock
+        self._peers: OrderedDict[bytes, list[float]] = OrderedDict()  # identity -> [dropped since logged, when]
+        #: every frame dropped so far (tests and `hwsync info` read it)
+        self.total = 0
+
+    def drop(self, identity: bytes, address: str, reason: str) -> None:
+        """Count one dropped frame from `identity` and log it unless that peer was logged recently."""
+        self.total += 1
+        now = self._clock()
+        entry = self._peers.pop(identity, None) or [0, -DROP_LOG_INTERVAL_S]
+        self._peers[identity] = entry
+        while len(self._peers) > self.MAX_PEERS:
+            self._peers.popitem(last=False)
+        entry[0] += 1
+        if now - entry[1] >= DROP_LOG_INTERVAL_S:
+            more = f" ({int(entry[0]) - 1} more dropped since the last report)" if entry[0] > 1 else ""
+            log.warning("hwsync: %s dropped a frame from peer %s%s: %s%s", self.where, identity.hex(),
+                        f" at {address}" if address else "", reason, more)
+            entry[0], entry[1] = 0, now

@@ -1,0 +1,85 @@
+"""Bad items of a sync's source are named, with the fix, on both paths (hwsync.source checks them all).
+
+Each bad source goes through a real sync: the sender raises SourceError naming the item (its
+position, and its name where it has one) and what to do; the receiver hears the abort; the
+next sync of the same session is exact.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from hwsync import SourceError
+from hwsync.planner import PlanError, SyncMode, TrainerModel, plan_sync
+
+from test_control_plane import Session
+from test_control_plane_hub import HubSession
+
+GOOD = ("a", torch.ones(4))
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # sparse CSR is "beta"
+    CSR = torch.eye(3).to_sparse_csr()
+
+#: (the item at position 1, what the error must say)
+BAD = {
+    "int name": ((5, torch.ones(2)), ["item #1 of the source is named 5, of type int", "names must be str",
+                                      'f"layer.{i}"']),
+    "bytes name": ((b"w", torch.ones(2)), ["item #1 of the source is named b'w', of type bytes", "name.decode()"]),
+    "None name": ((None, torch.ones(2)), ["item #1 of the source is named None", "names must be str"]),
+    "meta tensor": (("w", torch.empty(4, device="meta")), ["item #1 ('w') of the source is a meta tensor",
+                                                           "materialise it before sending"]),
+    "sparse COO": (("w", torch.eye(3).to_sparse()), ["item #1 ('w') of the source has layout torch.sparse_coo",
+                                                     "tensor.to_dense()"]),
+    "sparse CSR": (("w", CSR), ["item #1 ('w') of the source has layout torch.sparse_csr", "tensor.to_dense()"]),
+    "bare tensor": (torch.ones(2), ["item #1 of the source is of type Tensor", "not a (name, tensor) pair",
+                                    "model.state_dict().items()"]),
+    "triple": (("w", torch.ones(2), "x"), ["item #1 of the source is a tuple of 3 items", "(name, tensor) pair"]),
+    "str item": ("ab", ["item #1 of the source is of type str", "(name, tensor) pair"]),
+    "not a tensor": (("w", [1.0, 2.0]), ["item #1 ('w') of the source is of type list, not a torch.Tensor",
+                                         "torch.as_tensor"]),
+}
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    s = Session("ipc")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def disaggregated():
+    s = HubSession()
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_item_is_named_with_the_fix_on_the_same_host_path(colocated, case):
+    item, says = BAD[case]
+    with pytest.raises(SourceError) as info:
+        colocated.sender.send([GOOD, item], version=colocated.version + 1)
+    for text in says:
+        assert text in str(info.value), str(info.value)
+    assert "sender aborted the sync" in colocated.q.get(timeout=30)["error"]
+    colocated.sync_exact()
+
+
+@pytest.mark.parametrize("case", ["int name", "meta tensor", "sparse COO", "bare tensor"])
+def test_a_bad_item_is_named_with_the_fix_on_the_cross_node_path(disaggregated, case):
+    item, says = BAD[case]
+    with pytest.raises(SourceError) as info:
+        disaggregated.tx.send([GOOD, item], version=disaggregated.version + 1)
+    for text in says:
+        assert text in str(info.value), str(info.value)
+    assert "aborted" in disaggregated.q.get(timeout=30)["error"]
+    disaggregated.sync_exact()
+
+
+def test_the_planner_names_a_bad_item_of_its_sources_alike():
+    plan = plan_sync(None, TrainerModel(SyncMode.FULL, base=[GOOD, BAD["meta tensor"][0]]))
+    with pytest.raises(PlanError, match=r"item #1 \('w'\) of the weights source is a meta tensor"):
+        list(plan.tensors())
