@@ -25,6 +25,11 @@ pip install -q -c "$CONSTRAINTS" torch==2.13.0
 step "hwsync core and backends (editable), test tools"
 pip install -q -c "$CONSTRAINTS" -e ".[test]" -e backends/cpu -e backends/cuda -e backends/npu
 
+# The strict simulated accelerator (test-only backend "sim", never shipped): the backend-
+# parametrized suite runs on it too. It has no dependencies of its own.
+step "hwsync-sim, the simulated accelerator for the tests"
+pip install -q --no-deps -e tests/plugins/hwsync_sim
+
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   step "vLLM for GPUs"
   pip install -q -c "$CONSTRAINTS" -e ".[vllm]"
