@@ -43,9 +43,10 @@ def _tensors(version: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def _exact(got: dict[str, torch.Tensor], version: int) -> bool:
+    """Bit-exact against the sent tensors (received ones may live on a device: compared on the host)."""
     want = dict(_tensors(version))
     return set(got) == set(want) and all(
-        got[n].dtype == t.dtype and got[n].shape == t.shape and torch.equal(got[n], t) for n, t in want.items())
+        got[n].dtype == t.dtype and got[n].shape == t.shape and torch.equal(got[n].cpu(), t) for n, t in want.items())
 
 
 def _receiver(endpoint: str, out, rank: int, versions: list[int], fault: tuple | None = None) -> None:

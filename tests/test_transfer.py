@@ -243,6 +243,15 @@ def test_tcp_endpoint_with_token(backend, free_port):
         p.join(30)
 
 
+def test_roundtrip_command_verifies_every_byte(backend):
+    """`hwsync roundtrip` on each backend; the receiver's tensors live on its device (no numpy() there)."""
+    done = subprocess.run([sys.executable, "-m", "hwsync.cli", "roundtrip", "--megabytes", "1", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["verified"] is True and report["backend"] == backend.name
+
+
 def test_ipc_directory_is_private_and_removed():
     sender = WeightSender()
     path = Path(sender.endpoint.split("#")[0].removeprefix("ipc://")).parent
