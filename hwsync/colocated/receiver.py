@@ -26,6 +26,7 @@ import zmq
 from hwsync.bucket import BucketReader, IntoFn
 from hwsync.colocated.doorbell import Doorbell, doorbell_supported, spin_wait
 from hwsync.control import Endpoint, peer_alive, raise_if_exited, receive_frame, remove_ipc_dir
+from hwsync.devices import synchronize_for
 from hwsync.errors import ProtocolError, RemoteError, SyncError
 from hwsync.interfaces import Backend, Handles, ReceiveBuffers
 from hwsync.manifest import TensorSpec
@@ -184,11 +185,12 @@ class WeightReceiver:
             t0 = time.perf_counter()
             self.incomplete = True
             view = self._buffers.view(frame.buf, frame.nbytes)
+            where = view.device
             tensors = reader.read(view, frame.entries, into)
             del view  # no view may outlive the buffer's release
             early = not reader.aliases_view  # only reassembled tensors: the sender may refill now
             if early:
-                self._release(sync, frame.buf, seq, bell, rank)
+                self._release(sync, frame.buf, seq, bell, rank, where)
             if tensors:
                 if load is None:
                     raise ValueError(f"into() returned None for {tensors[0][0]!r} and no load was given; return "
@@ -196,7 +198,7 @@ class WeightReceiver:
                 load(tensors)
             del tensors
             if not early:
-                self._release(sync, frame.buf, seq, bell, rank)
+                self._release(sync, frame.buf, seq, bell, rank, where)
             stats.load_s += time.perf_counter() - t0
             stats.buckets += 1
             stats.tensors += sum(1 for e in frame.entries if e.is_last)
@@ -232,8 +234,10 @@ class WeightReceiver:
                 self._done = frame
         raise_if_exited([peer], what=what, endpoint=str(self._endpoint.address))
 
-    def _release(self, sync: int, buf: int, seq: int, bell: Doorbell | None, rank: int) -> None:
+    def _release(self, sync: int, buf: int, seq: int, bell: Doorbell | None, rank: int, where: torch.device) -> None:
         assert self._buffers is not None
+        # this process's device reads of the buffer (reassembly, into=, load) may still be queued
+        synchronize_for(self.backend.device(), where)
         self._buffers.release(buf)
         if bell is not None:
             bell.release(rank, seq)

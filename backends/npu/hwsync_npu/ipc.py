@@ -113,7 +113,7 @@ class NpuIpcReceiveBuffers(ReceiveBuffers):
     def __init__(self, handles: Handles) -> None:
         if handles.get("kind") != HANDLE_KIND:
             raise ValueError(f"NPU IPC receiver got handles of kind {handles.get('kind')!r}")
-        import_torch_npu()
+        self._torch_npu = import_torch_npu()
         self._views: list[torch.Tensor] = []
         for record in handles["buffers"]:
             # the sender's physical chip, as this process numbers it
@@ -130,7 +130,10 @@ class NpuIpcReceiveBuffers(ReceiveBuffers):
         return self._views[index][:nbytes]
 
     def release(self, index: int) -> None:
-        """Nothing to do: the sender refills the buffer once acknowledged."""
+        """Wait until this process's queued reads of the buffer are done: the sender refills it once told."""
+        # copies out of the mapped buffer run asynchronously on the NPU stream (verl and vllm-ascend
+        # synchronize per bucket too); the core receiver also synchronizes before every release
+        self._torch_npu.npu.synchronize()
 
     def close(self) -> None:
         """Drop the mappings (the sender frees the memory)."""

@@ -8,8 +8,9 @@ Built like hwsync_cuda's CudaIpcTransport, so the same kinds of bugs show here:
   cannot open its own handles);
 - publish() synchronizes the sender's device; close() drops the buffers and collects, and the
   sim reports every buffer still parked in IPC limbo then (torch would keep it silently);
-- release() only says the receiver is done, as NPU IPC's does (CUDA's synchronizes the device
-  first): the receiver's copies out of a buffer may still be queued when it is released;
+- release() only says the receiver is done, as NPU IPC's did (CUDA's synchronizes the device
+  first): the receiver's copies out of a buffer may still be queued when it is released, unless
+  the caller (hwsync's receiver) waited for them;
 - when the sender starts refilling a buffer the receivers released, the sim poisons it first:
   a receiver's copy that runs after its release reads garbage, as it would read the next
   bucket's bytes on a device.
