@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from hwsync.colocated import WeightSender
+from hwsync.devices import start_on_this_device
 from hwsync.errors import HwsyncError, ManifestError, ProtocolError, RemoteError, SyncError, SyncTimeout
 from hwsync.manifest import TensorSpec
 from hwsync.source import with_manifest
@@ -114,8 +114,8 @@ class _EngineSync:
                 outcome["error"] = exc
 
         sender = self._session(manifest)
-        thread = threading.Thread(target=receive, name="hwsync-vllm-rpc", daemon=True)
-        thread.start()
+        # an in-process engine's worker may run the RPC on this thread: it must be on this thread's device
+        thread = start_on_this_device(receive, "hwsync-vllm-rpc", sender.backend.device())
         stats = send_exc = None
         try:
             stats = sender.send(source, version=version, manifest=manifest)
