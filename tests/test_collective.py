@@ -244,10 +244,12 @@ def test_killed_receiver_fails_every_rank_naming_it_then_a_rebuilt_group_works(b
 def test_stalled_receiver_is_named_within_the_timeout(backend):
     cluster = Cluster(backend, 1, 2)
     try:
-        cluster.start([0], faults={1: ("stall", 0, 1)})  # receiver 1 freezes (SIGSTOP) in its first load
+        cluster.start([0, 1], faults={1: ("stall", 1, 1)})  # receiver 1 freezes (SIGSTOP) in its first load of v1
+        cluster.tx.send(_tensors(0), version=0)  # the groups are built: what follows times the stall alone
+        assert all(r[3] == "ok" for r in cluster.reports(2))
         t0 = time.monotonic()
         with pytest.raises(SyncError, match="receiver 1 .* stopped answering"):
-            cluster.tx.send(_tensors(0), version=0)
+            cluster.tx.send(_tensors(1), version=1)
         assert time.monotonic() - t0 < TIMEOUT
         (report,) = cluster.reports(1)
         assert report[1] == 0 and "receiver 1" in report[3]

@@ -274,8 +274,9 @@ def test_barrier_made_of_all_reduce_wait_is_not_a_host_barrier(sim, peers, free_
     peer.send("join", address, 1, 2)
     comm = sim.communicator(address, 0, 2, timeout_s=20)
     assert peer.recv() == "joined"
-    comm.barrier()  # returns although rank 1 has not even called it
-    peer.send("barrier")
+    one = torch.zeros(1, dtype=torch.int32, device=sim.device().torch_device())
+    comm._group.allreduce([one]).wait()  # returns although rank 1 has not even called it
+    peer.send("all_reduce then synchronize")
     sim.device().synchronize()  # the device, not the host, waited for the barrier
     assert peer.recv() == "passed"
     assert peer.call("destroy") == "destroyed"
@@ -290,7 +291,7 @@ def test_destroy_after_the_peer_died_hangs_unless_aborted(sim, peers, free_port)
     assert mortal.recv() == "joined"
     mortal.die()
     comm.broadcast(torch.zeros(8, dtype=torch.uint8, device=sim.device().torch_device()), 0)
-    destroyer = threading.Thread(target=comm.destroy, daemon=True)
+    destroyer = threading.Thread(target=comm._group.shutdown, daemon=True)  # what destroy() did before bug 5
     destroyer.start()
     destroyer.join(2.0)
     assert destroyer.is_alive(), "destroy must wait for the collective stuck on the dead peer"
