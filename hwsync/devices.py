@@ -1,8 +1,8 @@
 """What every path of the core does with a backend's Device around threads and shared buffers.
 
 Two rules that only an accelerator shows (the CPU backend hides both):
-- the current device is per thread, and a new thread starts on device 0 (cudaSetDevice and
-  torch_npu's set_device are per host thread). Every thread hwsync starts therefore begins on
+- the current device is per thread, and a new thread starts on device 0 (cudaSetDevice and the
+  NPU runtime's set_device are per host thread). Every thread hwsync starts therefore begins on
   the device of the thread that made it (`start_on_this_device`, `DeviceOwner`), so its
   allocations, communicators and synchronizations land where the owner's do;
 - device copies run asynchronously. A buffer another process will refill may be handed back
