@@ -6,8 +6,10 @@ How it works, and the rules it keeps:
 - torch's export is (rebuild_cuda_tensor, args) meant for pickle. Nothing here is pickled: the
   args are written out field by field as str/int/bool/bytes/lists (`encode_export`) and turned
   back into rebuild_cuda_tensor's arguments on the receiver (`decode_export`);
-- the receiver maps the sender's GPU through its uuid to its own local index, so processes with
-  different CUDA_VISIBLE_DEVICES meet on the same GPU;
+- the receiver maps the buffers on its own current GPU, as vLLM, verl and SGLang rebuild CUDA
+  IPC handles (torch's rebuild_cuda_tensor with the receiver's device index): processes with
+  different CUDA_VISIBLE_DEVICES meet on the same GPU, and a receiver on another GPU than the
+  sender's reads through peer access (which CUDA enables when it opens the handle);
 - publish() synchronizes the sender's device, so a receiver told "bucket k is ready" reads
   finished bytes; release() synchronizes the receiver's devices, so the sender never overwrites
   bytes a receiver's queued copies still read;
@@ -121,6 +123,13 @@ def decode_export(fields: dict[str, Any], device_index: int) -> tuple[Any, ...]:
     )
 
 
+def _cannot_map(handles: Handles, device: CudaDevice, index: int, exc: Exception) -> HwsyncError:
+    sender, own = str(handles.get("uuid")), device.physical_id(index)
+    where = "the sender's GPU" if sender == own else f"GPU {own}, not the sender's {sender} (peer access)"
+    return HwsyncError(f"cuda_ipc could not map the sender's buffers on cuda:{index}, {where}: {exc}. Put the "
+                       "receiver on the sender's GPU (torch.cuda.set_device), or use the 'shm' transport")
+
+
 def _synchronize(*indices: int) -> None:
     for index in dict.fromkeys(indices):  # each device once, in order
         torch.cuda.synchronize(index)
@@ -181,25 +190,26 @@ class CudaIpcSendBuffers(SendBuffers):
 
 
 class CudaIpcReceiveBuffers(ReceiveBuffers):
-    """The sender's buffers mapped into this process on its own index of the sender's GPU."""
+    """The sender's buffers mapped into this process on its own current GPU."""
 
     def __init__(self, device: CudaDevice, handles: Handles) -> None:
         if handles.get("kind") != HANDLE_KIND:
             raise ValueError(f"cuda_ipc receiver got handles of kind {handles.get('kind')!r}")
         self.bucket_bytes = int(handles["bytes"])
-        try:
-            self.device_index = device.local_index(str(handles["uuid"]))
-        except LookupError as exc:
-            raise HwsyncError(f"cuda_ipc: the sender's {exc}; or use the 'shm' transport") from exc
         local = _LOCAL_SENDERS.get(str(handles.get("token")))
         if local is not None and int(handles.get("pid", -1)) == os.getpid():
+            self.device_index = local.device_index
             self.tensors = list(local.buffers)
             return
+        self.device_index = device.current_index()
         rebuild = _reductions().rebuild_cuda_tensor
         self.tensors = []
         with torch.cuda.device(self.device_index):
             for fields in handles["buffers"]:
-                tensor = rebuild(*decode_export(fields, self.device_index))
+                try:
+                    tensor = rebuild(*decode_export(fields, self.device_index))
+                except RuntimeError as exc:
+                    raise _cannot_map(handles, device, self.device_index, exc) from exc
                 if tensor.numel() < self.bucket_bytes or tensor.dtype != torch.uint8:
                     raise HwsyncError(
                         f"cuda_ipc buffer maps {tensor.numel()} {tensor.dtype} elements, but the sender "
@@ -252,6 +262,6 @@ class CudaIpcTransport(Transport):
         return CudaIpcSendBuffers(bucket_bytes, num_buffers)
 
     def open_receiver(self, handles: Handles) -> ReceiveBuffers:
-        """Map the sender's buffers, finding its GPU by uuid."""
+        """Map the sender's buffers on this thread's current GPU."""
         return CudaIpcReceiveBuffers(self._device, handles)
 

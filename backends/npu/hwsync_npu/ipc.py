@@ -4,6 +4,8 @@ multiprocessing reductions).
 
 Only from Ascend HDK 25.3.RC1 and CANN 8.3.RC1 on; elsewhere `available()` says why and the
 backend's default transport falls back to shared memory, logging the reason once.
+The receiver rebuilds each handle on its own current NPU (peer access when that is not the
+sender's chip), as vllm-ascend and verl do: the sender's chip need not be visible to it.
 Handles are plain msgpack values (ints, bytes, bools, None): no rebuild function, no pickle.
 """
 
@@ -16,7 +18,7 @@ import torch
 
 from hwsync.interfaces import Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
 from hwsync_npu.api import import_torch_npu, torch_npu_installed
-from hwsync_npu.device import current_visible_value, logical_index, physical_index
+from hwsync_npu.device import current_visible_value, physical_index
 from hwsync_npu.versions import IpcDecision, cann_version_from_files, decide_ipc, driver_version_from_files
 
 log = logging.getLogger("hwsync")
@@ -115,9 +117,8 @@ class NpuIpcReceiveBuffers(ReceiveBuffers):
             raise ValueError(f"NPU IPC receiver got handles of kind {handles.get('kind')!r}")
         self._torch_npu = import_torch_npu()
         self._views: list[torch.Tensor] = []
+        device = torch.device("npu", int(self._torch_npu.npu.current_device()))  # this receiver's own NPU
         for record in handles["buffers"]:
-            # the sender's physical chip, as this process numbers it
-            device = torch.device("npu", logical_index(int(record["physical_device"]), current_visible_value()))
             storage = torch.UntypedStorage._new_shared_npu(
                 device.index, record["handle"], record["storage_bytes"], record["storage_offset"],
                 record["ref_counter_handle"], record["ref_counter_offset"],

@@ -3,9 +3,10 @@
 Built like hwsync_cuda's CudaIpcTransport, so the same kinds of bugs show here:
 - the sender allocates N device buffers once and exports each at once (hwsync_sim.sharing
   counts exports as torch counts CUDA IPC: one expected consumer per export);
-- the receiver finds the sender's device by its physical id among the devices it sees and maps
-  the buffers there; a receiver in the sender's own process uses the sender's tensors (CUDA
-  cannot open its own handles);
+- the receiver maps the buffers on its own current device (peer access when that is not the
+  sender's device, as torch_npu, vllm-ascend, verl and vLLM rebuild handles), so the sender's
+  device need not be visible to it; a receiver in the sender's own process uses the sender's
+  tensors (CUDA cannot open its own handles);
 - publish() synchronizes the sender's device; close() drops the buffers and collects, and the
   sim reports every buffer still parked in IPC limbo then (torch would keep it silently);
 - release() only says the receiver is done, as NPU IPC's did (CUDA's synchronizes the device
@@ -88,27 +89,19 @@ class SimIpcSendBuffers(SendBuffers):
 
 
 class SimIpcReceiveBuffers(ReceiveBuffers):
-    """The sender's buffers mapped into this process on its own index of the sender's device."""
+    """The sender's buffers mapped into this process on its own current device."""
 
     def __init__(self, device: SimDevice, handles: Handles) -> None:
         if handles.get("kind") != HANDLE_KIND:
             raise ValueError(f"sim_ipc receiver got handles of kind {handles.get('kind')!r}")
         self.bucket_bytes = int(handles["bytes"])
-        try:
-            self.device_index = device.local_index(str(handles["physical_id"]))
-        except LookupError as exc:
-            raise HwsyncError(f"sim_ipc: the sender's {exc}; or use the 'shm' transport") from exc
         local = _LOCAL_SENDERS.get(str(handles.get("token")))
         if local is not None and int(handles.get("pid", -1)) == os.getpid():
+            self.device_index = local.device_index
             self.tensors = list(local.buffers)
             return
-        rt = runtime()
-        previous = rt.current()
-        rt.set_current(self.device_index)  # as `with torch.cuda.device(...)` around the rebuild
-        try:
-            self.tensors = [sharing.open_shared(record) for record in handles["buffers"]]
-        finally:
-            rt.set_current(previous)
+        self.device_index = device.current_index()  # the receiver's own device: peer access if not the sender's
+        self.tensors = [sharing.open_shared(record, self.device_index) for record in handles["buffers"]]
 
     def view(self, index: int, nbytes: int) -> torch.Tensor:
         """The first `nbytes` of the sender's buffer `index`, in place on the device."""
@@ -149,5 +142,5 @@ class SimIpcTransport(Transport):
         return SimIpcSendBuffers(self._device, bucket_bytes, num_buffers)
 
     def open_receiver(self, handles: Handles) -> ReceiveBuffers:
-        """Map the sender's buffers, finding its device by physical id."""
+        """Map the sender's buffers on this thread's current sim device."""
         return SimIpcReceiveBuffers(self._device, handles)
