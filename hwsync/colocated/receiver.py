@@ -164,7 +164,7 @@ class WeightReceiver:
         assert self._buffers is not None
         sync, reader, seq, rank = offer.sync, self._reader, offer.first, offer.rank
         bell = self._doorbell if offer.doorbell else None
-        reader.begin()
+        reader.begin(self.backend.device().torch_device())  # reassemble on this receiver's own device
         while True:
             what = f"waiting for bucket {stats.buckets}"
             if bell is None:
@@ -310,8 +310,9 @@ class WeightReceiver:
             self._handles = None
 
     def close(self) -> None:
-        """Detach from buffers and close the socket; safe to call twice."""
+        """Detach from buffers, free reassembly scratch and close the socket; safe to call twice."""
         self._close_buffers()
+        self._reader.clear()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None

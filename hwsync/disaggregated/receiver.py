@@ -159,6 +159,7 @@ class CollectiveReceiver:
         free = [list(range(self.num_buffers)) for _ in range(plan.num_senders)]
         self._arrived = {}
         reader = BucketReader()
+        reader.begin(self._buffers[0][0].device)  # reassemble beside the receive buffers, on this rank's device
 
         def post(s: int) -> None:
             while queues[s] and free[s]:
