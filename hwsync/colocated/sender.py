@@ -106,6 +106,8 @@ class WeightSender:
         self._syncs = 0
         #: Ready/Gone frames that arrived during a sync, for the next one
         self._early: list[tuple[bytes, Frame]] = []
+        #: whether every receiver accepted the current offer (and so maps the buffers it was given)
+        self._accepted = False
         self._bind()
 
     def _resolve_transport(self, transport: str | Transport | None) -> Transport:
@@ -246,15 +248,19 @@ class WeightSender:
         link, bell = self._link(peers, sync)
         offer = Offer(
             sync=sync, proto=PROTOCOL_VERSION, backend=self.backend.name, transport=self.transport.name,
-            handles=self._buffers.handles(), bucket_bytes=self.bucket_bytes, num_buffers=self.num_buffers,
+            handles={}, bucket_bytes=self.bucket_bytes, num_buffers=self.num_buffers,
             version=version, pid=os.getpid(), host=socket.gethostname(), manifest=manifest,
             tensors=None if manifest is None else len(manifest),
             total_bytes=None if manifest is None else sum(s.nbytes for s in manifest),
             first=self._seq, doorbell=None if bell is None else bell.handle(), rank=0)
+        self._accepted = False
         for rank, peer in enumerate(peers):
             assert self._sock is not None
-            self._sock.send_multipart([peer.identity, encode(dataclasses.replace(offer, rank=rank))])
+            # each receiver its own handles: shared device memory is exported once per receiver process
+            handles = self._buffers.handles_for(peer.identity.hex(), peer.pid, peer.host)
+            self._sock.send_multipart([peer.identity, encode(dataclasses.replace(offer, rank=rank, handles=handles))])
         self._await_each(peers, sync, Accept, "waiting for receivers to accept the offer", stats)
+        self._accepted = True
         return link
 
     def _link(self, peers: list[_Peer], sync: int) -> tuple[BucketLink, Doorbell | None]:
@@ -347,6 +353,9 @@ class WeightSender:
                 self._broadcast(peers, Abort(sync=sync, message=f"{type(exc).__name__}: {exc}"))
             except zmq.ZMQError:
                 pass
+        if self._buffers is not None and not self._accepted:  # some never mapped what they were offered
+            for peer in peers:
+                self._buffers.release_for(peer.identity.hex())
         self._close_buffers()
 
     def _close_buffers(self) -> None:

@@ -13,10 +13,12 @@ How it works, and the rules it keeps:
 - publish() synchronizes the sender's device, so a receiver told "bucket k is ready" reads
   finished bytes; release() synchronizes the receiver's devices, so the sender never overwrites
   bytes a receiver's queued copies still read;
-- buffers stay exported until the sender closes; close drops them and runs
-  `torch.cuda.ipc_collect()` so blocks receivers no longer map go back to the allocator.
-  torch counts one consumer per export: a second receiving process works, but the sender's
-  blocks then wait in torch's IPC limbo until the sending process exits.
+- torch counts one consumer per export (hwsync.exports): each receiver process gets exports of
+  its own, made when it is first offered the buffers; a receiver in the sender's process gets
+  none; the exports of a receiver that failed before accepting, or died, are released by the
+  sender (torch's _release_ipc_counter), so no block waits in torch's IPC limbo for a consumer
+  that will never come. close() and the next open collect (`torch.cuda.ipc_collect()`) what
+  receivers have let go.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from hwsync.errors import HwsyncError
+from hwsync.exports import ReceiverExports
 from hwsync.interfaces import Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
 from hwsync_cuda.device import CudaDevice, device_uuid
 
@@ -136,7 +139,7 @@ def _synchronize(*indices: int) -> None:
 
 
 class CudaIpcSendBuffers(SendBuffers):
-    """N device buffers on the current GPU, exported once for the whole session."""
+    """N device buffers on the current GPU, exported for each receiver process when it is first offered them."""
 
     def __init__(self, bucket_bytes: int, num_buffers: int) -> None:
         if bucket_bytes <= 0 or num_buffers <= 0:
@@ -146,24 +149,33 @@ class CudaIpcSendBuffers(SendBuffers):
         self.device_index = torch.cuda.current_device()
         self.uuid = device_uuid(self.device_index)
         self.token = secrets.token_hex(16)
-        reduce_tensor = _reductions().reduce_tensor
+        torch.cuda.ipc_collect()  # blocks of earlier buffers that receivers have let go since
         device = torch.device("cuda", self.device_index)
         self.buffers: list[torch.Tensor] = [
             torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(num_buffers)
         ]
-        self._exports = [encode_export(reduce_tensor(buffer)) for buffer in self.buffers]
+        self._exports = ReceiverExports(self._export_all, _release_export)
         _LOCAL_SENDERS[self.token] = self
 
+    def _export_all(self) -> list[dict[str, Any]]:
+        reduce_tensor = _reductions().reduce_tensor
+        return [encode_export(reduce_tensor(buffer)) for buffer in self.buffers]
+
     def handles(self) -> Handles:
-        """The sender's GPU uuid and one encoded CUDA IPC export per buffer."""
-        return {
-            "kind": HANDLE_KIND,
-            "uuid": self.uuid,
-            "bytes": self.bucket_bytes,
-            "pid": os.getpid(),
-            "token": self.token,
-            "buffers": [dict(e) for e in self._exports],
-        }
+        """Handles for one receiver process that is not told apart from others (see handles_for)."""
+        return self.handles_for("", None, None)
+
+    def handles_for(self, receiver: str, pid: int | None, host: str | None) -> Handles:
+        """The sender's GPU uuid and this receiver's own CUDA IPC export of each buffer (none in this process)."""
+        if not self.buffers:
+            raise HwsyncError("cuda_ipc send buffers are closed; open the transport again")
+        records = self._exports.records_for(receiver, pid, host)
+        return {"kind": HANDLE_KIND, "uuid": self.uuid, "bytes": self.bucket_bytes, "pid": os.getpid(),
+                "token": self.token, "buffers": [dict(e) for e in records]}
+
+    def release_for(self, receiver: str) -> None:
+        """The receiver never maps its exports (refused, or died): release their counters for it."""
+        self._exports.release(receiver)
 
     def buffer(self, index: int) -> torch.Tensor:
         """Device buffer `index` to pack into."""
@@ -180,13 +192,23 @@ class CudaIpcSendBuffers(SendBuffers):
         _synchronize(self.device_index, torch.cuda.current_device())
 
     def close(self) -> None:
-        """Drop the buffers and let torch free blocks no receiver maps any more."""
+        """Drop the buffers; release dead receivers' exports; let torch free blocks nobody maps any more.
+
+        A block a live receiver still maps stays parked until it closes it; the next open_sender
+        (or the receiver's own process) collects it then.
+        """
         if not self.buffers:
             return
         _LOCAL_SENDERS.pop(self.token, None)
+        self._exports.forget()
         self.buffers = []
-        self._exports = []
         torch.cuda.ipc_collect()
+
+
+def _release_export(fields: dict[str, Any]) -> None:
+    # what torch's rebuild_cuda_tensor does for an export it does not map (storage_cls._release_ipc_counter)
+    torch.UntypedStorage._release_ipc_counter_cuda(_as_bytes(fields["ref_counter_handle"], "the ref-counter handle"),
+                                                   int(fields["ref_counter_offset"]))
 
 
 class CudaIpcReceiveBuffers(ReceiveBuffers):

@@ -1,8 +1,10 @@
 """sim_ipc: the sender's device buffers mapped straight into receivers, as CUDA IPC does it.
 
 Built like hwsync_cuda's CudaIpcTransport, so the same kinds of bugs show here:
-- the sender allocates N device buffers once and exports each at once (hwsync_sim.sharing
-  counts exports as torch counts CUDA IPC: one expected consumer per export);
+- the sender allocates N device buffers once and exports them for each receiver process when it
+  is first offered them (hwsync.exports; hwsync_sim.sharing counts exports as torch counts CUDA
+  IPC: one expected consumer per export), and releases the exports of receivers that refused
+  them or died;
 - the receiver maps the buffers on its own current device (peer access when that is not the
   sender's device, as torch_npu, vllm-ascend, verl and vLLM rebuild handles), so the sender's
   device need not be visible to it; a receiver in the sender's own process uses the sender's
@@ -26,6 +28,7 @@ import weakref
 import torch
 
 from hwsync.errors import HwsyncError
+from hwsync.exports import ReceiverExports
 from hwsync.interfaces import Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
 from hwsync_sim import sharing
 from hwsync_sim.device import SimDevice
@@ -50,15 +53,27 @@ class SimIpcSendBuffers(SendBuffers):
         self.physical_id = device.physical_id(self.device_index)
         self.token = secrets.token_hex(16)
         where = torch.device(TYPE, self.device_index)
+        sharing.collect(runtime(), report=False)  # as torch.cuda.ipc_collect() before allocating
         self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=where) for _ in range(num_buffers)]
-        self._exports = [sharing.share(b) for b in self.buffers]
+        self._exports = ReceiverExports(lambda: [sharing.share(b) for b in self.buffers], sharing.release_export)
         self._published: set[int] = set()
         _LOCAL_SENDERS[self.token] = self
 
     def handles(self) -> Handles:
-        """The sender's device id and one export record per buffer."""
+        """Handles for one receiver process that is not told apart from others (see handles_for)."""
+        return self.handles_for("", None, None)
+
+    def handles_for(self, receiver: str, pid: int | None, host: str | None) -> Handles:
+        """The sender's device id and this receiver's own export of each buffer (none in this process)."""
+        if not self.buffers:
+            raise HwsyncError("sim_ipc send buffers are closed; open the transport again")
+        records = self._exports.records_for(receiver, pid, host)
         return {"kind": HANDLE_KIND, "physical_id": self.physical_id, "bytes": self.bucket_bytes,
-                "pid": os.getpid(), "token": self.token, "buffers": [dict(e) for e in self._exports]}
+                "pid": os.getpid(), "token": self.token, "buffers": [dict(e) for e in records]}
+
+    def release_for(self, receiver: str) -> None:
+        """The receiver never maps its exports (refused, or died): release them for it."""
+        self._exports.release(receiver)
 
     def buffer(self, index: int) -> torch.Tensor:
         """Device buffer `index` to pack into; a released buffer is poisoned as refilling starts."""
@@ -83,8 +98,8 @@ class SimIpcSendBuffers(SendBuffers):
         if not self.buffers:
             return
         _LOCAL_SENDERS.pop(self.token, None)
+        self._exports.forget()
         self.buffers = []
-        self._exports = []
         sharing.collect(runtime(), report=True)
 
 

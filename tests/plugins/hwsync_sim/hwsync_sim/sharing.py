@@ -172,6 +172,14 @@ def open_shared(record: dict[str, Any], index: int | None = None) -> SimTensor:
     return SimTensor(block, record["shape"], record["stride"], int(record["offset"]), dtype)
 
 
+def release_export(record: dict[str, Any]) -> None:
+    """Release an export that will never be mapped (torch's _release_ipc_counter_cuda)."""
+    try:
+        update(str(record["refs"]), int(record["slot"]), delta=-1)
+    except OSError:
+        pass  # the exporter is gone; torch ignores this too
+
+
 def freed(rt: Runtime, mem: Memory) -> None:
     """Runtime.free for shared memory: a consumer releases its export, an exporter frees or parks."""
     if mem.mapping is not None:
