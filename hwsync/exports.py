@@ -1,6 +1,6 @@
 """Device buffers shared with receiver processes, exported the way torch counts IPC consumers.
 
-torch's CUDA IPC (and torch_npu's, built the same way) gives every export of a block a
+torch's CUDA IPC (and the NPU runtime's, built the same way) gives every export of a block a
 reference counter set to 1: one expected consumer. The consumer's mapping, when freed, takes
 it to 0; the exporting process frees a block it dropped only once all of the block's counters
 are at 0 (until then it is parked, and `ipc_collect()` retries). So:
