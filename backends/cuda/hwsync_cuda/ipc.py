@@ -23,6 +23,7 @@ How it works, and the rules it keeps:
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import weakref
@@ -33,7 +34,9 @@ import torch
 from hwsync.errors import HwsyncError
 from hwsync.exports import ReceiverExports
 from hwsync.interfaces import Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
-from hwsync_cuda.device import CudaDevice, device_uuid
+from hwsync_cuda.device import CudaDevice, device_uuid, expandable_segments_reason
+
+log = logging.getLogger("hwsync")
 
 HANDLE_KIND = "cuda_ipc"
 # rebuild_cuda_tensor's positional arguments, in torch's order (torch/multiprocessing/reductions.py).
@@ -265,9 +268,10 @@ class CudaIpcTransport(Transport):
 
     def __init__(self, device: CudaDevice) -> None:
         self._device = device
+        self._logged = False
 
     def available(self) -> ProbeResult:
-        """Usable where a GPU is and the kernel is not WSL's, which has no CUDA IPC."""
+        """Usable where a GPU is, the kernel is not WSL's (no CUDA IPC), and the allocator shares plain handles."""
         probe = self._device.probe()
         if not probe.usable:
             return ProbeResult(False, f"no usable GPU: {probe.reason}")
@@ -277,10 +281,19 @@ class CudaIpcTransport(Transport):
                     return ProbeResult(False, "CUDA IPC is not supported under WSL; use the 'shm' transport")
         except OSError:
             pass
+        reason = expandable_segments_reason()
+        if reason is not None:
+            if not self._logged:  # the backend falls back to shm: say why, once
+                self._logged = True
+                log.warning("hwsync: cuda_ipc unavailable, falling back to shm: %s", reason)
+            return ProbeResult(False, reason)
         return ProbeResult(True, "CUDA IPC between processes on this node")
 
     def open_sender(self, bucket_bytes: int, num_buffers: int) -> SendBuffers:
-        """Allocate and export `num_buffers` device buffers on the current GPU."""
+        """Allocate `num_buffers` device buffers on the current GPU (exported per receiver when offered)."""
+        reason = expandable_segments_reason()
+        if reason is not None:  # cuda_ipc was asked for by name: refuse with the reason, do not fail later
+            raise HwsyncError(f"cuda_ipc cannot be used: {reason}")
         return CudaIpcSendBuffers(bucket_bytes, num_buffers)
 
     def open_receiver(self, handles: Handles) -> ReceiveBuffers:
