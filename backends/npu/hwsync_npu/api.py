@@ -48,6 +48,9 @@ C_EXTENSION_NAMES: tuple[str, ...] = (
     "ProcessGroupHCCL",  # torch_npu._C._distributed_c10d.ProcessGroupHCCL(store, rank, size, options)
     "Options",  # ProcessGroupHCCL.Options()
     "_timeout",  # ProcessGroupHCCL.Options._timeout
+    "is_high_priority_stream",  # ProcessGroupHCCL.Options.is_high_priority_stream
+    "global_ranks_in_group",  # ProcessGroupHCCL.Options.global_ranks_in_group
+    "group_id",  # ProcessGroupHCCL.Options.group_id
     "_share_npu_",
     "_new_shared_npu",
     "_release_ipc_counter_npu",
