@@ -38,7 +38,14 @@ def _backend_params() -> list:
 
 @pytest.fixture(params=_backend_params())
 def backend(request, monkeypatch):
-    """Each test using this runs once per installed backend; unusable ones are skipped with the reason."""
+    """Each test using this runs once per installed backend; unusable ones are skipped with the reason.
+
+    A test (or one of its cases) marked `cpu_is_enough(why)` is skipped on the simulated accelerator
+    with that reason: it exercises nothing an accelerator changes, and CI time is finite.
+    """
+    enough = request.node.get_closest_marker("cpu_is_enough")
+    if request.param == "sim" and enough is not None:
+        pytest.skip(f"not repeated on the simulated accelerator: {enough.args[0] if enough.args else ''}")
     monkeypatch.setenv("HWSYNC_BACKEND", request.param)
     reset_backend_cache()
     yield load_backend(request.param)
