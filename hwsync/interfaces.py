@@ -123,6 +123,15 @@ class SendBuffers(ABC):
     def handles(self) -> Handles:
         """What a receiver needs to reach these buffers (msgpack-safe)."""
 
+    def handles_for(self, receiver: str, pid: int | None, host: str | None) -> Handles:
+        """What receiver `receiver` (a key that stays the same while it stays connected; its process id
+        and host) needs. Transports that share device memory export it here, once per receiver, as
+        torch counts one consumer per export (hwsync.exports); the rest hand everyone handles()."""
+        return self.handles()
+
+    def release_for(self, receiver: str) -> None:
+        """`receiver` will not map what handles_for gave it (it failed before accepting, or died)."""
+
     @abstractmethod
     def buffer(self, index: int) -> torch.Tensor:
         """Flat uint8 tensor of `bucket_bytes` to pack bucket data into."""

@@ -1,7 +1,14 @@
-"""Shared fixtures: a `backend` fixture over every backend usable here, ports, leak checks."""
+"""Shared fixtures: a `backend` fixture over every backend usable here, ports, leak checks.
+
+The simulated accelerator (tests/plugins/hwsync_sim, backend "sim") is one of those backends
+once installed (ci/setup.sh installs it). Its settings are fixed here for the whole session,
+before any process starts it: enough simulated devices for one per rank, and a leak log that
+every process appends to, checked after each test (a leak report is a failure).
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 
@@ -9,6 +16,11 @@ import pytest
 
 from hwsync.registry import installed_names, load_backend, reset_backend_cache
 from hwsync.shm import leftover_segments
+
+SIM_INSTALLED = importlib.util.find_spec("hwsync_sim") is not None
+#: simulated devices per node: one per rank of the largest multi-process test (5 ranks), and spare
+SIM_DEVICES = 8
+os.environ.setdefault("HWSYNC_SIM_DEVICES", str(SIM_DEVICES))
 
 
 def _backend_params() -> list:
@@ -26,7 +38,14 @@ def _backend_params() -> list:
 
 @pytest.fixture(params=_backend_params())
 def backend(request, monkeypatch):
-    """Each test using this runs once per installed backend; unusable ones are skipped with the reason."""
+    """Each test using this runs once per installed backend; unusable ones are skipped with the reason.
+
+    A test (or one of its cases) marked `cpu_is_enough(why)` is skipped on the simulated accelerator
+    with that reason: it exercises nothing an accelerator changes, and CI time is finite.
+    """
+    enough = request.node.get_closest_marker("cpu_is_enough")
+    if request.param == "sim" and enough is not None:
+        pytest.skip(f"not repeated on the simulated accelerator: {enough.args[0] if enough.args else ''}")
     monkeypatch.setenv("HWSYNC_BACKEND", request.param)
     reset_backend_cache()
     yield load_backend(request.param)
@@ -77,3 +96,61 @@ def _keep_env_clean():
     else:
         os.environ["HWSYNC_BACKEND"] = saved
     reset_backend_cache()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def sim_leak_log(tmp_path_factory):
+    """HWSYNC_SIM_LEAK_LOG for this process and every child it starts (None without the sim)."""
+    if not SIM_INSTALLED:
+        yield None
+        return
+    path = tmp_path_factory.mktemp("sim") / "leaks.jsonl"
+    saved = os.environ.get("HWSYNC_SIM_LEAK_LOG")
+    os.environ["HWSYNC_SIM_LEAK_LOG"] = str(path)
+    yield str(path)
+    if saved is None:
+        os.environ.pop("HWSYNC_SIM_LEAK_LOG", None)
+    else:
+        os.environ["HWSYNC_SIM_LEAK_LOG"] = saved
+
+
+@pytest.fixture(autouse=True)
+def no_sim_leaks(request, sim_leak_log):
+    """After each test: device memory the sim saw leaked (by any process) fails the test.
+
+    This process's own exports still parked after the test count too (torch would keep them
+    until exit); tests that provoke a leak on purpose carry the `sim_leaks_expected` marker.
+    """
+    yield
+    if sim_leak_log is None:
+        return
+    from hwsync_sim import read_leak_log
+    from hwsync_sim.runtime import initialized
+
+    if initialized():
+        from hwsync_sim import sharing
+        from hwsync_sim.runtime import runtime
+
+        sharing.report_parked(runtime())
+    rows = read_leak_log(sim_leak_log, clear=True)
+    if rows and request.node.get_closest_marker("sim_leaks_expected") is None:
+        pytest.fail("the simulated accelerator saw device memory leaked:\n" +
+                    "\n".join(f"  pid {r['pid']}: {r['leak']}" for r in rows), pytrace=False)
+
+
+def pytest_collection_modifyitems(items):
+    """Tests that run a vLLM engine go first: once the sim runs in this process it owns torch's
+    PrivateUse1 slot and torch.accelerator reports "sim", which an engine started here (or a
+    process it forks) must never see."""
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is None)
+
+
+@pytest.fixture(autouse=True)
+def _no_sim_under_vllm(request):
+    """Isolation check: a vLLM test never runs in a process where the sim has started."""
+    if SIM_INSTALLED and request.node.get_closest_marker("vllm") is not None:
+        from hwsync_sim.runtime import initialized
+
+        assert not initialized(), ("the simulated accelerator already runs in this pytest process; vLLM tests must "
+                                   "run before it (tests/conftest.py orders them first)")
+    yield

@@ -20,6 +20,7 @@ from hwsync.disaggregated.plan import CollectivePlan
 from hwsync.protocol import TO_RANK, decode, encode
 from hwsync.errors import ManifestError, SyncError
 from hwsync.manifest import TensorSpec, manifest_from_tensors
+from placement import need_devices, place
 
 BUCKET = 64 << 10
 TIMEOUT = 6.0
@@ -43,13 +44,15 @@ def _tensors(version: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def _exact(got: dict[str, torch.Tensor], version: int) -> bool:
+    """Bit-exact against the sent tensors (received ones may live on a device: compared on the host)."""
     want = dict(_tensors(version))
     return set(got) == set(want) and all(
-        got[n].dtype == t.dtype and got[n].shape == t.shape and torch.equal(got[n], t) for n, t in want.items())
+        got[n].dtype == t.dtype and got[n].shape == t.shape and torch.equal(got[n].cpu(), t) for n, t in want.items())
 
 
-def _receiver(endpoint: str, out, rank: int, versions: list[int], fault: tuple | None = None) -> None:
-    os.environ["HWSYNC_BACKEND"] = "cpu"
+def _receiver(endpoint: str, out, where: tuple[str, int], rank: int, versions: list[int],
+              fault: tuple | None = None) -> None:
+    place(*where)
     rx = CollectiveReceiver(endpoint, rank=rank, timeout_s=TIMEOUT)
     out.put(("up", rank))
     for v in versions:
@@ -77,8 +80,9 @@ def _receiver(endpoint: str, out, rank: int, versions: list[int], fault: tuple |
     rx.close()
 
 
-def _sender(endpoint: str, out, rank: int, senders: int, receivers: int, versions: list[int]) -> None:
-    os.environ["HWSYNC_BACKEND"] = "cpu"
+def _sender(endpoint: str, out, where: tuple[str, int], rank: int, senders: int, receivers: int,
+            versions: list[int]) -> None:
+    place(*where)
     tx = CollectiveSender(endpoint, rank=rank, num_senders=senders, num_receivers=receivers, group_host=HOST,
                           timeout_s=TIMEOUT)
     out.put(("up", -rank))
@@ -94,9 +98,16 @@ def _sender(endpoint: str, out, rank: int, senders: int, receivers: int, version
 
 
 class Cluster:
-    """Sender 0 here, the other ranks spawned; collects what they report."""
+    """Sender 0 here, the other ranks spawned, each on a device of its own; collects what they report.
 
-    def __init__(self, senders: int, receivers: int) -> None:
+    Sender s runs on device s, receiver r on device senders + r (HWSYNC_BACKEND is the backend's).
+    """
+
+    def __init__(self, backend, senders: int, receivers: int) -> None:
+        need_devices(backend, senders + receivers)
+        self.name = backend.name
+        if self.name != "cpu":
+            backend.device().set_index(0)  # sender 0, here
         self.ctx = mp.get_context("spawn")
         self.out = self.ctx.Queue()
         self.procs: list = []
@@ -104,17 +115,21 @@ class Cluster:
         self.tx = CollectiveSender(f"tcp://{HOST}:0", num_senders=senders, num_receivers=receivers, group_host=HOST,
                                    bucket_bytes=BUCKET, timeout_s=TIMEOUT)
 
-    def spawn(self, target, *args) -> mp.Process:
-        proc = self.ctx.Process(target=target, args=(self.tx.endpoint, self.out, *args), daemon=True)
+    def receiver_at(self, rank: int) -> tuple[str, int]:
+        """(backend, device) of receiver `rank`."""
+        return self.name, self.senders + rank
+
+    def spawn(self, target, where: tuple[str, int], *args) -> mp.Process:
+        proc = self.ctx.Process(target=target, args=(self.tx.endpoint, self.out, where, *args), daemon=True)
         proc.start()
         self.procs.append(proc)
         return proc
 
     def start(self, versions: list[int], faults: dict[int, tuple] | None = None) -> None:
         for r in range(self.receivers):
-            self.spawn(_receiver, r, versions, (faults or {}).get(r))
+            self.spawn(_receiver, self.receiver_at(r), r, versions, (faults or {}).get(r))
         for s in range(1, self.senders):
-            self.spawn(_sender, s, self.senders, self.receivers, versions)
+            self.spawn(_sender, (self.name, s), s, self.senders, self.receivers, versions)
         self.wait_up(self.receivers + self.senders - 1)
 
     def wait_up(self, n: int) -> None:
@@ -132,11 +147,6 @@ class Cluster:
                 proc.kill()
                 proc.join(5)
         assert not [p for p in self.procs if p.exitcode is None], "a child process was left running"
-
-
-@pytest.fixture
-def cpu_backend(monkeypatch):
-    monkeypatch.setenv("HWSYNC_BACKEND", "cpu")
 
 
 # -- the plan, without processes ---------------------------------------------------------------
@@ -173,9 +183,11 @@ def test_follower_needs_the_token():
 
 # -- real processes over gloo -------------------------------------------------------------------
 
-@pytest.mark.parametrize("senders", [1, 2], ids=["1-sender", "2-striped-senders"])
-def test_senders_to_three_receivers_bit_exact(cpu_backend, senders):
-    cluster = Cluster(senders, 3)
+@pytest.mark.parametrize("senders", [
+    pytest.param(1, marks=pytest.mark.cpu_is_enough("the striped case runs every rank on its own device there")),
+    2], ids=["1-sender", "2-striped-senders"])
+def test_senders_to_three_receivers_bit_exact(backend, senders):
+    cluster = Cluster(backend, senders, 3)
     try:
         cluster.start([0, 1])
         for v in (0, 1):
@@ -191,9 +203,10 @@ def test_senders_to_three_receivers_bit_exact(cpu_backend, senders):
         cluster.close()
 
 
-def test_twenty_syncs_on_one_group(cpu_backend):
+@pytest.mark.cpu_is_enough("reusing one group across syncs is control-plane logic")
+def test_twenty_syncs_on_one_group(backend):
     versions = list(range(20))
-    cluster = Cluster(2, 2)
+    cluster = Cluster(backend, 2, 2)
     try:
         cluster.start(versions)
         epochs = set()
@@ -207,8 +220,8 @@ def test_twenty_syncs_on_one_group(cpu_backend):
         cluster.close()
 
 
-def test_killed_receiver_fails_every_rank_naming_it_then_a_rebuilt_group_works(cpu_backend):
-    cluster = Cluster(2, 3)
+def test_killed_receiver_fails_every_rank_naming_it_then_a_rebuilt_group_works(backend):
+    cluster = Cluster(backend, 2, 3)
     try:
         cluster.start([0, 1, 2], faults={2: ("kill", 1, 1)})  # receiver 2 dies in its first load of version 1
         cluster.tx.send(_tensors(0), version=0)
@@ -222,7 +235,7 @@ def test_killed_receiver_fails_every_rank_naming_it_then_a_rebuilt_group_works(c
         assert len(failed) == 3 and all("receiver 2" in r[3] and r[4] < TIMEOUT for r in failed), failed
         cluster.procs[2].join(5)
         assert cluster.procs[2].exitcode == -signal.SIGKILL
-        cluster.spawn(_receiver, 2, [2], None)  # a replacement engine rank
+        cluster.spawn(_receiver, cluster.receiver_at(2), 2, [2], None)  # a replacement engine rank
         cluster.wait_up(1)
         cluster.tx.send(_tensors(2), version=2)
         assert cluster.tx.group_epoch != epoch  # rebuilt
@@ -231,13 +244,16 @@ def test_killed_receiver_fails_every_rank_naming_it_then_a_rebuilt_group_works(c
         cluster.close()
 
 
-def test_stalled_receiver_is_named_within_the_timeout(cpu_backend):
-    cluster = Cluster(1, 2)
+@pytest.mark.cpu_is_enough("a failed rank's abort path runs on the sim with the killed receiver")
+def test_stalled_receiver_is_named_within_the_timeout(backend):
+    cluster = Cluster(backend, 1, 2)
     try:
-        cluster.start([0], faults={1: ("stall", 0, 1)})  # receiver 1 freezes (SIGSTOP) in its first load
+        cluster.start([0, 1], faults={1: ("stall", 1, 1)})  # receiver 1 freezes (SIGSTOP) in its first load of v1
+        cluster.tx.send(_tensors(0), version=0)  # the groups are built: what follows times the stall alone
+        assert all(r[3] == "ok" for r in cluster.reports(2))
         t0 = time.monotonic()
         with pytest.raises(SyncError, match="receiver 1 .* stopped answering"):
-            cluster.tx.send(_tensors(0), version=0)
+            cluster.tx.send(_tensors(1), version=1)
         assert time.monotonic() - t0 < TIMEOUT
         (report,) = cluster.reports(1)
         assert report[1] == 0 and "receiver 1" in report[3]
@@ -248,8 +264,9 @@ def test_stalled_receiver_is_named_within_the_timeout(cpu_backend):
         cluster.close()
 
 
-def test_a_receivers_load_error_reaches_every_rank(cpu_backend):
-    cluster = Cluster(1, 2)
+@pytest.mark.cpu_is_enough("control-plane logic only: nothing an accelerator changes")
+def test_a_receivers_load_error_reaches_every_rank(backend):
+    cluster = Cluster(backend, 1, 2)
     try:
         cluster.start([0, 1], faults={0: ("raise", 0, 1)})
         with pytest.raises(SyncError, match="receiver 0 .*bad weights"):
@@ -262,8 +279,8 @@ def test_a_receivers_load_error_reaches_every_rank(cpu_backend):
         cluster.close()
 
 
-def _stateful_receiver(endpoint: str, out, rank: int, versions: list[int]) -> None:
-    os.environ["HWSYNC_BACKEND"] = "cpu"
+def _stateful_receiver(endpoint: str, out, where: tuple[str, int], rank: int, versions: list[int]) -> None:
+    place(*where)
     rx = CollectiveReceiver(endpoint, rank=rank, timeout_s=TIMEOUT)
     out.put(("up", rank))
     for v in versions:
@@ -273,8 +290,9 @@ def _stateful_receiver(endpoint: str, out, rank: int, versions: list[int]) -> No
     rx.close()
 
 
-def _callable_sender(endpoint: str, out, rank: int, senders: int, receivers: int, versions: list[int]) -> None:
-    os.environ["HWSYNC_BACKEND"] = "cpu"
+def _callable_sender(endpoint: str, out, where: tuple[str, int], rank: int, senders: int, receivers: int,
+                     versions: list[int]) -> None:
+    place(*where)
     tx = CollectiveSender(endpoint, rank=rank, num_senders=senders, num_receivers=receivers, group_host=HOST,
                           timeout_s=TIMEOUT)
     out.put(("up", -rank))
@@ -285,11 +303,12 @@ def _callable_sender(endpoint: str, out, rank: int, senders: int, receivers: int
     tx.close()
 
 
-def test_a_callable_source_gets_the_receivers_state_on_every_sender_rank(cpu_backend):
-    cluster = Cluster(2, 1)
+@pytest.mark.cpu_is_enough("control-plane logic only: nothing an accelerator changes")
+def test_a_callable_source_gets_the_receivers_state_on_every_sender_rank(backend):
+    cluster = Cluster(backend, 2, 1)
     try:
-        cluster.spawn(_stateful_receiver, 0, [0, 1])
-        cluster.spawn(_callable_sender, 1, 2, 1, [0, 1])
+        cluster.spawn(_stateful_receiver, cluster.receiver_at(0), 0, [0, 1])
+        cluster.spawn(_callable_sender, (cluster.name, 1), 1, 2, 1, [0, 1])
         cluster.wait_up(2)
         for v in (0, 1):
             seen: list = []

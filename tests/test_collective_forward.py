@@ -1,25 +1,26 @@
 """An engine node forwards what it receives over the collective group into its local engine.
 
-Three processes: sender 0 (here), the engine node's agent (a CollectiveReceiver whose load
-feeds a same-node WeightSender through LocalForwarder), and the engine itself (a plain
-WeightReceiver, standing in for the vLLM worker extension).
+Three processes: sender 0 (here, on device 0), the engine node's agent (a CollectiveReceiver
+whose load feeds a same-node WeightSender through LocalForwarder, on device 1), and the engine
+itself (a plain WeightReceiver, standing in for the vLLM worker extension, sharing the agent's
+device).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 
 import torch
 
 from hwsync.disaggregated import CollectiveSender
+from placement import need_devices, place
 from tests.test_collective import BUCKET, HOST, TIMEOUT, _exact, _tensors
 
 VERSIONS = [0, 1]
 
 
-def _engine(endpoint: str, out) -> None:
-    os.environ["HWSYNC_BACKEND"] = "cpu"
+def _engine(endpoint: str, out, where: tuple[str, int]) -> None:
+    place(*where)
     from hwsync.colocated.receiver import WeightReceiver
 
     with WeightReceiver(endpoint, timeout_s=TIMEOUT) as rx:
@@ -29,14 +30,14 @@ def _engine(endpoint: str, out) -> None:
             out.put(("engine", v, _exact(got, v), rx.version))
 
 
-def _agent(endpoint: str, out) -> None:
-    os.environ["HWSYNC_BACKEND"] = "cpu"
+def _agent(endpoint: str, out, where: tuple[str, int]) -> None:
+    place(*where)
     from hwsync.disaggregated import CollectiveReceiver, LocalForwarder
     from hwsync.colocated.sender import WeightSender
 
     with WeightSender(bucket_bytes=BUCKET // 2, timeout_s=TIMEOUT) as local, \
             CollectiveReceiver(endpoint, rank=0, timeout_s=TIMEOUT) as rx:
-        engine = mp.get_context("spawn").Process(target=_engine, args=(local.endpoint, out))
+        engine = mp.get_context("spawn").Process(target=_engine, args=(local.endpoint, out, where))
         engine.start()
         forward = LocalForwarder(lambda src, v, manifest: local.send(src, version=v, manifest=manifest),
                                  timeout_s=TIMEOUT)
@@ -47,13 +48,15 @@ def _agent(endpoint: str, out) -> None:
         engine.join(TIMEOUT)
 
 
-def test_engine_node_forwards_into_its_local_engine(monkeypatch):
-    monkeypatch.setenv("HWSYNC_BACKEND", "cpu")
+def test_engine_node_forwards_into_its_local_engine(backend):
+    need_devices(backend, 2)
+    if backend.name != "cpu":
+        backend.device().set_index(0)  # sender 0, here
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with CollectiveSender(f"tcp://{HOST}:0", num_receivers=1, group_host=HOST, bucket_bytes=BUCKET,
                           timeout_s=TIMEOUT) as tx:
-        agent = ctx.Process(target=_agent, args=(tx.endpoint, out))
+        agent = ctx.Process(target=_agent, args=(tx.endpoint, out, (backend.name, 1)))
         agent.start()
         try:
             assert out.get(timeout=30) == ("up",)

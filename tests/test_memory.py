@@ -112,6 +112,58 @@ def test_real_report_sizes_buckets(four_ranks):
     assert choice.min_free == min(report.values("free"))
 
 
+SIM_HEAVY_BYTES = 512 * MiB
+
+
+def _sim_rank_main(rank: int, port: int, out: str) -> None:
+    """One rank on its own simulated device: HEAVY_RANK allocates device memory, every rank reports."""
+    import os
+
+    import torch
+
+    os.environ["HWSYNC_SIM_DEVICE"] = str(rank)  # before the sim starts here: the launcher's set_device(rank)
+    from hwsync.registry import load_backend
+
+    backend = load_backend("sim")
+    device = backend.device()
+    comm = backend.communicator(f"tcp://127.0.0.1:{port}", rank, WORLD, timeout_s=120)
+    try:
+        before = memory_report(comm, device)
+        heavy = torch.empty(SIM_HEAVY_BYTES, dtype=torch.uint8, device=device.torch_device()) \
+            if rank == HEAVY_RANK else None
+        comm.barrier()  # every rank reads its figures after the allocation exists
+        after = memory_report(comm, device)
+        result = check_balance(after, 0.01, "warn", field="free")
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"before": before.to_dict(), "after": after.to_dict(),
+                                                              "result": result.to_dict()}))
+        comm.barrier()
+        del heavy
+    finally:
+        comm.destroy()
+
+
+def test_report_over_four_ranks_on_their_own_simulated_devices(tmp_path):
+    """Each rank reads its own device's figures (the sim counts every process on a device), gathered over
+    simccl; the rank that holds device memory is the one named."""
+    pytest.importorskip("hwsync_sim", reason="the sim backend is not installed: pip install -e tests/plugins/hwsync_sim")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_sim_rank_main, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    records = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    after = MemoryReport.from_dict(records[0]["after"])
+    before = MemoryReport.from_dict(records[0]["before"])
+    assert all(MemoryReport.from_dict(r["after"]) == after for r in records)
+    assert after.device_type == "sim" and [r.rank for r in after.ranks] == list(range(WORLD))
+    grew = [a.allocated - b.allocated for a, b in zip(after.ranks, before.ranks)]
+    assert grew[HEAVY_RANK] >= SIM_HEAVY_BYTES and all(g < MiB for r, g in enumerate(grew) if r != HEAVY_RANK)
+    dropped = [b.free - a.free for a, b in zip(after.ranks, before.ranks)]
+    assert dropped[HEAVY_RANK] >= SIM_HEAVY_BYTES, "free memory is the device's, as the driver reports it"
+    assert [o["rank"] for o in records[0]["result"]["outliers"]] == [HEAVY_RANK]
+
+
 def test_single_process_report_without_a_communicator(monkeypatch):
     monkeypatch.setenv("HWSYNC_BACKEND", "cpu")
     from hwsync.registry import reset_backend_cache

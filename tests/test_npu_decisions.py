@@ -55,6 +55,7 @@ DRIVER_INFO_OLD = "Version=24.1.rc1\nascendhal_version=7.35.19\naicpu_version=1.
     ("8.3.RC1", "8.3.RC2"), ("8.3.RC2", "8.5.0"), ("8.3.RC1.alpha003", "8.3.RC1"), ("8.0.T63", "8.0.RC1"),
     ("8.5.0", "9.0.0"), ("25.0.rc1", "25.0.rc1.1"), ("24.1.rc2.2", "25.3.rc1"), ("25.3.rc1", "25.3.RC1.2"),
     ("25.3.RC1", "25.5.0"), ("25.5.0", "26.0.rc1"), ("8.3.RC1.beta1", "8.3.RC1"),
+    ("25.5.t3.b001", "25.5.t3.b002"), ("25.3.RC1", "25.5.t3.b001"), ("25.5.t3.b001", "25.5.rc1"),
 ])
 def test_versions_order_like_ascend_releases(older: str, newer: str) -> None:
     assert parse_version(older) < parse_version(newer)
@@ -63,6 +64,13 @@ def test_versions_order_like_ascend_releases(older: str, newer: str) -> None:
 def test_rc_case_does_not_matter() -> None:
     # the driver writes "25.3.rc1" [drv-a]; docs and the IPC guide write "25.3.RC1" [ipc]
     assert parse_version("25.3.rc1") == parse_version("25.3.RC1")
+
+
+def test_driver_build_tags_parse() -> None:
+    # bug 9: internal driver builds carry a build tag ("25.5.t3.b001"), which used to parse to None
+    version = parse_version("25.5.t3.b001")
+    assert version is not None and (version.major, version.minor, version.number, version.build) == (25, 5, 3, 1)
+    assert parse_version("25.5.T3.B001") == version
 
 
 @pytest.mark.parametrize("text", ["", "8", "8.3", "CANN-8.3", "8.x.RC1", "8.3.RCx", "8.3.RC1.gamma1", "7.6.T13.0.B094:8.0.T63"])
@@ -102,12 +110,24 @@ def test_install_info_paths_prefer_the_sourced_toolkit() -> None:
     (None, "25.3.rc1", False),          # get_cann_version returns "" below CANN 8.1.RC1
     ("8.5.0", None, False),             # driver version.info not mounted into the container
     ("8.0.T63", "25.3.rc1", False),
+    ("8.5.0", "25.5.t3.b001", True),    # bug 9: a build-tagged driver
+    ("8.5.0", "26.1.custom-7", True),   # not a known format, but 26.1 alone is above 25.3
+    ("9.0.custom", "25.5.0", True),
+    ("8.5.0", "24.9.custom", False),    # ... or alone below it
 ])
 def test_ipc_decision(cann: str | None, driver: str | None, use: bool) -> None:
     decision = decide_ipc(cann, driver)
     assert decision.use_ipc is use
     if not use:
         assert "25.3.RC1" in decision.reason and "8.3.RC1" in decision.reason and "shared memory" in decision.reason
+
+
+def test_an_unknown_format_that_major_minor_cannot_decide_is_refused_with_the_reason() -> None:
+    decision = decide_ipc("8.5.0", "25.3.custom")
+    assert not decision.use_ipc
+    assert "'25.3.custom' is not in a format hwsync knows" in decision.reason and "cannot tell" in decision.reason
+    allowed = decide_ipc("8.5.0", "26.1.custom")
+    assert allowed.use_ipc and "'26.1.custom' is not in a format hwsync knows" in allowed.reason
 
 
 def test_ipc_fallback_is_logged_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:

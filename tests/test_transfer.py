@@ -34,8 +34,15 @@ def start_receiver(endpoint: str, syncs: int = 1, **kwargs):
     return p, q
 
 
-@pytest.mark.parametrize("set_name,bucket_bytes", [("matrix", 4096), ("matrix", 1 << 20), ("big", 1 << 16),
-                                                    ("many", 1 << 18)])
+SIM_COVERS = "the 4 KiB-bucket matrix (every dtype) and the big split tensor run there"
+
+
+@pytest.mark.parametrize("set_name,bucket_bytes", [
+    ("matrix", 4096),
+    pytest.param("matrix", 1 << 20, marks=pytest.mark.cpu_is_enough(SIM_COVERS)),
+    ("big", 1 << 16),
+    pytest.param("many", 1 << 18, marks=pytest.mark.cpu_is_enough(SIM_COVERS)),
+])
 def test_round_trip_is_bit_exact(backend, set_name, bucket_bytes):
     tensors = procs.SETS[set_name](bucket_bytes)
     with WeightSender(bucket_bytes=bucket_bytes, timeout_s=60) as sender:
@@ -77,6 +84,7 @@ def test_receiver_follows_the_senders_geometry(backend):
             p.join(30)
 
 
+@pytest.mark.cpu_is_enough("how the sender iterates its source is host logic")
 def test_source_is_consumed_lazily(backend):
     alive: list[weakref.ref] = []
 
@@ -157,6 +165,7 @@ def test_receiver_killed_mid_sync(backend):
         p.join(30)
 
 
+@pytest.mark.cpu_is_enough("a killed sender runs on the sim in test_doorbell")
 def test_sender_killed_mid_sync(backend):
     sender = subprocess.Popen([sys.executable, str(HERE / "transfer_procs.py"), "sender", "v1", str(1 << 16), "5"],
                               stdout=subprocess.PIPE, text=True)
@@ -179,6 +188,7 @@ def test_sender_killed_mid_sync(backend):
     assert not leftover_segments(info["pid"]), "a killed sender's segments must be removed"
 
 
+@pytest.mark.cpu_is_enough("control-plane logic only: nothing an accelerator changes")
 def test_silent_peer_times_out_naming_phase_and_endpoint(backend):
     with WeightSender(timeout_s=1.0) as sender:
         with pytest.raises(SyncTimeout, match=r"timed out after 1.0s waiting for receivers to call receive\(\)"):
@@ -222,6 +232,7 @@ def test_manifest_is_enforced_on_the_sender(backend):
         p.join(30)
 
 
+@pytest.mark.cpu_is_enough("control-plane logic only: nothing an accelerator changes")
 def test_wrong_token_is_ignored(backend):
     with WeightSender(timeout_s=1.5) as sender:
         address = sender.endpoint.split("#")[0]
@@ -234,6 +245,7 @@ def test_wrong_token_is_ignored(backend):
             sender.send([("a", torch.ones(2))], version=1)
 
 
+@pytest.mark.cpu_is_enough("control-plane logic only: nothing an accelerator changes")
 def test_tcp_endpoint_with_token(backend, free_port):
     with WeightSender(f"tcp://127.0.0.1:{free_port}", timeout_s=30) as sender:
         assert sender.endpoint.startswith(f"tcp://127.0.0.1:{free_port}#")
@@ -241,6 +253,15 @@ def test_tcp_endpoint_with_token(backend, free_port):
         sender.send(procs.versioned(3).items(), version=3)
         assert q.get(timeout=60)["digests"] == procs.digests(procs.versioned(3))
         p.join(30)
+
+
+def test_roundtrip_command_verifies_every_byte(backend):
+    """`hwsync roundtrip` on each backend; the receiver's tensors live on its device (no numpy() there)."""
+    done = subprocess.run([sys.executable, "-m", "hwsync.cli", "roundtrip", "--megabytes", "1", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["verified"] is True and report["backend"] == backend.name
 
 
 def test_ipc_directory_is_private_and_removed():

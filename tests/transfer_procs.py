@@ -62,9 +62,9 @@ SETS = {"matrix": lambda bb: dtype_matrix(), "big": big_and_small, "many": lambd
 
 
 def digest(t: torch.Tensor) -> list:
-    """dtype, shape and a hash of the exact bytes."""
+    """dtype, shape and a hash of the exact bytes (copied to the host first: numpy() refuses device tensors)."""
     flat = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-    return [str(t.dtype), list(t.shape), hashlib.sha256(flat.numpy().tobytes()).hexdigest()]
+    return [str(t.dtype), list(t.shape), hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest()]
 
 
 def digests(tensors: dict[str, torch.Tensor]) -> dict[str, list]:

@@ -21,7 +21,8 @@ def _sample(megabytes: float) -> dict[str, torch.Tensor]:
 
 
 def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    # received tensors live on the backend's device: copy to the host first (numpy() refuses device tensors)
+    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
 
 
 def _receive(endpoint: str, q: "mp.Queue[dict]") -> None:

@@ -30,6 +30,7 @@ import zmq
 from hwsync.bucket import BucketReader, IntoFn
 from hwsync.colocated.doorbell import Doorbell, doorbell_supported, spin_wait
 from hwsync.control import Endpoint, Lifetime, peer_alive, raise_if_exited, receive_frame, remove_ipc_dir
+from hwsync.devices import synchronize_for
 from hwsync.errors import ProtocolError, RemoteError, SyncError
 from hwsync.interfaces import Backend, Handles, ReceiveBuffers
 from hwsync.manifest import TensorSpec
@@ -181,7 +182,7 @@ class WeightReceiver:
         assert self._buffers is not None
         sync, reader, seq, rank = offer.sync, self._reader, offer.first, offer.rank
         bell = self._doorbell if offer.doorbell else None
-        reader.begin()
+        reader.begin(self.backend.device().torch_device())  # reassemble on this receiver's own device
         while True:
             what = f"waiting for bucket {stats.buckets}"
             if self._lifetime.signal.is_set():  # close() from another thread: checked per bucket, the waits check too
@@ -204,11 +205,12 @@ class WeightReceiver:
             t0 = time.perf_counter()
             self.incomplete = True
             view = self._buffers.view(frame.buf, frame.nbytes)
+            where = view.device
             tensors = reader.read(view, frame.entries, into)
             del view  # no view may outlive the buffer's release
             early = not reader.aliases_view  # only reassembled tensors: the sender may refill now
             if early:
-                self._release_bucket(sync, frame.buf, seq, bell, rank)
+                self._release_bucket(sync, frame.buf, seq, bell, rank, where)
             if tensors:
                 if load is None:
                     raise ValueError(f"into() returned None for {tensors[0][0]!r} and no load was given; return "
@@ -216,7 +218,7 @@ class WeightReceiver:
                 load(tensors)
             del tensors
             if not early:
-                self._release_bucket(sync, frame.buf, seq, bell, rank)
+                self._release_bucket(sync, frame.buf, seq, bell, rank, where)
             stats.load_s += time.perf_counter() - t0
             stats.buckets += 1
             stats.tensors += sum(1 for e in frame.entries if e.is_last)
@@ -271,8 +273,11 @@ class WeightReceiver:
             self._sender = (frame.pid, frame.host)
         return frame
 
-    def _release_bucket(self, sync: int, buf: int, seq: int, bell: Doorbell | None, rank: int) -> None:
+    def _release_bucket(self, sync: int, buf: int, seq: int, bell: Doorbell | None, rank: int,
+                        where: torch.device) -> None:
         assert self._buffers is not None
+        # this process's device reads of the buffer (reassembly, into=, load) may still be queued
+        synchronize_for(self.backend.device(), where)
         self._buffers.release(buf)
         if bell is not None:
             bell.release(rank, seq)
@@ -361,6 +366,7 @@ class WeightReceiver:
 
     def _release(self) -> None:
         self._close_buffers()
+        self._reader.clear()  # reassembly scratch may live in device memory
         self._close_socket(linger_ms=500)
         if not self._ctx.closed:
             self._ctx.term()

@@ -111,6 +111,8 @@ class WeightSender:
         #: close() from another thread: the running sync ends and aborts its receivers
         self._lifetime = Lifetime("WeightSender", self._release)
         self._closing = self._lifetime.signal
+        #: whether every receiver accepted the current offer (and so maps the buffers it was given)
+        self._accepted = False
 
     def _resolve_transport(self, transport: str | Transport | None) -> Transport:
         if isinstance(transport, Transport):
@@ -262,16 +264,20 @@ class WeightSender:
         link, bell = self._link(peers, sync)
         offer = Offer(
             sync=sync, proto=PROTOCOL_VERSION, backend=self.backend.name, transport=self.transport.name,
-            handles=self._buffers.handles(), bucket_bytes=self.bucket_bytes, num_buffers=self.num_buffers,
+            handles={}, bucket_bytes=self.bucket_bytes, num_buffers=self.num_buffers,
             version=version, pid=os.getpid(), host=socket.gethostname(), manifest=manifest,
             tensors=None if manifest is None else len(manifest),
             total_bytes=None if manifest is None else sum(s.nbytes for s in manifest),
             first=self._seq, doorbell=None if bell is None else bell.handle(), rank=0)
+        self._accepted = False
         for rank, peer in enumerate(peers):
-            data = check_size(encode(dataclasses.replace(offer, rank=rank)), MAX_SENDER_FRAME_BYTES,
+            # each receiver its own handles: shared device memory is exported once per receiver process
+            handles = self._buffers.handles_for(peer.identity.hex(), peer.pid, peer.host)
+            data = check_size(encode(dataclasses.replace(offer, rank=rank, handles=handles)), MAX_SENDER_FRAME_BYTES,
                               f"the offer of {len(manifest or [])} tensors")
             self._socket().send_multipart([peer.identity, data])
         self._await_each(peers, sync, Accept, "waiting for receivers to accept the offer", stats)
+        self._accepted = True
         return link
 
     def _link(self, peers: list[Peer], sync: int) -> tuple[BucketLink, Doorbell | None]:
@@ -354,6 +360,9 @@ class WeightSender:
                 self._broadcast(peers, Abort(sync=sync, message=cut(f"{type(exc).__name__}: {exc}")))
             except zmq.ZMQError:
                 pass
+        if self._buffers is not None and not self._accepted:  # some never mapped what they were offered
+            for peer in peers:
+                self._buffers.release_for(peer.identity.hex())
         self._close_buffers()
 
     def _close_buffers(self) -> None:

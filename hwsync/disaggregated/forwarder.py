@@ -9,6 +9,9 @@ views are never used after the collective receiver reuses its buffer.
 
     forward = LocalForwarder(lambda src, version, manifest: sender.send(src, version=version, manifest=manifest))
     receiver.receive(forward.load, on_start=forward.start, on_done=forward.finish)
+
+The local sync runs on a thread of its own, on the device current in the thread that calls
+`start` (the receiver's), so the local sender's buffers land there.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from typing import Any
 
 import torch
 
+from hwsync.devices import start_on_this_device
 from hwsync.errors import SyncError, SyncTimeout
+from hwsync.interfaces import Device
 from hwsync.manifest import TensorSpec
 from hwsync.timing import DEFAULT_TIMEOUT_S, FORWARD_SLICE_S
 
@@ -34,9 +39,11 @@ _END = object()
 class LocalForwarder:
     """Feeds each received bucket into a local sync running on a thread, one sync per collective sync."""
 
-    def __init__(self, run: LocalSync, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, run: LocalSync, *, timeout_s: float = DEFAULT_TIMEOUT_S, device: Device | None = None) -> None:
         self._run = run
         self.timeout_s = timeout_s
+        #: whose current device the local sync's thread takes (the selected backend's when None)
+        self.device = device
         self._items: queue.Queue = queue.Queue()
         self._taken = threading.Semaphore(0)
         self._thread: threading.Thread | None = None
@@ -49,9 +56,7 @@ class LocalForwarder:
         if self._thread is not None:
             self.cancel()  # the previous collective sync broke midway
         self._items, self._taken, self._error, self.result = queue.Queue(), threading.Semaphore(0), None, None
-        self._thread = threading.Thread(target=self._main, args=(version, manifest), name="hwsync-forward",
-                                        daemon=True)
-        self._thread.start()
+        self._thread = start_on_this_device(lambda: self._main(version, manifest), "hwsync-forward", self.device)
 
     def _source(self) -> Iterator[tuple[str, torch.Tensor]]:
         while (item := self._items.get()) is not _END:

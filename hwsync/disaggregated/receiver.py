@@ -3,9 +3,15 @@
 The receiver knows only sender 0's control endpoint and its own rank among the receivers;
 everything else (the senders' group addresses, the bucket plan and which sender broadcasts
 each bucket) is announced by sender 0. It joins one group per sender (as group rank 1+rank),
-posts each sender's broadcasts ahead on that group's worker thread (`num_buffers` buckets
-deep per sender), and hands buckets to `load` in plan order, so a tensor chunked over buckets
-of different senders is reassembled exactly as on the same-node path. `load` sees complete
+posts each sender's broadcasts ahead (`num_buffers` buckets deep per sender), and hands
+buckets to `load` in plan order, so a tensor chunked over buckets of different senders is
+reassembled exactly as on the same-node path.
+
+Every group's collectives run on one worker thread, in the order the plan gives, identical on
+every receiver. On NCCL and HCCL a collective waits for the device's current stream and
+`wait()` makes that stream wait for it, so collectives of two groups issued from two threads are
+ordered through the shared stream: receivers whose threads raced into different orders would
+each wait for the other forever. `load` sees complete
 tensors; whole ones are zero-copy views of a receive buffer, valid during the call only.
 """
 
@@ -50,7 +56,7 @@ class CollectiveReceiver:
         self.backend = backend or get_backend()
         self._link = Link(endpoint, timeout_s, self.backend.name)
         self._comms: list[Communicator | None] = []
-        self._workers: list[CollectiveWorker] = []
+        self._worker: CollectiveWorker | None = None
         self._epoch: int | None = None
         self._buffers: list[list[torch.Tensor]] = []
         self._arrived: dict[int, tuple[int, int]] = {}
@@ -122,12 +128,11 @@ class CollectiveReceiver:
             raise SyncError(f"receiver rank {self.rank} is outside the {world - 1} receivers sender 0 expects; "
                             "give each receiver a distinct rank below num_receivers")
         self._comms = [None] * len(addresses)
-        self._workers = [CollectiveWorker(f"hwsync-recv-{self.rank}-from-{s}", self.backend.device())
-                         for s in range(len(addresses))]
+        self._worker = worker = CollectiveWorker(f"hwsync-recv-{self.rank}", self.backend.device())
         self._epoch = frame.epoch
-        self._link.workers, self._link.on_result = list(self._workers), self._on_result
-        for s, address in enumerate(addresses):
-            self._workers[s].submit(("build", s), lambda a=address: self.backend.communicator(
+        self._link.workers, self._link.on_result = [worker], self._on_result
+        for s, address in enumerate(addresses):  # in sender order on every receiver
+            worker.submit(("build", s), lambda a=address: self.backend.communicator(
                 a, 1 + self.rank, world, self.timeout_s))
         self._link.wait((), f"joining the senders' groups at {addresses}", done=self._groups_ready)
         self._link.send(Joined())
@@ -154,6 +159,7 @@ class CollectiveReceiver:
         free = [list(range(self.num_buffers)) for _ in range(plan.num_senders)]
         self._arrived = {}
         reader = BucketReader()
+        reader.begin(self._buffers[0][0].device)  # reassemble beside the receive buffers, on this rank's device
 
         def post(s: int) -> None:
             while queues[s] and free[s]:
@@ -163,8 +169,8 @@ class CollectiveReceiver:
                     self._arrived[k] = (s, j)
                     continue
                 comm, view = self._comms[s], self._buffers[s][j][:nbytes]
-                assert comm is not None
-                self._workers[s].submit(("recv", k, s, j), lambda c=comm, v=view: c.broadcast(v, 0))
+                assert comm is not None and self._worker is not None
+                self._worker.submit(("recv", k, s, j), lambda c=comm, v=view: c.broadcast(v, 0))
 
         for s in range(plan.num_senders):
             post(s)
@@ -193,8 +199,8 @@ class CollectiveReceiver:
 
     def _drop_groups(self) -> None:
         """Tear the groups down; a worker stuck in a dead group's broadcast is abandoned."""
-        comms, workers = self._comms, self._workers
-        self._comms, self._workers, self._epoch, self._arrived = [], [], None, {}
+        comms, worker = self._comms, self._worker
+        self._comms, self._worker, self._epoch, self._arrived = [], None, None, {}
         self._link.workers = []
         for comm in comms:
             if comm is not None:
@@ -202,10 +208,9 @@ class CollectiveReceiver:
                     comm.destroy()
                 except Exception as exc:  # noqa: BLE001 - a broken group may fail to shut down; dropped anyway
                     log.debug("hwsync: destroying a failed group raised %s", exc)
-        for worker in workers:
-            if not worker.stop():
-                log.warning("hwsync: receiver %d left a collective thread stuck in a dead group; it ends at the "
-                            "group's timeout", self.rank)
+        if worker is not None and not worker.stop():
+            log.warning("hwsync: receiver %d left a collective thread stuck in a dead group; it ends at the "
+                        "group's timeout", self.rank)
 
     def close(self) -> None:
         """Tear down groups, buffers and the control socket; safe to call twice."""

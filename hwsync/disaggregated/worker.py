@@ -3,7 +3,9 @@
 Collective calls block, and a broadcast whose peer died can block until the group's own
 timeout. Each group's calls therefore run in order on a worker thread, which signals each
 completion through a pipe that the owner polls together with its ZeroMQ socket (zmq.Poller
-accepts any object with fileno()).
+accepts any object with fileno()). The thread runs on the device of the thread that made the
+worker (a new thread starts on device 0): the group is built there, and each call's
+synchronization waits for that device.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from hwsync.devices import DeviceOwner
 from hwsync.interfaces import Device
 from hwsync.timing import WORKER_JOIN_S
 
@@ -29,6 +32,7 @@ class CollectiveWorker:
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._read_fd, False)
         self._device = device
+        self._owner = DeviceOwner(device)  # the creating thread's device, made current in the worker
         self._failed: str | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -43,6 +47,7 @@ class CollectiveWorker:
 
     def _run(self) -> None:
         try:
+            self._owner.enter()
             while (job := self._jobs.get()) is not None:
                 tag, call = job
                 if self._failed is not None:  # a group that failed once is never trusted again

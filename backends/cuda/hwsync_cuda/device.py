@@ -58,6 +58,38 @@ def visible_devices_text() -> str:
     return "unset" if value is None else repr(value)
 
 
+#: where torch reads its caching allocator's settings (the first is the older, CUDA-only name)
+ALLOC_CONF_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def allocator_settings() -> str:
+    """This process's caching-allocator settings as torch holds them (env or set at run time)."""
+    try:
+        return str(torch._C._accelerator_getAllocatorSettings())
+    except Exception:  # an older torch: what the environment says
+        return ",".join(os.environ.get(name, "") for name in ALLOC_CONF_ENVS)
+
+
+def expandable_segments(settings: str) -> bool:
+    """Whether allocator settings ("key:value,key:value", the last of a key wins) enable expandable segments."""
+    enabled = False
+    for option in settings.split(","):
+        key, _, value = option.partition(":")
+        if key.strip() == "expandable_segments":
+            enabled = value.strip() == "True"
+    return enabled
+
+
+def expandable_segments_reason(settings: str | None = None) -> str | None:
+    """Why CUDA IPC cannot be relied on with these allocator settings (this process's when None), or None."""
+    if not expandable_segments(allocator_settings() if settings is None else settings):
+        return None
+    return ("the trainer's CUDA caching allocator has expandable_segments:True (PYTORCH_CUDA_ALLOC_CONF or "
+            "PYTORCH_ALLOC_CONF): torch then shares GPU memory as file descriptors that each receiver fetches with "
+            "pidfd_getfd, which unprivileged containers refuse. hwsync uses the 'shm' transport instead; to share "
+            "GPU memory directly, drop expandable_segments:True for the trainer (or set expandable_segments:False)")
+
+
 def _nvidia_driver_loadable() -> bool:
     # libnvidia-ml ships with the driver: if it cannot be loaded, no driver is installed here.
     try:

@@ -6,19 +6,24 @@ How it works, and the rules it keeps:
 - torch's export is (rebuild_cuda_tensor, args) meant for pickle. Nothing here is pickled: the
   args are written out field by field as str/int/bool/bytes/lists (`encode_export`) and turned
   back into rebuild_cuda_tensor's arguments on the receiver (`decode_export`);
-- the receiver maps the sender's GPU through its uuid to its own local index, so processes with
-  different CUDA_VISIBLE_DEVICES meet on the same GPU;
+- the receiver maps the buffers on its own current GPU, as vLLM, verl and SGLang rebuild CUDA
+  IPC handles (torch's rebuild_cuda_tensor with the receiver's device index): processes with
+  different CUDA_VISIBLE_DEVICES meet on the same GPU, and a receiver on another GPU than the
+  sender's reads through peer access (which CUDA enables when it opens the handle);
 - publish() synchronizes the sender's device, so a receiver told "bucket k is ready" reads
   finished bytes; release() synchronizes the receiver's devices, so the sender never overwrites
   bytes a receiver's queued copies still read;
-- buffers stay exported until the sender closes; close drops them and runs
-  `torch.cuda.ipc_collect()` so blocks receivers no longer map go back to the allocator.
-  torch counts one consumer per export: a second receiving process works, but the sender's
-  blocks then wait in torch's IPC limbo until the sending process exits.
+- torch counts one consumer per export (hwsync.exports): each receiver process gets exports of
+  its own, made when it is first offered the buffers; a receiver in the sender's process gets
+  none; the exports of a receiver that failed before accepting, or died, are released by the
+  sender (torch's _release_ipc_counter), so no block waits in torch's IPC limbo for a consumer
+  that will never come. close() and the next open collect (`torch.cuda.ipc_collect()`) what
+  receivers have let go.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import weakref
@@ -27,8 +32,11 @@ from typing import Any
 import torch
 
 from hwsync.errors import HwsyncError
+from hwsync.exports import ReceiverExports
 from hwsync.interfaces import Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
-from hwsync_cuda.device import CudaDevice, device_uuid
+from hwsync_cuda.device import CudaDevice, device_uuid, expandable_segments_reason
+
+log = logging.getLogger("hwsync")
 
 HANDLE_KIND = "cuda_ipc"
 # rebuild_cuda_tensor's positional arguments, in torch's order (torch/multiprocessing/reductions.py).
@@ -121,13 +129,20 @@ def decode_export(fields: dict[str, Any], device_index: int) -> tuple[Any, ...]:
     )
 
 
+def _cannot_map(handles: Handles, device: CudaDevice, index: int, exc: Exception) -> HwsyncError:
+    sender, own = str(handles.get("uuid")), device.physical_id(index)
+    where = "the sender's GPU" if sender == own else f"GPU {own}, not the sender's {sender} (peer access)"
+    return HwsyncError(f"cuda_ipc could not map the sender's buffers on cuda:{index}, {where}: {exc}. Put the "
+                       "receiver on the sender's GPU (torch.cuda.set_device), or use the 'shm' transport")
+
+
 def _synchronize(*indices: int) -> None:
     for index in dict.fromkeys(indices):  # each device once, in order
         torch.cuda.synchronize(index)
 
 
 class CudaIpcSendBuffers(SendBuffers):
-    """N device buffers on the current GPU, exported once for the whole session."""
+    """N device buffers on the current GPU, exported for each receiver process when it is first offered them."""
 
     def __init__(self, bucket_bytes: int, num_buffers: int) -> None:
         if bucket_bytes <= 0 or num_buffers <= 0:
@@ -137,24 +152,33 @@ class CudaIpcSendBuffers(SendBuffers):
         self.device_index = torch.cuda.current_device()
         self.uuid = device_uuid(self.device_index)
         self.token = secrets.token_hex(16)
-        reduce_tensor = _reductions().reduce_tensor
+        torch.cuda.ipc_collect()  # blocks of earlier buffers that receivers have let go since
         device = torch.device("cuda", self.device_index)
         self.buffers: list[torch.Tensor] = [
             torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(num_buffers)
         ]
-        self._exports = [encode_export(reduce_tensor(buffer)) for buffer in self.buffers]
+        self._exports = ReceiverExports(self._export_all, _release_export)
         _LOCAL_SENDERS[self.token] = self
 
+    def _export_all(self) -> list[dict[str, Any]]:
+        reduce_tensor = _reductions().reduce_tensor
+        return [encode_export(reduce_tensor(buffer)) for buffer in self.buffers]
+
     def handles(self) -> Handles:
-        """The sender's GPU uuid and one encoded CUDA IPC export per buffer."""
-        return {
-            "kind": HANDLE_KIND,
-            "uuid": self.uuid,
-            "bytes": self.bucket_bytes,
-            "pid": os.getpid(),
-            "token": self.token,
-            "buffers": [dict(e) for e in self._exports],
-        }
+        """Handles for one receiver process that is not told apart from others (see handles_for)."""
+        return self.handles_for("", None, None)
+
+    def handles_for(self, receiver: str, pid: int | None, host: str | None) -> Handles:
+        """The sender's GPU uuid and this receiver's own CUDA IPC export of each buffer (none in this process)."""
+        if not self.buffers:
+            raise HwsyncError("cuda_ipc send buffers are closed; open the transport again")
+        records = self._exports.records_for(receiver, pid, host)
+        return {"kind": HANDLE_KIND, "uuid": self.uuid, "bytes": self.bucket_bytes, "pid": os.getpid(),
+                "token": self.token, "buffers": [dict(e) for e in records]}
+
+    def release_for(self, receiver: str) -> None:
+        """The receiver never maps its exports (refused, or died): release their counters for it."""
+        self._exports.release(receiver)
 
     def buffer(self, index: int) -> torch.Tensor:
         """Device buffer `index` to pack into."""
@@ -171,35 +195,46 @@ class CudaIpcSendBuffers(SendBuffers):
         _synchronize(self.device_index, torch.cuda.current_device())
 
     def close(self) -> None:
-        """Drop the buffers and let torch free blocks no receiver maps any more."""
+        """Drop the buffers; release dead receivers' exports; let torch free blocks nobody maps any more.
+
+        A block a live receiver still maps stays parked until it closes it; the next open_sender
+        (or the receiver's own process) collects it then.
+        """
         if not self.buffers:
             return
         _LOCAL_SENDERS.pop(self.token, None)
+        self._exports.forget()
         self.buffers = []
-        self._exports = []
         torch.cuda.ipc_collect()
 
 
+def _release_export(fields: dict[str, Any]) -> None:
+    # what torch's rebuild_cuda_tensor does for an export it does not map (storage_cls._release_ipc_counter)
+    torch.UntypedStorage._release_ipc_counter_cuda(_as_bytes(fields["ref_counter_handle"], "the ref-counter handle"),
+                                                   int(fields["ref_counter_offset"]))
+
+
 class CudaIpcReceiveBuffers(ReceiveBuffers):
-    """The sender's buffers mapped into this process on its own index of the sender's GPU."""
+    """The sender's buffers mapped into this process on its own current GPU."""
 
     def __init__(self, device: CudaDevice, handles: Handles) -> None:
         if handles.get("kind") != HANDLE_KIND:
             raise ValueError(f"cuda_ipc receiver got handles of kind {handles.get('kind')!r}")
         self.bucket_bytes = int(handles["bytes"])
-        try:
-            self.device_index = device.local_index(str(handles["uuid"]))
-        except LookupError as exc:
-            raise HwsyncError(f"cuda_ipc: the sender's {exc}; or use the 'shm' transport") from exc
         local = _LOCAL_SENDERS.get(str(handles.get("token")))
         if local is not None and int(handles.get("pid", -1)) == os.getpid():
+            self.device_index = local.device_index
             self.tensors = list(local.buffers)
             return
+        self.device_index = device.current_index()
         rebuild = _reductions().rebuild_cuda_tensor
         self.tensors = []
         with torch.cuda.device(self.device_index):
             for fields in handles["buffers"]:
-                tensor = rebuild(*decode_export(fields, self.device_index))
+                try:
+                    tensor = rebuild(*decode_export(fields, self.device_index))
+                except RuntimeError as exc:
+                    raise _cannot_map(handles, device, self.device_index, exc) from exc
                 if tensor.numel() < self.bucket_bytes or tensor.dtype != torch.uint8:
                     raise HwsyncError(
                         f"cuda_ipc buffer maps {tensor.numel()} {tensor.dtype} elements, but the sender "
@@ -233,9 +268,10 @@ class CudaIpcTransport(Transport):
 
     def __init__(self, device: CudaDevice) -> None:
         self._device = device
+        self._logged = False
 
     def available(self) -> ProbeResult:
-        """Usable where a GPU is and the kernel is not WSL's, which has no CUDA IPC."""
+        """Usable where a GPU is, the kernel is not WSL's (no CUDA IPC), and the allocator shares plain handles."""
         probe = self._device.probe()
         if not probe.usable:
             return ProbeResult(False, f"no usable GPU: {probe.reason}")
@@ -245,13 +281,22 @@ class CudaIpcTransport(Transport):
                     return ProbeResult(False, "CUDA IPC is not supported under WSL; use the 'shm' transport")
         except OSError:
             pass
+        reason = expandable_segments_reason()
+        if reason is not None:
+            if not self._logged:  # the backend falls back to shm: say why, once
+                self._logged = True
+                log.warning("hwsync: cuda_ipc unavailable, falling back to shm: %s", reason)
+            return ProbeResult(False, reason)
         return ProbeResult(True, "CUDA IPC between processes on this node")
 
     def open_sender(self, bucket_bytes: int, num_buffers: int) -> SendBuffers:
-        """Allocate and export `num_buffers` device buffers on the current GPU."""
+        """Allocate `num_buffers` device buffers on the current GPU (exported per receiver when offered)."""
+        reason = expandable_segments_reason()
+        if reason is not None:  # cuda_ipc was asked for by name: refuse with the reason, do not fail later
+            raise HwsyncError(f"cuda_ipc cannot be used: {reason}")
         return CudaIpcSendBuffers(bucket_bytes, num_buffers)
 
     def open_receiver(self, handles: Handles) -> ReceiveBuffers:
-        """Map the sender's buffers, finding its GPU by uuid."""
+        """Map the sender's buffers on this thread's current GPU."""
         return CudaIpcReceiveBuffers(self._device, handles)
 

@@ -38,7 +38,7 @@ PYTHON_ATTRIBUTES: tuple[str, ...] = (
 
 #: Methods torch_npu attaches to torch.UntypedStorage at import (torch_npu/utils/storage.py,
 #: `_add_storage_methods`); the NPU IPC transport calls them on storages.
-STORAGE_METHODS: tuple[str, ...] = ("_share_npu_", "_new_shared_npu")
+STORAGE_METHODS: tuple[str, ...] = ("_share_npu_", "_new_shared_npu", "_release_ipc_counter_npu")
 
 #: Names that live in torch_npu's C extension (no .py/.pyi defines them): the test checks that
 #: each is a symbol string in the wheel's shared libraries, which is as far as a static check
@@ -48,8 +48,12 @@ C_EXTENSION_NAMES: tuple[str, ...] = (
     "ProcessGroupHCCL",  # torch_npu._C._distributed_c10d.ProcessGroupHCCL(store, rank, size, options)
     "Options",  # ProcessGroupHCCL.Options()
     "_timeout",  # ProcessGroupHCCL.Options._timeout
+    "is_high_priority_stream",  # ProcessGroupHCCL.Options.is_high_priority_stream
+    "global_ranks_in_group",  # ProcessGroupHCCL.Options.global_ranks_in_group
+    "group_id",  # ProcessGroupHCCL.Options.group_id
     "_share_npu_",
     "_new_shared_npu",
+    "_release_ipc_counter_npu",
 )
 
 #: Module imported for the HCCL group (the binding named above).

@@ -3,13 +3,18 @@
 The group is torch_npu's ProcessGroupHCCL built directly on a store, as vllm-ascend's stateless
 process groups do (`ProcessGroupHCCL(prefix_store, rank, size, ProcessGroupHCCL.Options())`
 with `options._timeout` set): no default world is touched, so trainer and engine processes
-that already have their own worlds can still form one group.
+that already have their own worlds can still form one group. Its options are filled as
+torch_npu's own factory fills them (torch_npu/_init/registry/distributed.py): no high-priority
+stream, the timeout, the group's global ranks (an hwsync group is a world of its own: 0..size-1)
+and a group id, which torch gives each group a unique name for; here rank 0 draws one and
+publishes it through the group's store, so every hwsync group in a process has its own.
 """
 
 from __future__ import annotations
 
 import datetime
 import importlib
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -43,12 +48,25 @@ def hccl_reduce_dtypes(soc_name: str | None) -> frozenset[torch.dtype]:
     return HCCL_REDUCE_DTYPES_ANY
 
 
+GROUP_ID_KEY = "hwsync/hccl/group_id"
+
+
+def hccl_group_id(store: dist.Store, rank: int) -> str:
+    """A name for this group, the same on all its ranks and unlike any other group's (rank 0 draws it)."""
+    if rank == 0:
+        store.set(GROUP_ID_KEY, f"hwsync-{uuid.uuid4().hex}")
+    return store.get(GROUP_ID_KEY).decode()  # waits for rank 0, up to the store's timeout
+
+
 def hccl_group(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> object:
     """A ProcessGroupHCCL of its own on `store` (the factory ProcessGroupCommunicator calls)."""
     import_torch_npu()  # registers the HCCL bindings and the npu device
     c10d = importlib.import_module(HCCL_MODULE)
     options = c10d.ProcessGroupHCCL.Options()
+    options.is_high_priority_stream = False
     options._timeout = timeout
+    options.global_ranks_in_group = list(range(size))
+    options.group_id = hccl_group_id(store, rank)
     group = c10d.ProcessGroupHCCL(store, rank, size, options)
     # torch's Backend method: numbers the group's collectives like groups made by new_group
     if hasattr(group, "_set_sequence_number_for_group"):

@@ -4,19 +4,25 @@ multiprocessing reductions).
 
 Only from Ascend HDK 25.3.RC1 and CANN 8.3.RC1 on; elsewhere `available()` says why and the
 backend's default transport falls back to shared memory, logging the reason once.
+The receiver rebuilds each handle on its own current NPU (peer access when that is not the
+sender's chip), as vllm-ascend and verl do: the sender's chip need not be visible to it.
 Handles are plain msgpack values (ints, bytes, bools, None): no rebuild function, no pickle.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import secrets
+import weakref
 from typing import Any
 
 import torch
 
+from hwsync.exports import ReceiverExports
 from hwsync.interfaces import Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
 from hwsync_npu.api import import_torch_npu, torch_npu_installed
-from hwsync_npu.device import current_visible_value, logical_index, physical_index
+from hwsync_npu.device import current_visible_value, physical_index
 from hwsync_npu.versions import IpcDecision, cann_version_from_files, decide_ipc, driver_version_from_files
 
 log = logging.getLogger("hwsync")
@@ -27,6 +33,9 @@ SHARE_FIELDS = ("device", "handle", "storage_bytes", "storage_offset", "ref_coun
                 "ref_counter_offset", "event_handle", "event_sync_required")
 
 _MSGPACK_SCALARS = (str, int, float, bool, bytes, type(None))
+
+# Senders alive in this process, by token: a receiver here uses their tensors directly.
+_LOCAL_SENDERS: "weakref.WeakValueDictionary[str, NpuIpcSendBuffers]" = weakref.WeakValueDictionary()
 
 
 def ensure_msgpack_safe(value: Any, where: str = "handles") -> None:
@@ -78,18 +87,36 @@ def current_versions() -> tuple[str | None, str | None]:
 
 
 class NpuIpcSendBuffers(SendBuffers):
-    """Device buffers whose memory the receivers map; publishing is a device synchronize."""
+    """Device buffers whose memory receivers map, exported for each receiver process when first offered.
+
+    torch_npu counts IPC consumers as torch counts CUDA's (one per export): see hwsync.exports.
+    """
 
     def __init__(self, device: torch.device, bucket_bytes: int, num_buffers: int) -> None:
         self.bucket_bytes = bucket_bytes
         self.num_buffers = num_buffers
         self._torch_npu = import_torch_npu()
+        self._torch_npu.npu.ipc_collect()  # blocks of earlier buffers that receivers have let go since
         self._buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(num_buffers)]
-        self._records = [share_record(b.untyped_storage()._share_npu_()) for b in self._buffers]
+        self._exports = ReceiverExports(self._export_all, _release_export)
+        self.token = secrets.token_hex(16)
+        _LOCAL_SENDERS[self.token] = self
+
+    def _export_all(self) -> list[dict[str, Any]]:
+        return [share_record(b.untyped_storage()._share_npu_()) for b in self._buffers]
 
     def handles(self) -> Handles:
-        """One share record per buffer, plus the geometry."""
-        return {"kind": HANDLE_KIND, "bytes": self.bucket_bytes, "buffers": self._records}
+        """Handles for one receiver process that is not told apart from others (see handles_for)."""
+        return self.handles_for("", None, None)
+
+    def handles_for(self, receiver: str, pid: int | None, host: str | None) -> Handles:
+        """This receiver's own share record of each buffer (none in this process), plus the geometry."""
+        return {"kind": HANDLE_KIND, "bytes": self.bucket_bytes, "pid": os.getpid(), "token": self.token,
+                "buffers": self._exports.records_for(receiver, pid, host)}
+
+    def release_for(self, receiver: str) -> None:
+        """The receiver never maps its exports (refused, or died): release their counters for it."""
+        self._exports.release(receiver)
 
     def buffer(self, index: int) -> torch.Tensor:
         """The device buffer to pack bucket `index` into."""
@@ -100,24 +127,34 @@ class NpuIpcSendBuffers(SendBuffers):
         self._torch_npu.npu.synchronize()
 
     def close(self) -> None:
-        """Drop the buffers and let torch_npu free memory receivers have released."""
+        """Drop the buffers, release dead receivers' exports, and let torch_npu free what nobody maps."""
         if not self._buffers:
             return
-        self._buffers, self._records = [], []
+        _LOCAL_SENDERS.pop(self.token, None)
+        self._exports.forget()
+        self._buffers = []
         self._torch_npu.npu.ipc_collect()
 
 
+def _release_export(record: dict[str, Any]) -> None:
+    # what torch_npu's rebuild_npu_tensor does for an export it does not map
+    torch.UntypedStorage._release_ipc_counter_npu(record["ref_counter_handle"], record["ref_counter_offset"])
+
+
 class NpuIpcReceiveBuffers(ReceiveBuffers):
-    """The sender's device buffers, mapped into this process."""
+    """The sender's device buffers, mapped into this process on its own current NPU."""
 
     def __init__(self, handles: Handles) -> None:
         if handles.get("kind") != HANDLE_KIND:
             raise ValueError(f"NPU IPC receiver got handles of kind {handles.get('kind')!r}")
-        import_torch_npu()
+        self._torch_npu = import_torch_npu()
+        local = _LOCAL_SENDERS.get(str(handles.get("token")))
+        if local is not None and handles.get("pid") == os.getpid():  # the runtime cannot open its own export
+            self._views = list(local._buffers)
+            return
         self._views: list[torch.Tensor] = []
+        device = torch.device("npu", int(self._torch_npu.npu.current_device()))  # this receiver's own NPU
         for record in handles["buffers"]:
-            # the sender's physical chip, as this process numbers it
-            device = torch.device("npu", logical_index(int(record["physical_device"]), current_visible_value()))
             storage = torch.UntypedStorage._new_shared_npu(
                 device.index, record["handle"], record["storage_bytes"], record["storage_offset"],
                 record["ref_counter_handle"], record["ref_counter_offset"],
@@ -130,7 +167,10 @@ class NpuIpcReceiveBuffers(ReceiveBuffers):
         return self._views[index][:nbytes]
 
     def release(self, index: int) -> None:
-        """Nothing to do: the sender refills the buffer once acknowledged."""
+        """Wait until this process's queued reads of the buffer are done: the sender refills it once told."""
+        # copies out of the mapped buffer run asynchronously on the NPU stream (verl and vllm-ascend
+        # synchronize per bucket too); the core receiver also synchronizes before every release
+        self._torch_npu.npu.synchronize()
 
     def close(self) -> None:
         """Drop the mappings (the sender frees the memory)."""

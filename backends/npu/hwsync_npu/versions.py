@@ -6,7 +6,10 @@ Formats seen on real machines (quoted in tests/test_npu_decisions.py with their 
   (torch_npu's GetCANNInfo.h lists "a.b.c, a.b.RCd, a.b.Tg, a.b.RCd.alphaf");
   files: <toolkit>/<arch>-linux/ascend_toolkit_install.info has a line `version=8.3.RC1`.
 - driver: /usr/local/Ascend/driver/version.info has `Version=25.3.rc1` and
-  `package_version=25.3.rc1`; patch releases look like "25.0.rc1.1", "24.1.rc2.2", "25.5.2".
+  `package_version=25.3.rc1`; patch releases look like "25.0.rc1.1", "24.1.rc2.2", "25.5.2";
+  internal builds carry a build tag: "25.5.t3.b001".
+A string none of these fit is not guessed at; where its major.minor alone is above or below the
+minimum, that decides, and otherwise hwsync says it cannot tell and uses shared memory.
 """
 
 from __future__ import annotations
@@ -43,10 +46,12 @@ class AscendVersion:
     pre: int = _PRE_NONE
     pre_number: int = 0
     patch: int = 0
+    build: int = 0  # an internal build tag (".b001"): later builds of one version come after earlier ones
 
 
 _STAGE = re.compile(r"^(?:(?P<rc>rc)|(?P<t>t))?(?P<num>\d+)$", re.IGNORECASE)
 _PRE = re.compile(r"^(?P<tag>alpha|beta)(?P<num>\d+)$", re.IGNORECASE)
+_BUILD = re.compile(r"^b(?P<num>\d+)$", re.IGNORECASE)
 
 
 def parse_version(text: str) -> AscendVersion | None:
@@ -58,17 +63,27 @@ def parse_version(text: str) -> AscendVersion | None:
     if stage is None:
         return None
     kind = _KIND_RC if stage["rc"] else _KIND_T if stage["t"] else _KIND_FINAL
-    version = AscendVersion(int(parts[0]), int(parts[1]), kind, int(stage["num"]))
+    major, minor, number = int(parts[0]), int(parts[1]), int(stage["num"])
     rest = parts[3:]
+    build_tag = _BUILD.match(rest[-1]) if rest else None  # internal builds: 25.5.t3.b001
+    build = int(build_tag["num"]) if build_tag else 0
+    if build_tag:
+        rest = rest[:-1]
     if not rest:
-        return version
+        return AscendVersion(major, minor, kind, number, build=build)
     if len(rest) == 1 and rest[0].isdigit():  # driver patch: 25.0.rc1.1, 24.1.rc2.2, 25.3.RC1.2
-        return AscendVersion(version.major, version.minor, kind, version.number, patch=int(rest[0]))
+        return AscendVersion(major, minor, kind, number, patch=int(rest[0]), build=build)
     pre = _PRE.match(rest[0]) if len(rest) == 1 else None
     if pre is None:
         return None
     tag = _PRE_ALPHA if pre["tag"].lower() == "alpha" else _PRE_BETA
-    return AscendVersion(version.major, version.minor, kind, version.number, tag, int(pre["num"]))
+    return AscendVersion(major, minor, kind, number, tag, int(pre["num"]), build=build)
+
+
+def major_minor(text: str) -> tuple[int, int] | None:
+    """The leading major.minor of a version string, however the rest is written (None without one)."""
+    found = re.match(r"^\s*(\d+)\.(\d+)(?:[.\-]|$)", text)
+    return (int(found[1]), int(found[2])) if found else None
 
 
 def read_key_values(text: str) -> dict[str, str]:
@@ -128,6 +143,17 @@ def cann_version_from_files(environ: dict[str, str] | None = None) -> str | None
     return None
 
 
+def _judge_by_major_minor(what: str, found: str, minimum: str) -> str | None:
+    """For a version string hwsync cannot parse: None when its major.minor alone is above the minimum's."""
+    ours, least = major_minor(found), major_minor(minimum)
+    if ours is not None and least is not None and ours > least:
+        return None  # newer whatever the rest says
+    if ours is not None and least is not None and ours < least:
+        return f"{what} is {found}"
+    return (f"the {what} version {found!r} is not in a format hwsync knows (e.g. {minimum}), and its major.minor "
+            "alone cannot tell whether it is new enough")
+
+
 @dataclass(frozen=True)
 class IpcDecision:
     """Whether NPU IPC may be used, and the reason either way (logged once on fallback)."""
@@ -139,17 +165,23 @@ class IpcDecision:
 def decide_ipc(cann: str | None, driver: str | None) -> IpcDecision:
     """NPU IPC only when both versions are known and at least CANN 8.3.RC1 / HDK 25.3.RC1."""
     needs = f"NPU IPC needs Ascend HDK >= {MIN_IPC_DRIVER} and CANN >= {MIN_IPC_CANN}"
-    problems = []
+    problems, notes = [], []
     for what, found, minimum in (("CANN", cann, MIN_IPC_CANN), ("driver (HDK)", driver, MIN_IPC_DRIVER)):
         if not found:
             problems.append(f"the {what} version could not be read")
             continue
         parsed = parse_version(found)
         if parsed is None:
-            problems.append(f"the {what} version {found!r} is not in a format hwsync knows")
+            problem = _judge_by_major_minor(what, found, minimum)
+            if problem:
+                problems.append(problem)
+            else:
+                notes.append(f"the {what} version {found!r} is not in a format hwsync knows; its major.minor "
+                             f"alone is above {minimum}'s")
         elif parsed < parse_version(minimum):  # type: ignore[operator]
             problems.append(f"{what} is {found}")
     if problems:
         return IpcDecision(False, f"{needs}; {', '.join(problems)}: using shared memory instead "
                                   "(upgrade the driver/CANN to share device memory directly)")
-    return IpcDecision(True, f"CANN {cann} and driver {driver} support NPU IPC")
+    note = f" ({'; '.join(notes)})" if notes else ""
+    return IpcDecision(True, f"CANN {cann} and driver {driver} support NPU IPC{note}")

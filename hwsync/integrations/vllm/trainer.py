@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from hwsync.colocated import WeightSender
+from hwsync.devices import start_on_this_device
 from hwsync.errors import HwsyncError, ManifestError, ProtocolError, RemoteError, SyncError, SyncTimeout
 from hwsync.integrations.vllm.sources import Weights, weights_and_manifest
 from hwsync.manifest import TensorSpec
@@ -91,8 +91,8 @@ def send_while(rpc: Callable[[], Any], sender: WeightSender, source: Iterable[tu
         except BaseException as exc:
             outcome["error"] = exc
 
-    thread = threading.Thread(target=receive, name="hwsync-vllm-rpc", daemon=True)
-    thread.start()
+    # an in-process engine's worker may run the RPC on this thread: it must be on the sender's device
+    thread = start_on_this_device(receive, "hwsync-vllm-rpc", sender.backend.device())
     stats = send_exc = None
     try:
         stats = sender.send(source, version=version, manifest=manifest)

@@ -1,15 +1,19 @@
 """sim_ipc: the sender's device buffers mapped straight into receivers, as CUDA IPC does it.
 
 Built like hwsync_cuda's CudaIpcTransport, so the same kinds of bugs show here:
-- the sender allocates N device buffers once and exports each at once (hwsync_sim.sharing
-  counts exports as torch counts CUDA IPC: one expected consumer per export);
-- the receiver finds the sender's device by its physical id among the devices it sees and maps
-  the buffers there; a receiver in the sender's own process uses the sender's tensors (CUDA
-  cannot open its own handles);
+- the sender allocates N device buffers once and exports them for each receiver process when it
+  is first offered them (hwsync.exports; hwsync_sim.sharing counts exports as torch counts CUDA
+  IPC: one expected consumer per export), and releases the exports of receivers that refused
+  them or died;
+- the receiver maps the buffers on its own current device (peer access when that is not the
+  sender's device, as torch_npu, vllm-ascend, verl and vLLM rebuild handles), so the sender's
+  device need not be visible to it; a receiver in the sender's own process uses the sender's
+  tensors (CUDA cannot open its own handles);
 - publish() synchronizes the sender's device; close() drops the buffers and collects, and the
   sim reports every buffer still parked in IPC limbo then (torch would keep it silently);
-- release() only says the receiver is done, as NPU IPC's does (CUDA's synchronizes the device
-  first): the receiver's copies out of a buffer may still be queued when it is released;
+- release() only says the receiver is done, as NPU IPC's did (CUDA's synchronizes the device
+  first): the receiver's copies out of a buffer may still be queued when it is released, unless
+  the caller (hwsync's receiver) waited for them;
 - when the sender starts refilling a buffer the receivers released, the sim poisons it first:
   a receiver's copy that runs after its release reads garbage, as it would read the next
   bucket's bytes on a device.
@@ -24,6 +28,7 @@ import weakref
 import torch
 
 from hwsync.errors import HwsyncError
+from hwsync.exports import ReceiverExports
 from hwsync.interfaces import Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
 from hwsync_sim import sharing
 from hwsync_sim.device import SimDevice
@@ -48,15 +53,27 @@ class SimIpcSendBuffers(SendBuffers):
         self.physical_id = device.physical_id(self.device_index)
         self.token = secrets.token_hex(16)
         where = torch.device(TYPE, self.device_index)
+        sharing.collect(runtime(), report=False)  # as torch.cuda.ipc_collect() before allocating
         self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=where) for _ in range(num_buffers)]
-        self._exports = [sharing.share(b) for b in self.buffers]
+        self._exports = ReceiverExports(lambda: [sharing.share(b) for b in self.buffers], sharing.release_export)
         self._published: set[int] = set()
         _LOCAL_SENDERS[self.token] = self
 
     def handles(self) -> Handles:
-        """The sender's device id and one export record per buffer."""
+        """Handles for one receiver process that is not told apart from others (see handles_for)."""
+        return self.handles_for("", None, None)
+
+    def handles_for(self, receiver: str, pid: int | None, host: str | None) -> Handles:
+        """The sender's device id and this receiver's own export of each buffer (none in this process)."""
+        if not self.buffers:
+            raise HwsyncError("sim_ipc send buffers are closed; open the transport again")
+        records = self._exports.records_for(receiver, pid, host)
         return {"kind": HANDLE_KIND, "physical_id": self.physical_id, "bytes": self.bucket_bytes,
-                "pid": os.getpid(), "token": self.token, "buffers": [dict(e) for e in self._exports]}
+                "pid": os.getpid(), "token": self.token, "buffers": [dict(e) for e in records]}
+
+    def release_for(self, receiver: str) -> None:
+        """The receiver never maps its exports (refused, or died): release them for it."""
+        self._exports.release(receiver)
 
     def buffer(self, index: int) -> torch.Tensor:
         """Device buffer `index` to pack into; a released buffer is poisoned as refilling starts."""
@@ -81,33 +98,25 @@ class SimIpcSendBuffers(SendBuffers):
         if not self.buffers:
             return
         _LOCAL_SENDERS.pop(self.token, None)
+        self._exports.forget()
         self.buffers = []
-        self._exports = []
         sharing.collect(runtime(), report=True)
 
 
 class SimIpcReceiveBuffers(ReceiveBuffers):
-    """The sender's buffers mapped into this process on its own index of the sender's device."""
+    """The sender's buffers mapped into this process on its own current device."""
 
     def __init__(self, device: SimDevice, handles: Handles) -> None:
         if handles.get("kind") != HANDLE_KIND:
             raise ValueError(f"sim_ipc receiver got handles of kind {handles.get('kind')!r}")
         self.bucket_bytes = int(handles["bytes"])
-        try:
-            self.device_index = device.local_index(str(handles["physical_id"]))
-        except LookupError as exc:
-            raise HwsyncError(f"sim_ipc: the sender's {exc}; or use the 'shm' transport") from exc
         local = _LOCAL_SENDERS.get(str(handles.get("token")))
         if local is not None and int(handles.get("pid", -1)) == os.getpid():
+            self.device_index = local.device_index
             self.tensors = list(local.buffers)
             return
-        rt = runtime()
-        previous = rt.current()
-        rt.set_current(self.device_index)  # as `with torch.cuda.device(...)` around the rebuild
-        try:
-            self.tensors = [sharing.open_shared(record) for record in handles["buffers"]]
-        finally:
-            rt.set_current(previous)
+        self.device_index = device.current_index()  # the receiver's own device: peer access if not the sender's
+        self.tensors = [sharing.open_shared(record, self.device_index) for record in handles["buffers"]]
 
     def view(self, index: int, nbytes: int) -> torch.Tensor:
         """The first `nbytes` of the sender's buffer `index`, in place on the device."""
@@ -148,5 +157,5 @@ class SimIpcTransport(Transport):
         return SimIpcSendBuffers(self._device, bucket_bytes, num_buffers)
 
     def open_receiver(self, handles: Handles) -> ReceiveBuffers:
-        """Map the sender's buffers, finding its device by physical id."""
+        """Map the sender's buffers on this thread's current sim device."""
         return SimIpcReceiveBuffers(self._device, handles)

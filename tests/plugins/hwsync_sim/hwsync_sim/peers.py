@@ -122,6 +122,13 @@ def _run(command: str, args: tuple, backend: Any, device: Any, state: dict) -> A
         state["comm"].barrier()
         device.synchronize()
         return "passed"
+    if command == "all_reduce then synchronize":  # a barrier as all_reduce().wait(): the device waits, not the host
+        state["comm"]._group.allreduce([torch.zeros(1, dtype=torch.int32, device=device.torch_device())]).wait()
+        device.synchronize()
+        return "passed"
+    if command == "broadcast":  # queue one broadcast from rank 0 and return at once
+        state["comm"].broadcast(torch.zeros(8, dtype=torch.uint8, device=device.torch_device()), 0)
+        return "queued"
     if command == "destroy":
         state.pop("comm").destroy()
         return "destroyed"

@@ -13,9 +13,12 @@ torch/multiprocessing/reductions.py), and the sim with it:
   memory is freed while one still maps it: the sim poisons freed memory, so that one reads
   garbage, as it would read another tensor's bytes on a GPU;
 - collect (torch.cuda.ipc_collect, also run after every free) frees limbo blocks whose counters
-  reached 0. torch keeps the rest silently until the process exits; the sim reports each as a
-  leak when its owner collects (a transport's close), saying why: exported but never mapped,
-  mapped by a process that exited without closing, or still mapped by a live one.
+  reached 0. torch keeps the rest silently until the process exits. The sim reports a block as
+  a leak, saying why, as soon as nothing can free it any more: when its owner collects (a
+  transport's close) and one of its exports was never mapped or was mapped by a process that
+  exited without closing it. A block still mapped by a live process is freed by a later collect
+  once that process closes it; if it is still parked at the owner's exit (or when a test asks,
+  `report_parked`), it is reported then.
 The sim always synchronises the stream at export (torch does once it runs out of IPC events),
 and a process cannot open its own export (cudaIpcOpenMemHandle refuses that too).
 """
@@ -169,6 +172,14 @@ def open_shared(record: dict[str, Any], index: int | None = None) -> SimTensor:
     return SimTensor(block, record["shape"], record["stride"], int(record["offset"]), dtype)
 
 
+def release_export(record: dict[str, Any]) -> None:
+    """Release an export that will never be mapped (torch's _release_ipc_counter_cuda)."""
+    try:
+        update(str(record["refs"]), int(record["slot"]), delta=-1)
+    except OSError:
+        pass  # the exporter is gone; torch ignores this too
+
+
 def freed(rt: Runtime, mem: Memory) -> None:
     """Runtime.free for shared memory: a consumer releases its export, an exporter frees or parks."""
     if mem.mapping is not None:
@@ -209,8 +220,12 @@ def _release(rt: Runtime, mem: Memory) -> None:
     rt.account(mem.index, -mem.nbytes)
 
 
-def collect(rt: Runtime, report: bool = True) -> list[str]:
-    """Free limbo blocks whose counters reached 0 (torch.cuda.ipc_collect); report the rest once."""
+def collect(rt: Runtime, report: bool = True, parked: bool = False) -> list[str]:
+    """Free limbo blocks whose counters reached 0 (torch.cuda.ipc_collect); report leaks once.
+
+    `report`: blocks nothing can free any more (an export never mapped, or mapped by a process
+    that exited without closing it); `parked` too: every block still held, whatever the reason.
+    """
     leaks = []
     with _lock:
         for mem in list(_limbo):
@@ -219,12 +234,22 @@ def collect(rt: Runtime, report: bool = True) -> list[str]:
                 _limbo.remove(mem)
                 _reported.discard(id(mem))
                 _release(rt, mem)
-            elif report and id(mem) not in _reported:
+            elif (parked or (report and _stuck(states))) and id(mem) not in _reported:
                 _reported.add(id(mem))
                 leaks.append(_leak_text(rt, mem, states))
     for text in leaks:
         rt.report_leak(text)
     return leaks
+
+
+def report_parked(rt: Runtime) -> list[str]:
+    """Collect, then report every block still parked (what torch would keep until exit)."""
+    return collect(rt, report=True, parked=True)
+
+
+def _stuck(states: list[tuple[int, int]]) -> bool:
+    # an export above 0 that no live process maps: nobody will ever decrement it
+    return any(counter > 0 and (pid == 0 or not process_alive(pid)) for counter, pid in states)
 
 
 def _leak_text(rt: Runtime, mem: Memory, states: list[tuple[int, int]]) -> str:
@@ -253,7 +278,7 @@ def at_exit(rt: Runtime) -> None:
     """Process exit: report what is still parked, then let everything go (the driver frees it all)."""
     global _exiting
     try:
-        collect(rt, report=True)
+        report_parked(rt)
         with _lock:
             _exiting = True
             for mem in list(_limbo) + list(_exported):

@@ -19,6 +19,7 @@ returns an object with the same methods), so what NCCL does to hwsync, simccl do
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import threading
 import time
@@ -143,20 +144,35 @@ class SimProcessGroup:
         """Wait for every outstanding collective, then close (ncclCommFinalize): hangs on a dead peer."""
         if self._last is not None:
             self._last.synchronize()
-        self._close()
+        self._close(pending=False)
 
     def abort(self) -> None:
         """End the group at once: an outstanding collective fails instead of waiting for its peer."""
         self._aborted.set()
-        self._close()
+        self._close(pending=True)
 
-    def _close(self) -> None:
+    def _close(self, pending: bool) -> None:
         SimProcessGroup._live.discard(self)
         runtime().drop_stream(self.index, self._stream)
-        # gloo's destructor waits for its pending work (up to its timeout): let a daemon thread wait
         held = [self._gloo]
         self._gloo = None  # type: ignore[assignment]
-        threading.Thread(target=held.clear, name="simccl-close", daemon=True).start()
+        if not pending:
+            held.clear()  # nothing outstanding: gloo closes at once
+            return
+        # gloo's destructor waits for its pending work (up to its timeout): let a daemon thread wait,
+        # and let the process's exit wait for it (a C++ thread torn down mid-destructor aborts the process)
+        closer = threading.Thread(target=held.clear, name="simccl-close", daemon=True)
+        closer.start()
+        _closers.append(closer)
+
+
+_closers: list[threading.Thread] = []
+
+
+@atexit.register
+def _join_closers() -> None:
+    for closer in _closers:
+        closer.join(30)
 
 
 def _refuse_shared_device(store: dist.Store, rank: int, world_size: int, device: str) -> None:

@@ -1,0 +1,67 @@
+"""What every path of the core does with a backend's Device around threads and shared buffers.
+
+Two rules that only an accelerator shows (the CPU backend hides both):
+- the current device is per thread, and a new thread starts on device 0 (cudaSetDevice and the
+  NPU runtime's set_device are per host thread). Every thread hwsync starts therefore begins on
+  the device of the thread that made it (`start_on_this_device`, `DeviceOwner`), so its
+  allocations, communicators and synchronizations land where the owner's do;
+- device copies run asynchronously. A buffer another process will refill may be handed back
+  only once this process's queued reads of it have finished (`synchronize_for`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hwsync.interfaces import Device
+
+
+def synchronize_for(device: Device, where: torch.device) -> None:
+    """Wait until this process's queued work on device `where` has finished; nothing for host memory."""
+    if where.type == "cpu" or where.type != device.torch_type:
+        return
+    current = device.current_index()
+    index = current if where.index is None else where.index
+    if index == current:
+        device.synchronize()
+        return
+    device.set_index(index)  # Device.synchronize waits for the current device only
+    try:
+        device.synchronize()
+    finally:
+        device.set_index(current)
+
+
+class DeviceOwner:
+    """The current device of the thread that made this, to be made current in threads it hands work to."""
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.index = device.current_index() if device.torch_type != "cpu" else None
+
+    def enter(self) -> None:
+        """Make the owner's device this thread's current device (call first thing in a new thread)."""
+        if self.index is not None and self.device.current_index() != self.index:
+            self.device.set_index(self.index)
+
+
+def start_on_this_device(target: Callable[[], Any], name: str, device: Device | None = None) -> threading.Thread:
+    """Start a daemon thread running `target` on the calling thread's current device (of `device`,
+    the selected backend's when None)."""
+    if device is None:
+        from hwsync.registry import get_backend
+
+        device = get_backend().device()
+    owner = DeviceOwner(device)
+
+    def run() -> None:
+        owner.enter()
+        target()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,72 @@
+"""A Communicator on an accelerator: its barrier holds the host, and tearing it down after a peer died ends.
+
+On the simulated accelerator, whose collective library (simccl) behaves as NCCL and HCCL do:
+`wait()` only orders device streams, a collective whose peer died never ends, and `shutdown()`
+waits for it. Rank 0 runs here, rank 1 in a peer process on its own device.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+pytest.importorskip("hwsync_sim", reason="the sim backend is not installed: pip install -e tests/plugins/hwsync_sim")
+
+from hwsync.registry import load_backend  # noqa: E402
+from hwsync_sim.peers import Peer  # noqa: E402
+
+#: how long a call that must block is watched, and how long one that must end may take (no speed measured)
+WATCH_S = 1.5
+ENDS_WITHIN_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def peers():
+    """Two peer processes on device 1: one that lives, one that is killed."""
+    started = {name: Peer({"HWSYNC_SIM_DEVICE": "1"}) for name in ("live", "mortal")}
+    yield started
+    for peer in started.values():
+        peer.close()
+
+
+@pytest.fixture
+def sim():
+    backend = load_backend("sim")
+    backend.device().set_index(0)
+    return backend
+
+
+def test_barrier_returns_only_once_every_rank_called_it(sim, peers, free_port):
+    address = f"tcp://127.0.0.1:{free_port}"
+    peer = peers["live"]
+    peer.send("join", address, 1, 2)
+    comm = sim.communicator(address, 0, 2, timeout_s=30)
+    assert peer.recv() == "joined"
+    try:
+        barrier = threading.Thread(target=comm.barrier, daemon=True)
+        barrier.start()
+        barrier.join(WATCH_S)
+        assert barrier.is_alive(), "barrier() returned on rank 0 before rank 1 called it: not a host barrier"
+        assert peer.call("barrier") == "passed"
+        barrier.join(ENDS_WITHIN_S)
+        assert not barrier.is_alive()
+    finally:
+        assert peer.call("destroy") == "destroyed"
+        comm.destroy()
+
+
+def test_destroy_after_the_peer_died_aborts_instead_of_waiting_for_it(sim, peers, free_port):
+    address = f"tcp://127.0.0.1:{free_port}"
+    mortal = peers["mortal"]
+    mortal.send("join", address, 1, 2)
+    comm = sim.communicator(address, 0, 2, timeout_s=60)
+    assert mortal.recv() == "joined"
+    mortal.die()
+    comm.broadcast(torch.zeros(8, dtype=torch.uint8, device=sim.device().torch_device()), 0)  # never ends
+    destroyer = threading.Thread(target=comm.destroy, daemon=True)
+    destroyer.start()
+    destroyer.join(ENDS_WITHIN_S)
+    assert not destroyer.is_alive(), "destroy() waits for a collective whose peer died (shutdown, not abort)"
+    sim.device().synchronize()  # the device stream that waited for the collective is free again

@@ -1,0 +1,94 @@
+"""Same-host syncs where sender and receiver sit on different devices, on the simulated accelerator.
+
+The sender runs here on device 0; each receiver is a spawned process whose main thread starts
+on the device its test says (HWSYNC_SIM_DEVICE, as a launcher's set_device(local_rank)) and
+which may not even see device 0 (HWSYNC_SIM_VISIBLE_DEVICES, as CUDA_VISIBLE_DEVICES /
+ASCEND_RT_VISIBLE_DEVICES restrict what a process sees).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.multiprocessing as mp
+
+pytest.importorskip("hwsync_sim", reason="the sim backend is not installed: pip install -e tests/plugins/hwsync_sim")
+
+from hwsync import WeightReceiver, WeightSender  # noqa: E402
+from hwsync.registry import get_backend, load_backend  # noqa: E402
+
+import transfer_procs as procs  # noqa: E402
+
+CTX = mp.get_context("spawn")
+BUCKET = 1 << 16
+
+
+@pytest.fixture
+def sim(monkeypatch):
+    """The sim backend selected for this process and its children, this thread on device 0."""
+    monkeypatch.setenv("HWSYNC_BACKEND", "sim")
+    backend = load_backend("sim")
+    backend.device().set_index(0)
+    return backend
+
+
+def _receive_and_measure(endpoint: str, q) -> None:
+    """Receive one sync; report digests, where the tensors were, and this device's memory before and after."""
+    device = get_backend().device()
+    before = device.memory_allocated()
+    receiver = WeightReceiver(endpoint, timeout_s=60)
+    got, places = {}, set()
+
+    def load(pairs):
+        for name, t in pairs:
+            got[name] = procs.digest(t)
+            places.add(str(t.device))
+
+    try:
+        receiver.receive(load)
+        during = device.memory_allocated()
+        receiver.close()  # the receiver object stays referenced: what it holds on to shows below
+        q.put({"digests": got, "devices": sorted(places), "current": device.current_index(), "before": before,
+               "during": during, "after_close": device.memory_allocated()})
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        q.put({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def _sync_to_a_receiver(tensors: dict, transport: str) -> dict:
+    with WeightSender(bucket_bytes=BUCKET, timeout_s=60, transport=transport) as sender:
+        q = CTX.Queue()
+        p = CTX.Process(target=_receive_and_measure, args=(sender.endpoint, q))
+        p.start()
+        try:
+            sender.send(iter(tensors.items()), version=1)
+        except Exception:  # noqa: BLE001 - the receiver's report says why
+            pass
+        result = q.get(timeout=120)
+        p.join(30)
+    return result
+
+
+def test_a_receiver_that_cannot_see_the_senders_device_maps_the_buffers_on_its_own(sim, monkeypatch):
+    """NPU IPC (bug 6): handles are rebuilt on the receiver's own device (peer access), as torch_npu's
+    users do, instead of insisting that the receiver sees the sender's chip."""
+    monkeypatch.setenv("HWSYNC_SIM_VISIBLE_DEVICES", "1")  # the receiver sees physical device 1 only, as its 0
+    tensors = procs.versioned(1)
+    result = _sync_to_a_receiver(tensors, "sim_ipc")
+    assert "error" not in result, result
+    assert result["digests"] == procs.digests(tensors)
+    assert result["devices"] == ["sim:0"]  # its own device 0, which is physical device 1
+
+
+@pytest.mark.parametrize("transport", ["sim_ipc", "shm"])
+def test_split_tensors_are_reassembled_on_the_receivers_device_and_the_scratch_is_freed_at_close(
+        sim, monkeypatch, transport):
+    """Bug 10: the reassembly scratch goes on the receiver's own device (not the device of the view it is
+    copied from), and receiver.close() gives it back."""
+    monkeypatch.setenv("HWSYNC_SIM_DEVICE", "1")  # the receiver works on device 1, the sender here on 0
+    tensors = procs.big_and_small(BUCKET)  # "huge" is 5x the bucket: reassembled from chunks
+    result = _sync_to_a_receiver(tensors, transport)
+    assert "error" not in result, result
+    assert result["digests"] == procs.digests(tensors)
+    assert result["current"] == 1 and result["devices"] == ["sim:1"]
+    huge = tensors["huge"].numel() * tensors["huge"].element_size()
+    assert result["during"] - result["before"] >= huge, "the reassembled tensor lives on the receiver's device"
+    assert result["after_close"] == result["before"], "close() must free the reassembly scratch"
