@@ -325,6 +325,12 @@ class CollectiveSender:
             log.warning("hwsync: sender %d left a collective thread stuck in a dead group; it ends at the "
                         "group's timeout", self.rank)
 
+    def release_buffers(self) -> None:
+        """Free the bucket buffers until the next send (the group is kept), e.g. to give device memory back."""
+        self._buffers = []
+        self._inflight = [None] * self.num_buffers
+        self.backend.device().empty_cache()
+
     def close(self) -> None:
         """Tear down the group, buffers and control socket; safe to call twice."""
         self._drop_group()
