@@ -16,7 +16,6 @@ rollout worker's adapter reads receive_weights() -> finalize() everywhere. The m
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -27,7 +26,6 @@ from hwsync.integrations.verl import topology
 from hwsync.integrations.verl.rollout import RolloutSide
 from hwsync.integrations.verl.trainer import Options, TrainerSide, metrics
 
-log = logging.getLogger("hwsync")
 #: the name verl's config selects this engine by: checkpoint_engine.backend
 BACKEND = "hwsync"
 
@@ -46,7 +44,7 @@ class HwsyncCheckpointEngine(CheckpointEngine):
     def __init__(self, bucket_size: int, is_master: bool | None = None, *, timeout_s: float = 120.0,
                  bucket_megabytes: float | None = None, max_senders: int = 8, num_buffers: int = 2,
                  host: str | None = None) -> None:
-        if timeout_s <= 0 or max_senders < 1 or num_buffers < 2 or (bucket_megabytes is not None and bucket_megabytes <= 0):
+        if timeout_s <= 0 or max_senders < 1 or num_buffers < 2 or (bucket_megabytes or 1) <= 0:
             raise ValueError(f"engine_kwargs.hwsync: timeout_s={timeout_s} must be positive, max_senders={max_senders} "
                              f"at least 1, num_buffers={num_buffers} at least 2, bucket_megabytes={bucket_megabytes} "
                              "positive or unset")
@@ -60,7 +58,7 @@ class HwsyncCheckpointEngine(CheckpointEngine):
 
     @property
     def role(self) -> str:
-        """"trainer" or "rollout"."""
+        """The side this engine is on: trainer or rollout."""
         return "trainer" if self._trainer is not None else "rollout"
 
     @property

@@ -105,13 +105,13 @@ class RolloutSide:
         return rollout_metadata(self.options.host)
 
     def _run(self, fn: Any, *args: Any) -> Any:
-        """Run fn on the receiving thread and wait for it (bounded: fn's own waits are)."""
+        """Run fn on the receiving thread and wait for it (fn's own waits are bounded; so is this one)."""
         if self._executor is None:
             device = get_backend().device()
             index = device.current_index()  # the thread receives into the device verl chose for this worker
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="hwsync-verl-receive",
                                                 initializer=device.set_index, initargs=(index,))
-        return self._executor.submit(fn, *args).result()
+        return self._executor.submit(fn, *args).result(timeout=2 * self.options.timeout_s)
 
     def join(self, place: RolloutPlace) -> None:
         """init_process_group(): keep the receiver (and its groups) when nothing changed, else start afresh."""
