@@ -9,6 +9,8 @@ initialised: trainer and engine processes that share no world can still form one
 from __future__ import annotations
 
 import datetime
+import logging
+import threading
 from collections.abc import Callable
 from urllib.parse import urlparse
 
@@ -17,6 +19,9 @@ import torch.distributed as dist
 
 from hwsync.errors import HwsyncError
 from hwsync.interfaces import Communicator
+from hwsync.timing import WORKER_JOIN_S
+
+log = logging.getLogger("hwsync")
 
 #: builds a ProcessGroup from (store, rank, world_size, timeout)
 GroupFactory = Callable[[dist.Store, int, int, datetime.timedelta], object]
@@ -98,11 +103,26 @@ class ProcessGroupCommunicator(Communicator):
         self._group.allreduce([torch.zeros(1, dtype=torch.int32, device=self.device)]).wait()
 
     def destroy(self) -> None:
-        """Shut the group down and drop the store."""
-        group, self._group = self._group, None
-        if group is not None and hasattr(group, "shutdown"):
-            try:
-                group.shutdown()
-            except RuntimeError:
-                pass
+        """Shut the group down and drop the store, waiting at most WORKER_JOIN_S for it."""
+        box, self._group = [self._group], None
+        if box[0] is not None:
+            # gloo's group, once released, waits for an operation stuck on a dead peer until the group's own
+            # timeout; the caller is tearing a failed group down and must not wait that long, so the release
+            # happens aside, on a thread that holds the only reference
+            done = threading.Thread(target=_release, args=(box,), name=f"hwsync-{self.library}-release", daemon=True)
+            done.start()
+            done.join(WORKER_JOIN_S)
+            if done.is_alive():
+                log.warning("hwsync: a %s group is still being released behind an operation on a dead peer; it ends "
+                            "at the group's timeout", self.library)
         self._store = None
+
+
+def _release(box: list) -> None:
+    """Shut down and drop the group in `box` (its only reference), where a failed group may raise."""
+    group = box.pop()
+    if hasattr(group, "shutdown"):
+        try:
+            group.shutdown()
+        except RuntimeError:
+            pass
