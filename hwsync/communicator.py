@@ -14,6 +14,8 @@ collective is aborted instead.
 from __future__ import annotations
 
 import datetime
+import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
@@ -23,6 +25,9 @@ import torch.distributed as dist
 
 from hwsync.errors import HwsyncError
 from hwsync.interfaces import Communicator
+from hwsync.timing import WORKER_JOIN_S
+
+log = logging.getLogger("hwsync")
 
 #: builds a ProcessGroup from (store, rank, world_size, timeout)
 GroupFactory = Callable[[dist.Store, int, int, datetime.timedelta], object]
@@ -119,21 +124,41 @@ class ProcessGroupCommunicator(Communicator):
         self._store.wait([f"{key}/all"])  # raises after the group's timeout
 
     def destroy(self) -> None:
-        """Tear the group down: shut it down, or abort it if a collective failed or has not finished."""
+        """Tear the group down: shut it down, or abort it if a collective failed or has not finished.
+
+        Waits at most WORKER_JOIN_S: the release happens on a thread that holds the group's only reference.
+        """
         group, self._group = self._group, None
         if group is not None:
             last = self._last_work
             unfinished = self._failed or (last is not None and not _finished(last))
-            end = getattr(group, "abort" if unfinished else "shutdown", None)
-            if end is None and unfinished:  # a library without abort: shutdown is all there is
-                end = getattr(group, "shutdown", None)
-            try:
-                if end is not None:
-                    end()
-            except RuntimeError:
-                pass
+            # gloo's group, once released, waits for an operation stuck on a dead peer until the group's own
+            # timeout; the caller is tearing a failed group down and must not wait that long
+            box = [group]
+            del group
+            done = threading.Thread(target=_release, args=(box, unfinished), name=f"hwsync-{self.library}-release",
+                                    daemon=True)
+            done.start()
+            done.join(WORKER_JOIN_S)
+            if done.is_alive():
+                log.warning("hwsync: a %s group is still being released behind an operation on a dead peer; it ends "
+                            "at the group's timeout", self.library)
         self._last_work = None
         self._store = None
+
+
+def _release(box: list, unfinished: bool) -> None:
+    """End and drop the group in `box` (its only reference): abort it if unfinished, else shut it down."""
+    group = box.pop()
+    end = getattr(group, "abort" if unfinished else "shutdown", None)
+    if end is None and unfinished:  # a library without abort: shutdown is all there is
+        end = getattr(group, "shutdown", None)
+    try:
+        if end is not None:
+            end()
+    except RuntimeError:
+        pass
+    del group
 
 
 def _finished(work: Any) -> bool:

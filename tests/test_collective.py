@@ -77,6 +77,8 @@ def _receiver(endpoint: str, out, where: tuple[str, int], rank: int, versions: l
         except Exception as exc:  # noqa: BLE001 - reported to the test
             result = f"{type(exc).__name__}: {exc}"
         out.put(("receiver", rank, v, result, time.monotonic() - t0, rx.group_epoch))
+        if fault == ("release",):  # give the receive buffers back between syncs
+            rx.release_buffers()
     rx.close()
 
 
@@ -216,6 +218,24 @@ def test_twenty_syncs_on_one_group(backend):
         reports = cluster.reports(20 * 3)
         assert all(r[3].startswith("ok") for r in reports), [r for r in reports if not r[3].startswith("ok")]
         assert len(epochs) == 1 and {r[5] for r in reports} == epochs  # built once, reused by every rank
+    finally:
+        cluster.close()
+
+
+def test_released_buffers_come_back_at_the_next_sync_on_the_same_group(backend):
+    cluster = Cluster(backend, 1, 2)
+    try:
+        cluster.start([0, 1, 2], faults={0: ("release",)})
+        cluster.tx.send(_tensors(0), version=0)
+        epoch = cluster.tx.group_epoch
+        for v in (1, 2):
+            cluster.tx.release_buffers()
+            assert not cluster.tx._buffers  # freed until the next send
+            cluster.tx.send(_tensors(v), version=v)
+        assert cluster.tx.group_epoch == epoch
+        reports = cluster.reports(3 * 2)
+        assert all(r[3] == "ok" for r in reports), reports
+        assert {r[5] for r in reports} == {epoch}  # the receivers kept their groups too
     finally:
         cluster.close()
 

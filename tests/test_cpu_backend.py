@@ -63,6 +63,37 @@ def test_gloo_communicator_between_processes(free_port):
         assert "gloo cannot reduce torch.bool" in bad and "Cast the tensor" in bad
 
 
+def _idle_rank(addr: str, ready, stop) -> None:
+    comm = CpuBackend().communicator(addr, 0, 2, timeout_s=60)
+    ready.set()
+    stop.wait(60)  # joins the group, then never takes part in rank 1's broadcast
+    comm.destroy()
+
+
+def test_destroying_a_group_stuck_in_a_broadcast_returns_without_waiting_for_its_timeout(free_port):
+    import threading
+
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    peer = ctx.Process(target=_idle_rank, args=(f"tcp://127.0.0.1:{free_port}", ready, stop), daemon=True)
+    peer.start()
+    try:
+        comm = CpuBackend().communicator(f"tcp://127.0.0.1:{free_port}", 1, 2, timeout_s=60)
+        assert ready.wait(60)
+        stuck = threading.Thread(target=lambda: comm.broadcast(torch.empty(1 << 16, dtype=torch.uint8), 0),
+                                 daemon=True)
+        stuck.start()  # waits for rank 0, which never sends: only the group's 60 s timeout would end it
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        comm.destroy()  # releasing a gloo group joins its stuck operation; hwsync does that aside
+        assert time.monotonic() - t0 < 20
+    finally:
+        stop.set()
+        peer.join(30)
+        if peer.is_alive():
+            peer.kill()
+
+
 def test_rendezvous_address_is_checked():
     with pytest.raises(ValueError, match="tcp://HOST:PORT"):
         CpuBackend().communicator("127.0.0.1:1234", 0, 1)

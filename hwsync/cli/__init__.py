@@ -13,7 +13,7 @@ _COMMANDS = {
 }
 _BENCHES = {
     "transfer": ("hwsync.cli.bench.transfer", "add_bench_transfer_arguments", "run_bench_transfer",
-                 "process to process: hwsync vs stop-and-wait vs memory copy"),
+                 "process to process: hwsync vs stop-and-wait vs memory copy (--peer verl: vs verl's sender)"),
     "vllm": ("hwsync.cli.bench.vllm", "add_bench_vllm_arguments", "run_bench_vllm",
              "into a vLLM engine: hwsync vs safetensors reload vs in-process load_weights"),
     "broadcast": ("hwsync.cli.bench.broadcast", "add_bench_broadcast_arguments", "run_bench_broadcast",

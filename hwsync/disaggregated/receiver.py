@@ -212,6 +212,11 @@ class CollectiveReceiver:
             log.warning("hwsync: receiver %d left a collective thread stuck in a dead group; it ends at the "
                         "group's timeout", self.rank)
 
+    def release_buffers(self) -> None:
+        """Free the receive buffers until the next sync (the groups are kept), e.g. to give device memory back."""
+        self._buffers = []
+        self.backend.device().empty_cache()
+
     def close(self) -> None:
         """Tear down groups, buffers and the control socket; safe to call twice."""
         self._drop_groups()

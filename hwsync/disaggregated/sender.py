@@ -216,7 +216,14 @@ class CollectiveSender:
         stats.wait_s += time.perf_counter() - t0
         plan = CollectivePlan.from_frame(frame)
         source = named_tensors(frame.state) if callable(named_tensors) else named_tensors
-        self._stream(plan, source, stats, lambda done, what: link.wait((), what, done))
+        # a follower whose own group failed stops waiting on it: sender 0 may be inside the source's
+        # collective (FSDP's full_tensor()) waiting for this rank, so this rank walks the source on
+        self._stream(plan, source, stats, lambda done, what: link.wait((), what, lambda: done() or bool(self._failed)))
+        if self._failed is not None:
+            link.wait((Commit,), f"waiting for sender 0 to name the rank at fault (this rank's broadcast failed: "
+                                 f"{self._failed})")
+            raise SyncError(f"sender {self.rank}'s broadcast failed ({self._failed}), yet sender 0 committed "
+                            f"version {version}: a protocol bug, report it")
         link.send(Sent())
         t0 = time.perf_counter()
         link.wait((Commit,), f"waiting for the receivers to confirm version {version}")
@@ -259,24 +266,31 @@ class CollectiveSender:
         slots: dict[int, int] = {}
         t_start, waited, count = time.perf_counter(), 0.0, 0
 
-        def slot(k: int) -> int:
+        def slot(k: int) -> int | None:
+            """The buffer for bucket k, or None once this rank's group failed (a follower's pump returns then)."""
             nonlocal waited
             if k not in slots:
                 j = order[k] % self.num_buffers
                 t0 = time.perf_counter()
                 pump(lambda: self._inflight[j] is None, f"waiting for this rank's broadcast from buffer {j}")
                 waited += time.perf_counter() - t0
+                if self._inflight[j] is not None:
+                    return None
                 slots[k], self._inflight[j] = j, k
             return slots[k]
 
+        broken = False  # this rank's group failed: walk the rest of the source without sending
         for position, _name, tensor in checked_items(source, plan.manifest):
             count += 1
-            mine = [(k, e) for k, e in pieces[position] if k in remaining]
+            mine = [] if broken else [(k, e) for k, e in pieces[position] if k in remaining]
             if not mine and not hasattr(tensor, "full_tensor"):
                 continue
             flat = as_bytes(tensor)  # a DTensor is gathered on every rank, in order, even where another sends it
             for k, e in mine:
                 j = slot(k)
+                if j is None:
+                    broken = True
+                    break
                 buffers[j][e.offset : e.offset + e.chunk_bytes].copy_(flat[e.chunk_offset : e.chunk_offset + e.chunk_bytes])
                 remaining[k] -= 1
                 if remaining[k] == 0:
@@ -324,6 +338,12 @@ class CollectiveSender:
         if worker is not None and not worker.stop():
             log.warning("hwsync: sender %d left a collective thread stuck in a dead group; it ends at the "
                         "group's timeout", self.rank)
+
+    def release_buffers(self) -> None:
+        """Free the bucket buffers until the next send (the group is kept), e.g. to give device memory back."""
+        self._buffers = []
+        self._inflight = [None] * self.num_buffers
+        self.backend.device().empty_cache()
 
     def close(self) -> None:
         """Tear down the group, buffers and control socket; safe to call twice."""

@@ -14,6 +14,7 @@ timed and the median taken; figures from shared machines are only comparable as 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import multiprocessing as mp
@@ -329,14 +330,26 @@ def add_bench_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--copy-mib", type=int, default=1024, help="size of the copy reference in MiB")
     parser.add_argument("--timeout", type=float, default=120.0, help="timeout_s of every wait")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--peer", choices=["verl"], default=None,
+                        help="also run a peer's own transfer code on the same state dict (verl: its colocated "
+                             "BucketedWeightSender/Receiver, unmodified; needs verl installed)")
+    parser.add_argument("--verl-bucket-mb", type=int, nargs="+", default=None,
+                        help="verl's bucket sizes in MiB (default: its default, 1024, 512, the smallest holding the "
+                             "largest tensor, and one below it)")
+    parser.add_argument("--verl-syncs", type=int, default=4, help="syncs per verl bucket size; the median excludes the first")
 
 
 def run_bench_transfer(args: argparse.Namespace) -> int:
     """Run the benchmark and print a table (or JSON); 0 on success."""
-    if args.syncs < 1 or (args.num_buffers is not None and args.num_buffers < 2) or args.threads < 1:
-        raise SystemExit("--syncs and --threads must be at least 1, --num-buffers at least 2")
+    if args.syncs < 1 or (args.num_buffers is not None and args.num_buffers < 2) or args.threads < 1 \
+            or args.verl_syncs < 1:
+        raise SystemExit("--syncs, --verl-syncs and --threads must be at least 1, --num-buffers at least 2")
+    # a peer's module is imported first: without the peer installed the run stops before measuring anything
+    peer = importlib.import_module(f"hwsync.cli.bench.{args.peer}_peer") if args.peer else None
     try:
         r = measure(args)
+        if peer is not None:
+            r[args.peer] = peer.measure_peer(args, r["hwsync_s"])
     except KeyboardInterrupt:
         print("hwsync bench transfer: interrupted (segments, sockets and the receiver process cleaned up)",
               file=sys.stderr)
@@ -368,6 +381,8 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
         rate = r["pool"]["gbps"]
         print(f"buffer pool: using the {r['pool']['mode']} mode; last measured: hot pair {rate['hot']} GB/s, "
               f"whole pool (cold) {rate['cold']} GB/s")
+    if peer is not None:
+        peer.print_peer(r)
     return 0
 
 

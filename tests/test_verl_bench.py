@@ -1,0 +1,47 @@
+"""`hwsync bench transfer --peer verl` runs verl's own sender and receiver and reports a refused bucket.
+
+No figure is asserted (speed is for the benchmark's table, not for tests): this checks that the
+comparison runs end to end on verl 0.9.1, that verl's receiver got the weights right (the
+bench raises otherwise), and that verl's shared-memory path refusing a tensor larger than its
+bucket (verl issue #5952) is reported instead of crashing the run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("verl", reason="verl is not installed in this environment: ci/test.sh runs these tests in "
+                                   ".venv-verl, which ci/setup-verl.sh makes")
+
+from hwsync.cli.bench.transfer import model_spec  # noqa: E402
+from hwsync.cli.bench.verl_peer import MIB, sweep  # noqa: E402
+from hwsync.manifest import dtype_from_name  # noqa: E402
+
+
+def test_the_sweep_spans_verls_default_down_to_below_the_largest_tensor():
+    embedding = 151936 * 1536 * 2  # Qwen2.5-1.5B's, 445.1 MiB
+    assert sweep(embedding, 2048) == [2048, 1024, 512, 446, 256]
+    assert sweep(3 * MIB, 2048) == [2048, 1024, 512, 3, 2]
+
+
+def test_bench_transfer_peer_verl_runs_verls_code_and_reports_the_refused_bucket():
+    spec = model_spec(int(0.03e9), "bf16")
+    largest = max(math.prod(shape) * dtype_from_name(dtype).itemsize for _, shape, dtype in spec)
+    fits, refused = math.ceil(largest / MIB), math.ceil(largest / MIB) // 2
+    done = subprocess.run(
+        [sys.executable, "-m", "hwsync.cli", "bench", "transfer", "--peer", "verl", "--gb", "0.03", "--syncs", "2",
+         "--verl-syncs", "2", "--verl-bucket-mb", str(fits), str(refused), "--copy-mib", "64", "--json"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "HWSYNC_BACKEND": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    verl = json.loads(done.stdout)["verl"]
+    ok, failed = verl["runs"]
+    assert ok["bucket_mb"] == fits and ok["error"] is None and len(ok["seconds"]) == 2 and ok["gbps"] > 0
+    assert failed["bucket_mb"] == refused and "too large to fit in the bucket" in failed["error"]
+    assert verl["failed_bucket_mb"] == [refused] and verl["best_bucket_mb"] == fits and verl["use_shm"]
+    assert verl["hwsync_vs_verl_best"] > 0
