@@ -50,8 +50,18 @@ def require_curve() -> None:
             "pyzmq`, which bundles a libzmq with CURVE), or use an ipc:// endpoint on one host")
 
 
-def bind_control(ctx: zmq.Context, address: str) -> tuple[zmq.Socket, str, str | None]:
-    """A bound ROUTER socket, its real address (a tcp port 0 resolved) and its CURVE public key (tcp://)."""
+def curve_key_pair() -> tuple[str, str]:
+    """A new CURVE key pair, (public, secret) as 64 hex digits: for an endpoint announced before it is bound."""
+    require_curve()
+    public, secret = zmq.curve_keypair()
+    return z85.decode(public).hex(), z85.decode(secret).hex()
+
+
+def bind_control(ctx: zmq.Context, address: str, secret_key: str | None = None) -> tuple[zmq.Socket, str, str | None]:
+    """A bound ROUTER socket, its real address (a tcp port 0 resolved) and its CURVE public key (tcp://).
+
+    On tcp:// the key pair is fresh unless `secret_key` (from curve_key_pair) is given.
+    """
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_PEER_FRAME_BYTES)
@@ -63,7 +73,11 @@ def bind_control(ctx: zmq.Context, address: str) -> tuple[zmq.Socket, str, str |
         except BaseException:
             sock.close(linger=0)
             raise
-        public, secret = zmq.curve_keypair()
+        if secret_key is None:
+            public, secret = zmq.curve_keypair()
+        else:
+            secret = z85.encode(bytes.fromhex(secret_key))
+            public = zmq.curve_public(secret)
         sock.curve_server = True
         sock.curve_secretkey = secret
         public_key = z85.decode(public).hex()

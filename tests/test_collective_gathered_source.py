@@ -78,7 +78,7 @@ def test_a_follower_whose_broadcast_failed_walks_on_so_sender_0_can_name_the_dea
     # sender 0 has a buffer for each of its buckets, so it never waits on one and walks straight on
     tx = CollectiveSender(f"tcp://{HOST}:0", num_senders=2, num_receivers=2, group_host=HOST, bucket_bytes=BUCKET,
                           num_buffers=32, timeout_s=TIMEOUT)
-    procs = [ctx.Process(target=_receiver, args=(tx.endpoint, out, r, [0, 1], ("kill", 1, 1) if r else None),
+    procs = [ctx.Process(target=_receiver, args=(tx.endpoint, out, ("cpu", 0), r, [0, 1], ("kill", 1, 1) if r else None),
                          daemon=True) for r in (0, 1)]
     procs.append(ctx.Process(target=_follower, args=(tx.endpoint, store, out), daemon=True))
     for proc in procs:

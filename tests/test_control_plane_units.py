@@ -100,3 +100,37 @@ def _catch(errors: list, fn, *args) -> None:
         fn(*args)
     except BaseException as exc:  # noqa: BLE001
         errors.append(exc)
+
+
+def test_an_endpoint_announced_before_its_bind_is_bound_with_its_own_key(monkeypatch):
+    """verl's rank 0 announces its endpoint (with the CURVE public key) before it binds it."""
+    from hwsync.disaggregated import CollectiveSender
+    from hwsync.sockets import curve_key_pair
+
+    monkeypatch.setenv("HWSYNC_BACKEND", "cpu")
+    public, secret = curve_key_pair()
+    with socket_free_port() as port:
+        announced = f"tcp://127.0.0.1:{port}#{'ab' * 16}#{public}"
+    with pytest.raises(ValueError, match="pass secret_key="):
+        CollectiveSender(announced, group_host="127.0.0.1")
+    with pytest.raises(ValueError, match="does not belong to the endpoint's CURVE key"):
+        CollectiveSender(announced, group_host="127.0.0.1", secret_key=curve_key_pair()[1])
+    tx = CollectiveSender(announced, group_host="127.0.0.1", secret_key=secret)
+    try:
+        assert tx.endpoint == announced
+    finally:
+        tx.close()
+
+
+class socket_free_port:
+    """A port free on 127.0.0.1 now (the socket is closed when the block ends)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        return self._sock.getsockname()[1]
+
+    def __exit__(self, *exc: object) -> None:
+        self._sock.close()

@@ -91,12 +91,12 @@ class Hub:
     """Sender rank 0's ROUTER socket: gathers the other ranks, collects their replies, names failures."""
 
     def __init__(self, address: str, token: str, timeout_s: float, *, num_senders: int = 1, num_receivers: int = 1,
-                 backend: str = "") -> None:
+                 backend: str = "", secret_key: str | None = None) -> None:
         self.token = token
         self.timeout_s = timeout_s
         self.num_senders, self.num_receivers, self.backend = num_senders, num_receivers, backend
         self._ctx = zmq.Context()
-        self._sock, self.address, self.server_key = bind_control(self._ctx, address)
+        self._sock, self.address, self.server_key = bind_control(self._ctx, address, secret_key)
         self._sock.setsockopt(zmq.LINGER, 1000)  # lets a final abort reach live peers
         self.gate = Gate(token, RankReady, TO_HUB, reply_on(lambda: self._sock), names=("rank", "hub"))
         self._connections = ConnectionLog(self._sock, "the hub")

@@ -74,6 +74,7 @@ class CollectiveSender:
         num_buffers: int = 2,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         backend: Backend | None = None,
+        secret_key: str | None = None,
     ) -> None:
         if not 0 <= rank < num_senders:
             raise ValueError(f"rank {rank} is outside num_senders={num_senders}")
@@ -95,11 +96,19 @@ class CollectiveSender:
         self._hub: Hub | None = None
         self._link: Link | None = None
         if rank == 0:
-            # ADDRESS, or ADDRESS#TOKEN to choose the token (a tcp:// endpoint's CURVE key is made here, always)
+            # ADDRESS, ADDRESS#TOKEN to choose the token, or ADDRESS#TOKEN#KEY with the secret_key of KEY (an
+            # endpoint announced before it is bound); otherwise a tcp:// endpoint's CURVE key is made here
             address, _, rest = (endpoint or f"tcp://{self.group_host}:0").partition("#")
-            token = rest.split("#")[0] or new_token()
-            self._hub = Hub(address, token, timeout_s, num_senders=num_senders, num_receivers=num_receivers,
-                            backend=self.backend.name)
+            token, _, key = rest.partition("#")
+            if key and secret_key is None:
+                raise ValueError(f"endpoint {address}#...#{key[:8]}... names a CURVE key: pass secret_key= (the secret "
+                                 "half of hwsync.sockets.curve_key_pair()), or leave the key out to have one made")
+            self._hub = Hub(address, token or new_token(), timeout_s, num_senders=num_senders,
+                            num_receivers=num_receivers, backend=self.backend.name, secret_key=secret_key)
+            if key and self._hub.server_key != key:
+                self._hub.close()
+                raise ValueError(f"secret_key does not belong to the endpoint's CURVE key {key[:8]}...: pass the pair "
+                                 "curve_key_pair() made")
         elif endpoint is None or "#" not in endpoint:
             raise ValueError(f"sender rank {rank} needs endpoint=<sender 0's .endpoint> (tcp://HOST:PORT#TOKEN#KEY)")
         else:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hwsync.control import new_token
+from hwsync.sockets import curve_key_pair
 from hwsync.disaggregated.sender import default_host, pick_port
 
 #: a metadata dict made by this engine carries this key; its value is the metadata layout's version
@@ -38,9 +39,14 @@ def node_ip(override: str | None = None) -> str:
     return default_host()
 
 
-def fresh_endpoint(host: str) -> str:
-    """A new control endpoint for sender 0 to bind: a port free now on `host`, and a new token."""
-    return f"tcp://{host}:{pick_port(host)}#{new_token()}"
+def fresh_endpoint(host: str) -> tuple[str, str]:
+    """A new control endpoint for sender 0 to bind, and its CURVE secret key (which stays in sender 0's process).
+
+    The endpoint is announced to every worker before sender 0 binds it, so it carries a port free now on
+    `host`, a new token and the public half of a new CURVE key pair.
+    """
+    public, secret = curve_key_pair()
+    return f"tcp://{host}:{pick_port(host)}#{new_token()}#{public}", secret
 
 
 @dataclass(frozen=True)

@@ -128,12 +128,15 @@ class TrainerSide:
         self.place: TrainerPlace | None = None
         self.sender: CollectiveSender | None = None
         self.manifest: list[TensorSpec] | None = None
+        #: the fresh endpoint rank 0 last announced, and its CURVE secret key (never leaves this process)
+        self._fresh: tuple[str, str] | None = None
 
     def metadata(self, is_master: bool) -> dict[str, Any]:
         """prepare(): this rank's host; rank 0 adds its current hub and a fresh endpoint for a new one."""
         master = None
         if is_master:
-            master = {"fresh": fresh_endpoint(self.options.host)}
+            self._fresh = fresh_endpoint(self.options.host)
+            master = {"fresh": self._fresh[0]}
             if self.sender is not None and self.place is not None and self.place.rank == 0:
                 master |= {"endpoint": self.sender.endpoint,
                            "counts": [self.place.num_senders, self.place.num_receivers]}
@@ -150,13 +153,19 @@ class TrainerSide:
                     place.endpoint, rank=place.rank, num_senders=place.num_senders,
                     num_receivers=place.num_receivers, group_host=self.options.host,
                     bucket_bytes=self.options.bucket_bytes(place.num_senders), num_buffers=self.options.num_buffers,
-                    timeout_s=self.options.timeout_s)
+                    timeout_s=self.options.timeout_s, secret_key=self._secret_for(place))
             except Exception as exc:
                 raise RuntimeError(f"trainer sender {place.rank} could not open hwsync's control endpoint "
                                    f"{place.endpoint.split('#')[0]}: {exc}. If the port was taken meanwhile, the "
                                    "next update picks another; set engine_kwargs.hwsync.host if the address is "
                                    "not this node's") from exc
         self.place = place
+
+    def _secret_for(self, place: TrainerPlace) -> str | None:
+        """Sender 0 binds the endpoint it announced in prepare() with that endpoint's secret key."""
+        if place.rank == 0 and self._fresh is not None and self._fresh[0] == place.endpoint:
+            return self._fresh[1]
+        return None
 
     def send(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> tuple[list[SyncStats], Walk]:
         """Send one step's weights; on failure walk the generator to its end on this rank, then raise."""
