@@ -143,6 +143,7 @@ def test_base_goes_once_then_the_adapter_alone_each_step(llm, reference, trainer
         assert_serves(llm, reference, trainer, adapter_dir)
         status = engine_state(sync)
         assert status["lora"]["adapters"]["policy"] == {"id": 1, "version": step, "rank": 8, "loaded": True}
+        assert status["lora"]["loaded"] == [1]  # each version replaced the one before under the same id
         assert status["engine"]["base_intact"] is True and status["engine"]["version"] == step
 
 
