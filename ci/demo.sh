@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job, on a fresh machine: set up, show the backend report, move a tensor between two
-# processes and verify it, then run the RL demo (a real vLLM engine fed by a trainer through hwsync).
+# processes and verify it, then run the RL demo (a real vLLM engine fed by a trainer through hwsync),
+# with the whole model and with a LoRA (base once, then the adapter alone).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/setup.sh
@@ -8,3 +9,4 @@ bash ci/setup.sh
 hwsync info
 hwsync roundtrip
 hwsync demo "$@"
+hwsync demo --lora "$@"

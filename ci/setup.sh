@@ -66,6 +66,9 @@ else
   pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 
+step "PEFT (LoRA models: hwsync demo --lora and the LoRA tests)"
+pip install -q -c "$CONSTRAINTS" -e ".[lora]"
+
 step "Ray (for the disaggregated example)"
 pip install -q -c "$CONSTRAINTS" -e ".[ray]" || echo "Ray did not install; its example test will skip" >&2
 

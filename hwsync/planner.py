@@ -3,8 +3,9 @@
 Rules (tests/test_planner.py checks them over every combination of the state's fields):
 - full fine-tuning and merged LoRA send every weight, every sync: the trainer changed them all;
 - unmerged LoRA always sends the adapters, and sends the base first only when the engine does
-  not hold the current base: it never received one, a level-2 sleep really freed it, or it holds
-  a different base than the trainer names;
+  not hold the current base: it never received one, a level-2 sleep really freed it, its own check
+  found the base changed since its last complete sync, or it holds a different base than the
+  trainer names;
 - no tensor name is ever yielded twice; a duplicate is an error that names it.
 
 Sources are consumed lazily: a base that is not sent is never called or iterated, so a trainer
@@ -21,6 +22,7 @@ from typing import Any, Union
 import torch
 
 from hwsync.errors import HwsyncError
+from hwsync.manifest import TensorSpec
 from hwsync.source import named_tensor
 
 #: A weight version or a base's identity: what the trainer counts or names it by.
@@ -68,6 +70,9 @@ class EngineState:
     weight memory without restoring its contents.
     weights_freed says whether that sleep really released the weights (an engine without sleep
     mode, or configured to keep its weights, keeps them at any level).
+    base_intact is what the engine observed rather than assumed: True when a check of its weights
+    (e.g. a fingerprint taken after its last complete sync) finds them unchanged, False when the
+    check finds them changed or a sync broke midway, None when the engine does not check.
     """
 
     sleep_level: int
@@ -75,6 +80,7 @@ class EngineState:
     has_base: bool
     version: Version | None = None
     base_version: Version | None = None
+    base_intact: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.sleep_level, bool) or self.sleep_level not in _SLEEP_LEVELS:
@@ -82,6 +88,8 @@ class EngineState:
         for name in ("weights_freed", "has_base"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.base_intact is not None and not isinstance(self.base_intact, bool):
+            raise PlanError(f"base_intact must be a bool or None, got {self.base_intact!r}")
         for name in ("version", "base_version"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, str))):
@@ -102,7 +110,8 @@ class EngineState:
     def to_dict(self) -> dict[str, Any]:
         """Plain msgpack/JSON-safe values."""
         return {"sleep_level": self.sleep_level, "weights_freed": self.weights_freed,
-                "has_base": self.has_base, "version": self.version, "base_version": self.base_version}
+                "has_base": self.has_base, "version": self.version, "base_version": self.base_version,
+                "base_intact": self.base_intact}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EngineState:
@@ -111,7 +120,8 @@ class EngineState:
         if missing:
             raise PlanError(f"engine state {dict(data)!r} lacks {', '.join(missing)}; the receiver must report them")
         return cls(sleep_level=data["sleep_level"], weights_freed=data["weights_freed"], has_base=data["has_base"],
-                   version=data.get("version"), base_version=data.get("base_version"))
+                   version=data.get("version"), base_version=data.get("base_version"),
+                   base_intact=data.get("base_intact"))
 
 
 @dataclass
@@ -122,12 +132,16 @@ class TrainerModel:
     plus adapter delta, under the base's names); there are no separate adapters. LORA_UNMERGED:
     `base` yields the frozen base, `adapters` the adapter tensors. base_version names the base
     (e.g. a checkpoint path) so an engine holding another base is sent the right one.
+    base_manifest / adapters_manifest announce each source's tensors (name, dtype, shape, in
+    order); with both known, a plan has a manifest of exactly what it sends (`SyncPlan.manifest`).
     """
 
     mode: SyncMode
     base: TensorSource | None = None
     adapters: TensorSource | None = None
     base_version: Version | None = None
+    base_manifest: list[TensorSpec] | None = None
+    adapters_manifest: list[TensorSpec] | None = None
     #: one-shot iterators already consumed by a plan of this model (every send() plans anew)
     consumed: set[int] = field(default_factory=set, repr=False, compare=False)
 
@@ -156,12 +170,16 @@ def engine_holds_base(engine: EngineState | None, base_version: Version | None =
         return False, "the engine has never received base weights"
     if engine.base_discarded:
         return False, "the engine discarded its base weights in a level-2 sleep"
+    if engine.base_intact is False:
+        return False, "the engine's own check found its base weights changed since its last complete sync"
     # Compared only when both sides name a base: an engine that does not track which base it
     # loaded would otherwise be re-sent the base every step (the field bug this module fixes).
     if base_version is not None and engine.base_version is not None and engine.base_version != base_version:
         return False, f"the engine holds base {engine.base_version!r} but the trainer's base is {base_version!r}"
     where = {0: "awake, weights untouched", 1: "a level-1 sleep keeps them in host memory",
              2: "its level-2 sleep did not free them"}[engine.sleep_level]
+    if engine.base_intact:
+        where += "; its own check confirms them"
     return True, f"the engine still holds the base weights ({where})"
 
 
@@ -172,18 +190,21 @@ def plan_sync(engine: EngineState | Mapping[str, Any] | None, model: TrainerMode
     if model.mode is not SyncMode.LORA_UNMERGED:
         what = "full fine-tuning" if model.mode is SyncMode.FULL else "LoRA merged into the base"
         reason = f"{what} changes every weight, so all weights are sent"
-        return SyncPlan(SendSet.ALL, model.mode, reason, engine, model.base, None, _opened=model.consumed)
+        return SyncPlan(SendSet.ALL, model.mode, reason, engine, model.base, None, _opened=model.consumed,
+                        _manifests=(model.base_manifest, None))
     holds, why = engine_holds_base(engine, model.base_version)
     if holds:
         reason = f"unmerged LoRA: {why}, so only the adapters are sent"
-        return SyncPlan(SendSet.ADAPTERS_ONLY, model.mode, reason, engine, None, model.adapters, _opened=model.consumed)
+        return SyncPlan(SendSet.ADAPTERS_ONLY, model.mode, reason, engine, None, model.adapters, _opened=model.consumed,
+                        _manifests=(None, model.adapters_manifest))
     if model.base is None:
         raise PlanError(
             f"unmerged LoRA: {why}, so the base must be sent, but TrainerModel.base is None; "
             "pass the frozen base's named tensors as `base`"
         )
     reason = f"unmerged LoRA: {why}, so the base is sent first, then the adapters"
-    return SyncPlan(SendSet.BASE_THEN_ADAPTERS, model.mode, reason, engine, model.base, model.adapters, _opened=model.consumed)
+    return SyncPlan(SendSet.BASE_THEN_ADAPTERS, model.mode, reason, engine, model.base, model.adapters,
+                    _opened=model.consumed, _manifests=(model.base_manifest, model.adapters_manifest))
 
 
 def plan_for_engines(engines: Sequence[EngineState | Mapping[str, Any] | None], model: TrainerModel) -> SyncPlan:
@@ -210,6 +231,7 @@ class SyncPlan:
     base: TensorSource | None = field(default=None, repr=False)
     adapters: TensorSource | None = field(default=None, repr=False)
     _opened: set[int] = field(default_factory=set, repr=False)
+    _manifests: tuple[list[TensorSpec] | None, list[TensorSpec] | None] = field(default=(None, None), repr=False)
 
     @property
     def sends_base(self) -> bool:
@@ -225,6 +247,14 @@ class SyncPlan:
         """A log-friendly summary (no tensors)."""
         return {"send": self.send.value, "mode": self.mode.value, "reason": self.reason,
                 "engine": None if self.engine is None else self.engine.to_dict()}
+
+    def manifest(self) -> list[TensorSpec] | None:
+        """The announced tensors of exactly what this plan sends, in order; None if a sent part has no manifest."""
+        base, adapters = self._manifests
+        parts = ([base] if self.sends_base else []) + ([adapters] if self.sends_adapters else [])
+        if any(part is None for part in parts):
+            return None
+        return [spec for part in parts for spec in part]  # type: ignore[union-attr]
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (name, tensor) in send order, lazily; a repeated name raises DuplicateTensorError."""

@@ -52,6 +52,27 @@ def test_lora_sends_adapters_only_while_the_engine_keeps_its_base(backend):
         p.join(30)
 
 
+def test_a_planned_sync_announces_exactly_what_its_plan_sends(backend):
+    from hwsync.manifest import manifest_from_tensors
+
+    model, base, adapters = _lora_model()
+    model.base_manifest = manifest_from_tensors(list(base.items()))
+    model.adapters_manifest = manifest_from_tensors(list(adapters.items()))
+    never = EngineState(sleep_level=0, weights_freed=False, has_base=False).to_dict()
+    checked = EngineState(sleep_level=0, weights_freed=False, has_base=True, base_intact=True).to_dict()
+    changed = dict(checked, base_intact=False)
+    with WeightSender(bucket_bytes=1 << 16, timeout_s=30) as sender:
+        q = CTX.Queue()
+        p = CTX.Process(target=procs.receive_with_states, args=(sender.endpoint, [never, checked, changed], q))
+        p.start()
+        for want in ([*base, *adapters], list(adapters), [*base, *adapters]):
+            stats = sender.send(model, version=1)
+            got = q.get(timeout=60)
+            assert got["announced"] == got["names"] == want, stats.notes["plan"]["reason"]
+        assert "own check" in stats.notes["plan"]["reason"]
+        p.join(30)
+
+
 def test_auto_bucket_and_onload_with_nothing_offloaded(backend):
     module = torch.nn.Linear(64, 32)
     device = backend.device().torch_device()

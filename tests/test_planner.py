@@ -40,7 +40,8 @@ def make_model(mode: SyncMode, base_version=None) -> tuple[TrainerModel, Countin
     return TrainerModel(mode, base=base, adapters=adapters, base_version=base_version), base, adapters
 
 
-def expected_send(sleep_level, weights_freed, has_base, engine_base, mode, trainer_base) -> SendSet | None:
+def expected_send(sleep_level, weights_freed, has_base, engine_base, mode, trainer_base,
+                  base_intact=None) -> SendSet | None:
     """The rules, written out independently of the planner; None means an invalid state."""
     if sleep_level == 0 and weights_freed:
         return None
@@ -49,6 +50,7 @@ def expected_send(sleep_level, weights_freed, has_base, engine_base, mode, train
     lost = (
         not has_base
         or (sleep_level == 2 and weights_freed)
+        or base_intact is False
         or (trainer_base is not None and engine_base is not None and engine_base != trainer_base)
     )
     return SendSet.BASE_THEN_ADAPTERS if lost else SendSet.ADAPTERS_ONLY
@@ -62,14 +64,16 @@ MATRIX = list(itertools.product(
     [None, "base-a", "base-b"],     # engine's base_version
     list(SyncMode),                 # trainer mode
     [None, "base-a"],               # trainer's base_version
+    [None, False, True],            # base_intact: the engine's own check of its weights
 ))
 
 
-@pytest.mark.parametrize("sleep_level,weights_freed,has_base,version,engine_base,mode,trainer_base", MATRIX)
-def test_state_matrix(sleep_level, weights_freed, has_base, version, engine_base, mode, trainer_base):
-    want = expected_send(sleep_level, weights_freed, has_base, engine_base, mode, trainer_base)
+@pytest.mark.parametrize("sleep_level,weights_freed,has_base,version,engine_base,mode,trainer_base,base_intact",
+                         MATRIX)
+def test_state_matrix(sleep_level, weights_freed, has_base, version, engine_base, mode, trainer_base, base_intact):
+    want = expected_send(sleep_level, weights_freed, has_base, engine_base, mode, trainer_base, base_intact)
     fields = dict(sleep_level=sleep_level, weights_freed=weights_freed, has_base=has_base,
-                  version=version, base_version=engine_base)
+                  version=version, base_version=engine_base, base_intact=base_intact)
     if want is None:
         with pytest.raises(PlanError, match="level of the sleep that freed"):
             EngineState(**fields)
@@ -207,6 +211,7 @@ def test_bad_items_are_named():
     ({"sleep_level": True, "weights_freed": False, "has_base": True}, "0, 1 or 2"),
     ({"sleep_level": 0, "weights_freed": 0, "has_base": True}, "weights_freed must be a bool"),
     ({"sleep_level": 0, "weights_freed": False, "has_base": True, "version": 1.5}, "version must be"),
+    ({"sleep_level": 0, "weights_freed": False, "has_base": True, "base_intact": "yes"}, "base_intact must be"),
 ])
 def test_engine_state_validation(data, match):
     with pytest.raises(PlanError, match=match):
@@ -236,3 +241,29 @@ def test_one_shot_iterator_is_refused_by_the_next_plan_too():
     assert [n for n, _ in plan_sync(EngineState(0, False, True), model).tensors()] == ["x"]
     with pytest.raises(PlanError, match="pass a callable"):
         list(plan_sync(EngineState(0, False, True), model).tensors())  # the next send() plans anew
+
+
+def test_base_changed_behind_the_engines_back_is_resent():
+    """The engine's own check outranks its sleep flags: a base that changed is sent again."""
+    model, base, _ = make_model(SyncMode.LORA_UNMERGED)
+    plan = plan_sync(EngineState(0, False, True, version=3, base_intact=False).to_dict(), model)
+    assert plan.send is SendSet.BASE_THEN_ADAPTERS and "own check" in plan.reason
+    kept = plan_sync(EngineState(0, False, True, version=3, base_intact=True), model)
+    assert kept.send is SendSet.ADAPTERS_ONLY and "check confirms" in kept.reason
+
+
+def test_plan_manifest_is_exactly_what_it_sends():
+    from hwsync.manifest import TensorSpec
+
+    base_specs = [TensorSpec(n, "float32", (2,)) for n in BASE_NAMES]
+    adapter_specs = [TensorSpec(n, "float32", (2,)) for n in ADAPTER_NAMES]
+    model, _, _ = make_model(SyncMode.LORA_UNMERGED)
+    model.base_manifest, model.adapters_manifest = base_specs, adapter_specs
+    both = plan_sync(None, model)
+    assert both.manifest() == base_specs + adapter_specs
+    assert [n for n, _ in both.tensors()] == [s.name for s in both.manifest()]
+    assert plan_sync(EngineState(0, False, True), model).manifest() == adapter_specs
+    model.adapters_manifest = None
+    assert plan_sync(EngineState(0, False, True), model).manifest() is None
+    full = TrainerModel(SyncMode.FULL, base=list, base_manifest=base_specs)
+    assert plan_sync(None, full).manifest() == base_specs

@@ -139,6 +139,7 @@ def receive_with_states(endpoint: str, states: list[dict], q) -> None:
     receiver = WeightReceiver(endpoint, timeout_s=30)
     for state in states:
         names: list[str] = []
+        announced: list[str] = []
         nbytes = [0]
 
         def load(pairs):
@@ -146,6 +147,7 @@ def receive_with_states(endpoint: str, states: list[dict], q) -> None:
                 names.append(name)
                 nbytes[0] += t.numel() * t.element_size()
 
-        stats = receiver.receive(load, state={"engine": state})
-        q.put({"names": names, "bytes": nbytes[0], "transport_bytes": stats.bytes})
+        stats = receiver.receive(load, state={"engine": state},
+                                 check_manifest=lambda specs: announced.extend(s.name for s in specs))
+        q.put({"names": names, "announced": announced, "bytes": nbytes[0], "transport_bytes": stats.bytes})
     receiver.close()

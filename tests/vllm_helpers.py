@@ -127,3 +127,73 @@ def in_process_engine(**kwargs: Any) -> Iterator[Any]:
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
         vllm.envs.disable_envs_cache()
+
+
+#: a prompt longer than one KV block on CPU (128 tokens): only such a prompt is served from the prefix cache
+LONG_PROMPT = [(7 * i + 3) % 1000 + 1 for i in range(200)]
+
+
+def greedy_tokens(llm: Any, prompt: list[int], lora_request: Any = None, max_tokens: int = 8) -> list[int]:
+    """Greedy tokens without prompt logprobs (a request asking for them never reads the prefix cache)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False)
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False, lora_request=lora_request)
+    return list(out[0].outputs[0].token_ids)
+
+
+def _lora_reference_main(model_dir: str, engine_args: dict[str, Any], conn: Connection) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    torch.set_num_threads(1)
+    from vllm import LLM
+    from vllm.lora.request import LoRARequest
+
+    from hwsync.cli.toy_model import cpu_engine_env, engine_kwargs, engine_outputs, shutdown_engine
+
+    cpu_engine_env()
+    llm = LLM(**engine_kwargs(model_dir, extension=False), **engine_args)
+    conn.send("ready")
+    ids: dict[str, int] = {}
+    while True:
+        adapter_dir = conn.recv()
+        if adapter_dir is None:
+            break
+        request = None
+        if adapter_dir:  # a fresh id per directory: vLLM reads each adapter from disk once
+            request = LoRARequest(f"disk-{len(ids) + 1}", ids.setdefault(adapter_dir, len(ids) + 1), adapter_dir)
+        conn.send((engine_outputs(llm, lora_request=request), greedy_tokens(llm, LONG_PROMPT, request)))
+    shutdown_engine(llm)
+    conn.close()
+
+
+class LoraReference:
+    """A fresh engine on the base checkpoint in its own process, loading adapters from disk as vLLM does."""
+
+    def __init__(self, model_dir: str, **engine_args: Any) -> None:
+        self._conn, child = SPAWN.Pipe()
+        self._proc = SPAWN.Process(target=_lora_reference_main, args=(model_dir, engine_args, child), daemon=True)
+        self._proc.start()
+        child.close()
+        self._ready = False
+
+    def outputs(self, adapter_dir: str | None, timeout_s: float = 600.0) -> tuple[Any, list[int]]:
+        """(EngineOutputs of the fixed prompt, greedy tokens of LONG_PROMPT) under the adapter saved in `adapter_dir`."""
+        if not self._ready:
+            if not self._conn.poll(timeout_s) or self._conn.recv() != "ready":
+                raise TimeoutError("the reference engine did not start")
+            self._ready = True
+        self._conn.send(adapter_dir or "")
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"the reference engine gave no outputs for {adapter_dir}")
+        return self._conn.recv()
+
+    def close(self) -> None:
+        """Stop the reference engine."""
+        try:
+            self._conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self._proc.join(60)
+        if self._proc.is_alive():
+            self._proc.kill()

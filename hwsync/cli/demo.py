@@ -23,6 +23,8 @@ from hwsync.cli.toy_model import PROMPT_TOKENS, ToyModel, cpu_engine_env, engine
     engine_outputs, model_prompt_logprobs, shutdown_engine
 
 COLUMNS = ("step", "reward", "sync s", "MB", "GB/s", "max |Δlogprob|", "moved", "check")
+#: LoRA ranks vLLM accepts as max_lora_rank; the demo's adapter uses one of them
+LORA_RANKS = (8, 16, 32, 64)
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +32,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=5, help="RL steps, each ending in a sync (default 5)")
     parser.add_argument("--inner-steps", type=int, default=2, help="optimizer steps per RL step (default 2)")
     parser.add_argument("--samples", type=int, default=8, help="completions sampled per step (default 8)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="Adam learning rate (default 3e-3; 2e-2 with --lora, which trains only the adapter)")
     parser.add_argument("--tolerance", type=float, default=1e-4,
                         help="largest |engine - trainer| prompt logprob accepted (default 1e-4, float32)")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size of the toy Llama (default 256)")
@@ -38,27 +41,35 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and sampling")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     parser.add_argument("--verbose", action="store_true", help="keep vLLM's own log output")
+    parser.add_argument("--lora", action="store_true",
+                        help="train a PEFT LoRA instead of the whole model; after the first sync only the adapter "
+                             "is sent (needs peft: pip install 'hwsync[lora]')")
+    parser.add_argument("--lora-rank", type=int, default=8, choices=LORA_RANKS, metavar="R",
+                        help=f"rank of the LoRA on q_proj and v_proj, one of {LORA_RANKS} (default 8)")
 
 
-def _progress(total: int) -> Any:
+def progress_bar(total: int, desc: str = "hwsync demo") -> Any:
+    """A tqdm bar on stderr, or None without tqdm."""
     try:
         from tqdm import tqdm
 
-        return tqdm(total=total, desc="hwsync demo", unit="step", file=sys.stderr, leave=False)
+        return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False)
     except ImportError:  # tqdm comes with vLLM; without it the table alone says where we are
         return None
 
 
-def _rollouts(llm: Any, step: int, samples: int) -> list[list[int]]:
+def rollouts(llm: Any, step: int, samples: int, lora_request: Any = None) -> list[list[int]]:
+    """`samples` sampled completions of the fixed prompt (under a LoRA adapter if given)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(n=samples, temperature=1.0, max_tokens=8, seed=step, detokenize=False)
-    out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT_TOKENS)], params, use_tqdm=False)[0]
+    out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT_TOKENS)], params, use_tqdm=False,
+                       lora_request=lora_request)[0]
     return [list(c.token_ids) for c in out.outputs]
 
 
-def _reinforce(model: torch.nn.Module, optimizer: torch.optim.Optimizer, completions: list[list[int]],
+def reinforce(model: torch.nn.Module, optimizer: torch.optim.Optimizer, completions: list[list[int]],
                vocab: int, inner_steps: int) -> float:
     """A few policy-gradient steps on the toy reward; returns the mean reward of the rollouts."""
     rewards = torch.tensor([sum(t < vocab // 2 for t in c) / max(len(c), 1) for c in completions])
@@ -92,6 +103,10 @@ def _print_row(row: dict[str, Any], bar: Any) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Run the loop; 0 when the engine agreed with the trainer after every sync, 1 otherwise."""
+    if args.lora:
+        from hwsync.cli.demo_lora import run_lora_demo
+
+        return run_lora_demo(args)
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vLLM is first imported
     cpu_engine_env()
@@ -106,16 +121,16 @@ def run_demo(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="hwsync-demo-") as model_dir:
         model = toy.save(model_dir, args.seed)
-        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr or 3e-3)
         llm = LLM(**engine_kwargs(model_dir))
         try:
             with VllmWeightSync(llm) as sync:
                 if not args.json:
                     print("  ".join(COLUMNS), flush=True)
-                bar = _progress(args.steps)
+                bar = progress_bar(args.steps)
                 previous = engine_outputs(llm).prompt_logprobs
                 for step in range(1, args.steps + 1):
-                    reward = _reinforce(model, optimizer, _rollouts(llm, args.seed + step, args.samples),
+                    reward = reinforce(model, optimizer, rollouts(llm, args.seed + step, args.samples),
                                         toy.vocab, args.inner_steps)
                     t0 = time.perf_counter()
                     stats = sync.sync(model, version=step)

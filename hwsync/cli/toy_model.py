@@ -86,14 +86,15 @@ def engine_kwargs(model_dir: str, *, extension: bool = True, max_model_len: int 
     return kwargs
 
 
-def engine_outputs(llm: Any, max_tokens: int = 8, prompt: list[int] | None = None) -> EngineOutputs:
-    """Greedy tokens and prompt logprobs of the fixed prompt from a vllm.LLM."""
+def engine_outputs(llm: Any, max_tokens: int = 8, prompt: list[int] | None = None,
+                   lora_request: Any = None) -> EngineOutputs:
+    """Greedy tokens and prompt logprobs of the fixed prompt from a vllm.LLM (under a LoRA adapter if given)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     prompt = prompt or PROMPT_TOKENS
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, prompt_logprobs=0)
-    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False, lora_request=lora_request)[0]
     logprobs = [entry[token].logprob for token, entry in zip(prompt[1:], out.prompt_logprobs[1:], strict=True)]
     return EngineOutputs(list(out.outputs[0].token_ids), logprobs)
 

@@ -155,7 +155,7 @@ class WeightSender:
         peers: list[Peer] = []
         try:
             peers = self._await_ready(stats)
-            source = self._source(named_tensors, peers, stats)
+            source, manifest = self._source(named_tensors, peers, stats, manifest)
             if self._buffers is None:
                 self._size_buckets(peers, stats)
                 self._open_buffers()
@@ -181,15 +181,17 @@ class WeightSender:
         log.info("hwsync sent %s", stats)
         return stats
 
-    def _source(self, named_tensors: TensorSource | TrainerModel, peers: list[Peer], stats: SyncStats) -> NamedTensors:
+    def _source(self, named_tensors: TensorSource | TrainerModel, peers: list[Peer], stats: SyncStats,
+                manifest: list[TensorSpec] | None) -> tuple[NamedTensors, list[TensorSpec] | None]:
+        """The tensors to send and their manifest; a TrainerModel is planned, and announces what its plan sends."""
         if isinstance(named_tensors, TrainerModel):
             t0 = time.perf_counter()
             plan = plan_for_engines([p.state.get("engine") for p in peers], named_tensors)
             stats.plan_s = time.perf_counter() - t0
             stats.notes["plan"] = plan.to_dict()
             log.info("hwsync plan: %s", plan.reason)
-            return plan.tensors()
-        return named_tensors(peers[0].state) if callable(named_tensors) else named_tensors
+            return plan.tensors(), plan.manifest() if manifest is None else manifest
+        return (named_tensors(peers[0].state) if callable(named_tensors) else named_tensors), manifest
 
     def _size_buckets(self, peers: list[Peer], stats: SyncStats) -> None:
         """Default sizes: by how receivers take tensors; "auto": by the least free memory of all sides."""

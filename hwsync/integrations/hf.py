@@ -41,33 +41,36 @@ def _layer_key(name: str) -> str | None:
     return None
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor: an FSDP2 DTensor is gathered (a collective), anything else returned as is."""
     full_tensor = getattr(tensor, "full_tensor", None)
     return full_tensor() if callable(full_tensor) else tensor
 
 
-def _saved_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's state dict as save_pretrained keeps it: ignored keys and tied aliases dropped."""
+def _saved_state(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The module's state dict (or `state`, under the module's names) as save_pretrained keeps it:
+    ignored keys and tied aliases dropped."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    state = {name: t.detach() for name, t in model.state_dict().items()}
+    state = {name: t.detach() for name, t in (model.state_dict() if state is None else state).items()}
     for key in getattr(model, "_keys_to_ignore_on_save", None) or []:
         state.pop(key, None)
     return remove_tied_weights_from_state_dict(state, model)
 
 
-def checkpoint_tensors(model: torch.nn.Module, *, meta: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_tensors(model: torch.nn.Module, *, meta: bool = False, state: dict[str, torch.Tensor] | None = None
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) of an HF module, one decoder layer at a time, as save_pretrained names them.
 
     `meta=True` yields meta tensors of the same names, dtypes and shapes (the manifest, for free).
     Yielded tensors are views of the module's own where the conversion allows (dense layers),
-    fresh tensors where it splits fused ones (MoE experts).
+    fresh tensors where it splits fused ones (MoE experts). `state` replaces the module's own
+    state dict (e.g. a PEFT-wrapped model's base weights under their plain names).
     """
     from transformers.core_model_loading import revert_weight_conversion
 
     groups: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in _saved_state(model).items():
+    for name, tensor in _saved_state(model, state).items():
         # names outside the layers go before them (embeddings) or after them (final norm, head)
         key = _layer_key(name) or ("post" if groups.keys() - {"pre"} else "pre")
         groups.setdefault(key, {})[name] = tensor
@@ -75,10 +78,11 @@ def checkpoint_tensors(model: torch.nn.Module, *, meta: bool = False) -> Iterato
         if meta:
             part = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in group.items()}
         else:
-            part = {n: _full(t) for n, t in group.items()}
+            part = {n: full_tensor(t) for n, t in group.items()}
         yield from revert_weight_conversion(model, part).items()
 
 
-def checkpoint_manifest_of(model: torch.nn.Module) -> list[TensorSpec]:
+def checkpoint_manifest_of(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> list[TensorSpec]:
     """The manifest of `checkpoint_tensors(model)`, computed on meta tensors (no data is read)."""
-    return [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in checkpoint_tensors(model, meta=True)]
+    return [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape))
+            for n, t in checkpoint_tensors(model, meta=True, state=state)]

@@ -14,13 +14,19 @@ or hwsync's worker extension and trainer helpers:
     sync = VllmWeightSync(llm)
     stats = sync.sync(model, version=step)
 
+A LoRA trainer passes a planner TrainerModel (hwsync.integrations.peft.peft_trainer_model):
+the base goes only when the engine lacks it, the adapter from memory, served to
+`lora_request(model.adapter)`.
+
 Files: engine.py (worker side of the backend) and native.py (its trainer side), clients.py
 (LLMClient / AsyncLLMClient for vLLM's client protocol), worker.py (the extension), trainer.py
 (VllmWeightSync, AsyncVllmWeightSync, HttpVllmWeightSync), loading.py (the one way into the
-model: check, MoE kernel reset, layerwise reload, finalize), loader_check.py (the engine's own
-loader, dry-run), kernels.py (MoE and tied-head kernels the reload leaves stale), checkpoint.py (the checkpoint's manifest),
-sources.py (what a trainer holds, as checkpoint-named tensors). Importing this package imports
-no vLLM; `HwsyncTrainerInitInfo` / `HwsyncTrainerEngine` import it when first named.
+model: check, MoE kernel reset, layerwise reload, finalize; WorkerSync's reported state),
+loader_check.py (the engine's own loader, dry-run), adapters.py (LoRA adapters from memory into
+vLLM's LoRA manager), fingerprint.py (what a worker checks its base against before each plan),
+kernels.py (MoE and tied-head kernels the reload leaves stale), checkpoint.py (the checkpoint's
+manifest), sources.py (what a trainer holds, as checkpoint-named tensors). Importing this
+package imports no vLLM; `HwsyncTrainerInitInfo` / `HwsyncTrainerEngine` import it when first named.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from hwsync.integrations.vllm.trainer import (
     HttpVllmWeightSync,
     VllmWeightSync,
     auto_bucket_bytes,
+    lora_request,
     settle,
 )
 from hwsync.integrations.vllm.worker import HwsyncWorkerExtension
@@ -54,4 +61,4 @@ def __getattr__(name: str) -> Any:
 
 __all__ = ["BACKEND", "EXTENSION", "AsyncLLMClient", "AsyncVllmWeightSync", "HttpVllmWeightSync",
            "HwsyncTrainerEngine", "HwsyncTrainerInitInfo", "HwsyncWorkerExtension", "LLMClient", "VllmWeightSync",
-           "auto_bucket_bytes", "register", "settle", "weights_and_manifest"]
+           "auto_bucket_bytes", "lora_request", "register", "settle", "weights_and_manifest"]

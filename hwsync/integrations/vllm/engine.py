@@ -6,7 +6,8 @@ plugin.py) and drives it through its weight-transfer API, whichever entry the tr
 
     init_weight_transfer_engine {endpoint, timeout_s, allow_partial}   the trainer's WeightSender
     start_weight_update                                                (nothing changes yet)
-    update_weights {weight_version}        one whole hwsync sync: receive, check, load, finalize
+    update_weights {weight_version, adapter}   one whole hwsync sync: receive, check, load, finalize
+                                           (adapter: the LoRA adapter the sync ends with, adapters.py)
     finish_weight_update(weight_version)   vLLM stamps the version on the engine's outputs
 
 Every value is a str, float, bool or None: msgpack and JSON carry them natively, so no pickle
@@ -28,6 +29,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
     WeightTransferUpdateInfo
 
 from hwsync.errors import HwsyncError
+from hwsync.integrations.vllm.adapters import AdapterSpec
 from hwsync.integrations.vllm.loading import Target, WorkerSync
 from hwsync.timing import DEFAULT_TIMEOUT_S
 
@@ -45,10 +47,12 @@ class HwsyncInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class HwsyncUpdateInfo(WeightTransferUpdateInfo):
-    """One sync: the vLLM weight version it becomes (the worker reports it), optionally a new endpoint."""
+    """One sync: the vLLM weight version it becomes (the worker reports it), optionally a new endpoint,
+    and the LoRA adapter whose tensors end the sync (AdapterSpec.to_dict()), if any."""
 
     weight_version: str | None = None
     endpoint: str | None = None
+    adapter: dict[str, Any] | None = None
 
 
 class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpdateInfo]):
@@ -74,12 +78,16 @@ class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpda
     def receive_weights(self, update_info: HwsyncUpdateInfo) -> None:
         """Receive one whole sync into the model (checked, loaded layerwise, finalized)."""
         init = self._require_init()
+        adapter = None if update_info.adapter is None else AdapterSpec.parse(update_info.adapter)
         self.worker.receive(update_info.endpoint or init.endpoint, self.target(),
                             timeout_s=float(init.timeout_s), allow_partial=bool(init.allow_partial),
-                            weight_version=update_info.weight_version)
+                            weight_version=update_info.weight_version, adapter=adapter)
 
     def finish_weight_update(self) -> None:
-        """Nothing left to do: update_weights finalized the reload (vLLM sets the version itself)."""
+        """Nothing left to do: update_weights finalized the reload (vLLM sets the version itself).
+
+        vLLM's worker then drops every LoRA adapter (`reset_lora_state`); hwsync's come back at once
+        (adapters.py wraps the manager's remove_all_adapters)."""
 
     def shutdown(self) -> None:
         """Drop the receiver: its socket and buffer mappings."""
@@ -91,7 +99,7 @@ class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpda
 
     def state(self) -> dict[str, Any]:
         """This worker's reported state (see WorkerSync.state)."""
-        return self.worker.state(self.model_config)
+        return self.worker.state(self.target())
 
     def _require_init(self) -> HwsyncInitInfo:
         if self._init is None:

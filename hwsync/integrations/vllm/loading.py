@@ -11,8 +11,13 @@ One sync, in order:
    serving (a sync broken midway is reported as `incomplete` until the next complete one), and
    heads tied to the embedding rebuild their kernels from it (kernels.py).
 
+A sync may also carry a LoRA adapter after the base tensors (adapters.py): it is checked with
+the manifest, copied out as it arrives, and installed once the base part is finalized.
+
 `WorkerSync` is one worker's side across syncs: its WeightReceiver, the checkpoint's manifest,
-and the state it reports (`state()`, the one place a worker says what it holds).
+and the state it reports (`state()`, the one place a worker says what it holds: the planner's
+EngineState, with `base_intact` from a fingerprint of the weights taken after every complete base
+sync and compared before each plan; the LoRA adapters it holds).
 vLLM is imported lazily: importing this module needs no vLLM.
 """
 
@@ -28,11 +33,14 @@ import torch
 
 from hwsync.colocated import WeightReceiver
 from hwsync.errors import ManifestError
+from hwsync.integrations.vllm.adapters import AdapterDelivery, AdapterSpec, EngineAdapters
 from hwsync.integrations.vllm.checkpoint import checkpoint_manifest
+from hwsync.integrations.vllm.fingerprint import Fingerprint
 from hwsync.integrations.vllm.kernels import prepare_tied_heads, reset_moe_kernels, restore_unbuilt_kernels, \
     tied_heads
 from hwsync.integrations.vllm.loader_check import check_announced
 from hwsync.manifest import TensorSpec
+from hwsync.planner import EngineState
 from hwsync.stats import SyncStats
 
 log = logging.getLogger("hwsync")
@@ -134,25 +142,41 @@ class LayerwiseReload:
 CheckFn = Callable[[list[TensorSpec]], frozenset[str]]
 
 
-def load_sync(receiver: WeightReceiver, target: Target, check: CheckFn, *, state: dict[str, Any]) -> SyncStats:
+def load_sync(receiver: WeightReceiver, target: Target, check: CheckFn, *, state: dict[str, Any],
+              adapter: AdapterDelivery | None = None, on_base: Callable[[], None] | None = None) -> SyncStats:
     """Receive one sync into `target`: `check` first (it returns names not to hand over), loaded
-    layerwise, finalized on every exit path."""
+    layerwise, finalized on every exit path; `adapter` takes the sync's trailing adapter tensors;
+    `on_base` is called when the first base weights are about to change."""
     skip: frozenset[str] | None = None
     reload = LayerwiseReload(target)
+    loaded_base = False
 
     def accept(announced: list[TensorSpec]) -> None:
         nonlocal skip
-        skip = check(announced)
+        base = adapter.accept(announced) if adapter is not None else announced
+        skip = check(base) if base or adapter is None else frozenset()  # an adapter-only sync loads no base
 
     def load(tensors: list[tuple[str, torch.Tensor]]) -> None:
+        nonlocal loaded_base
         if skip is None:
             # without a manifest a bad tensor would be found only after earlier layers changed
             raise ManifestError("the sender announced no manifest; pass manifest=manifest_from_module(model) "
                                 "(or manifest_from_tensors(...)) to WeightSender.send")
-        reload.load([(n, t) for n, t in tensors if n not in skip] if skip else tensors)
+        if adapter is not None:
+            tensors = adapter.take(tensors)
+        if tensors:
+            if not loaded_base and on_base is not None:
+                on_base()
+            loaded_base = True
+            reload.load([(n, t) for n, t in tensors if n not in skip] if skip else tensors)
+
+    def done() -> None:
+        reload.finalize()  # the base is whole before the adapter joins it
+        if adapter is not None:
+            adapter.install()
 
     try:
-        return receiver.receive(load, check_manifest=accept, state=state)
+        return receiver.receive(load, check_manifest=accept, state=state, on_done=done)
     finally:
         # on failure too: restores the layers no bucket reached and unwraps the loaders, so the
         # engine stays runnable (receiver.incomplete says its weights are a mix)
@@ -166,12 +190,20 @@ class WorkerSync:
         self.rank = rank
         self.receiver: WeightReceiver | None = None
         self.endpoint: str | None = None
+        #: hwsync's version of the last complete sync (kept when the trainer's sender changes)
+        self.version: int | None = None
         #: the vLLM weight version of the last complete sync, when the trainer said it (native API)
         self.weight_version: str | None = None
         #: the checkpoint manifest of each model a sync wrote into (the model, or a draft model)
         self._expected: dict[str, list[TensorSpec]] = {}
         #: accepted manifests and the names not to hand over: a trainer announces the same one every step
         self._accepted: dict[tuple[Any, ...], frozenset[str]] = {}
+        #: LoRA adapters delivered by hwsync, by name
+        self.adapters = EngineAdapters()
+        #: per model: the fingerprint of its base after the last complete sync that loaded base weights
+        self._fingerprints: dict[int, Fingerprint] = {}
+        #: per model: why its base is not what the last complete sync left, when a sync broke while loading it
+        self._broken: dict[int, str] = {}
 
     def connect(self, endpoint: str, timeout_s: float) -> WeightReceiver:
         """The receiver for `endpoint`: kept across syncs of one sender (its socket and mappings serve each)."""
@@ -192,22 +224,49 @@ class WorkerSync:
                                                         getattr(load_config, "download_dir", None))
         return self._expected[model]
 
-    def state(self, model_config: Any = None) -> dict[str, Any]:
-        """What this worker holds: rank, last complete version (hwsync's and vLLM's), whether a sync broke midway."""
+    def base_check(self, target: Target) -> tuple[bool, bool | None, str]:
+        """(has_base, base_intact, what was seen): the model's weights compared with its last complete sync."""
+        key = id(target.model)
+        if key in self._broken:
+            return True, False, self._broken[key]
+        if key not in self._fingerprints:
+            return False, None, "no base weights received through hwsync yet"
+        before = self._fingerprints[key]
+        changed = before.changed(Fingerprint.take(target.model))
+        seen = before.summary()
+        if changed:
+            return True, False, (f"{len(changed)} of {seen['tensors'] + seen['kernels']} observed entries "
+                                 f"({seen['tensors']} sampled tensors, {seen['kernels']} probed kernels) differ from "
+                                 f"the last complete sync, e.g. {changed[0]!r}")
+        return True, True, f"unchanged since the last complete sync ({seen['tensors']} tensors, {seen['kernels']} kernels)"
+
+    def state(self, target: Target | None = None) -> dict[str, Any]:
+        """What this worker holds: versions, whether a sync broke midway, and for a model the planner's
+        EngineState (checked, not assumed), the check's finding and the LoRA adapters."""
         receiver = self.receiver
+        version = self.version
         out: dict[str, Any] = {
             "rank": self.rank,
-            "version": None if receiver is None else receiver.version,
+            "version": version,
             "weight_version": self.weight_version,
             "incomplete": False if receiver is None else receiver.incomplete,
         }
-        if model_config is not None:
-            out["model"] = str(model_config.model)
+        if target is None:
+            return out
+        out["model"] = str(target.model_config.model)
+        has_base, intact, seen = self.base_check(target)
+        # sleep is not seen from here (vLLM's worker handles it); what a sleep did to the weights is,
+        # through the fingerprint: level 0 / not freed, with base_intact saying what is really there
+        out["engine"] = EngineState(sleep_level=0, weights_freed=False, has_base=has_base, version=version,
+                                    base_intact=intact).to_dict()
+        out["base_check"] = seen
+        out["lora"] = self.adapters.report(target.model, target.vllm_config)
         return out
 
     def receive(self, endpoint: str, target: Target, *, timeout_s: float, allow_partial: bool = False,
-                weight_version: str | None = None) -> dict[str, Any]:
-        """Receive one sync from `endpoint` into `target`; returns this worker's stats as a dict."""
+                weight_version: str | None = None, adapter: AdapterSpec | None = None) -> dict[str, Any]:
+        """Receive one sync from `endpoint` into `target` (its trailing tensors `adapter`'s, if given);
+        returns this worker's stats as a dict."""
         receiver = self.connect(endpoint, timeout_s)
 
         def check(announced: list[TensorSpec]) -> frozenset[str]:
@@ -219,10 +278,25 @@ class WorkerSync:
                                                       self.expected(target), announced, allow_partial=allow_partial)
             return self._accepted[key]
 
-        stats = load_sync(receiver, target, check, state=self.state(target.model_config))
-        self.weight_version = weight_version
+        delivery = None if adapter is None else AdapterDelivery(self.adapters, target.model, target.vllm_config,
+                                                                 adapter)
+        model, loading_base = id(target.model), []
+
+        def base_changes() -> None:  # from here until the sync completes, the base is a mix
+            loading_base.append(True)
+            self._broken[model] = "a sync broke while loading base weights: the model holds a mix of old and new"
+
+        stats = load_sync(receiver, target, check, state=self.state(target), adapter=delivery, on_base=base_changes)
+        if loading_base:  # what this sync left is the reference from now on
+            self._fingerprints[model] = Fingerprint.take(target.model)
+            self._broken.pop(model, None)
+        if adapter is not None:
+            self.adapters.held[adapter.name].version = stats.version
+        self.version, self.weight_version = stats.version, weight_version
         out = stats.to_dict()
         out["rank"] = self.rank
+        if adapter is not None:
+            out["adapter"] = {"name": adapter.name, "id": adapter.lora_id}
         return out
 
     def close(self) -> None:

@@ -6,7 +6,10 @@
     trainer.send_weights("step-3")                                       # AsyncLLMClient, vLLM's HTTP one
 
 The source is what a trainer holds, as VllmWeightSync takes it (sources.py): a vLLM
-WeightSource, an HF module (sent under its checkpoint's names), a state dict or pairs.
+WeightSource, an HF module (sent under its checkpoint's names), a state dict or pairs, or a
+planner TrainerModel: planned against the workers' reported state (base only when they lack it),
+an unmerged LoRA one (LoraTrainerModel) delivering its adapter, which outlives vLLM's
+`finish_weight_update` dropping every adapter (adapters.py).
 `send_weights` is one whole hwsync sync inside vLLM's update: `start_weight_update`, then
 `update_weights` on a thread (each worker's WeightReceiver blocks in it) while this thread's
 WeightSender sends, then `finish_weight_update(weight_version)`. Importing this module imports
@@ -25,7 +28,7 @@ from hwsync.colocated import WeightSender
 from hwsync.integrations.vllm.clients import engine_world_size, reset_prefix_cache
 from hwsync.integrations.vllm.engine import HwsyncInitInfo, HwsyncUpdateInfo
 from hwsync.integrations.vllm.plugin import BACKEND, register
-from hwsync.integrations.vllm.sources import weights_and_manifest
+from hwsync.integrations.vllm.sources import sync_parts
 from hwsync.integrations.vllm.trainer import auto_bucket_bytes, send_while
 from hwsync.stats import SyncStats
 from hwsync.timing import DEFAULT_TIMEOUT_S
@@ -96,7 +99,7 @@ class HwsyncTrainerEngine(TrainerWeightTransferEngine[HwsyncTrainerInitInfo]):
                              "workers; leave num_workers out to take the engine's")
         bucket = info.bucket_bytes
         if bucket is None:  # the largest tensor whole: it then reaches load_weights as a zero-copy view
-            bucket = auto_bucket_bytes(weights_and_manifest(self.source, None)[1] if self.source is not None else [])
+            bucket = auto_bucket_bytes(sync_parts(self.source).specs if self.source is not None else [])
         return WeightSender(info.endpoint, bucket_bytes=bucket, timeout_s=float(info.timeout_s),
                             num_receivers=info.num_workers or workers or 1)
 
@@ -110,18 +113,19 @@ class HwsyncTrainerEngine(TrainerWeightTransferEngine[HwsyncTrainerInitInfo]):
         source = self.source if source is None else source
         if source is None:
             raise ValueError("the hwsync trainer engine has no source: pass source= to trainer_init or send_weights")
-        tensors, manifest = weights_and_manifest(source, None)
+        parts = sync_parts(source)
         if not self.is_sender:
-            for _ in tensors:  # take part in the collectives materialising each tensor (FSDP full_tensor)
-                pass
+            if parts.manifest is not None:  # a TrainerModel is planned on rank 0 only
+                for _ in parts.source:  # take part in the collectives materialising each tensor (FSDP full_tensor)
+                    pass
             return None
         assert self.sender is not None, "trainer_init opens the sender"
         self._rounds += 1
         number = version if version is not None else _version_number(weight_version, self._rounds)
-        update = asdict(HwsyncUpdateInfo(weight_version=weight_version))
+        update = asdict(HwsyncUpdateInfo(weight_version=weight_version, adapter=parts.adapter))
         self.client.start_weight_update()
-        outcome = send_while(lambda: self.client.update_weights(update), self.sender, tensors, version=number,
-                             manifest=manifest, timeout_s=float(self.init_info.timeout_s))
+        outcome = send_while(lambda: self.client.update_weights(update), self.sender, parts.source, version=number,
+                             manifest=parts.manifest, timeout_s=float(self.init_info.timeout_s))
         if outcome.rpc_exc is None:  # vLLM's workers closed nothing after a failed update; after this one, close
             self.client.finish_weight_update(weight_version if outcome.send_exc is None else None)
         reset_prefix_cache(self.client)  # also after a failure: a sync that broke midway changed some layers

@@ -11,18 +11,24 @@ are all taken as they are:
 - any other module is sent once per storage: a parameter that is an exact alias of one already
   in the stream (a tied head) is dropped, since the engine ties it itself and would otherwise
   receive the same bytes twice; state dicts and lists of pairs go as the caller lists them.
+A planner `TrainerModel` goes to the sender as it is (`sync_parts`): the sender plans it against
+the engine's reported state and announces what the plan sends; an unmerged LoRA one must name
+its engine adapter (LoraTrainerModel), whose tensors then end the sync.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hwsync.integrations.hf import checkpoint_manifest_of, checkpoint_tensors, is_hf_model
+from hwsync.integrations.lora import LoraTrainerModel
 from hwsync.manifest import TensorSpec, dtype_name
+from hwsync.planner import SyncMode, TrainerModel
 from hwsync.source import with_manifest
 
 log = logging.getLogger("hwsync")
@@ -93,3 +99,38 @@ def weights_and_manifest(weights: Any, manifest: list[TensorSpec] | None) -> tup
     if isinstance(weights, Mapping):
         weights = list(weights.items())
     return with_manifest(weights, manifest, "the engine checks names, shapes and dtypes before loading")
+
+
+@dataclass
+class SyncParts:
+    """What one sync sends: a source (or a TrainerModel the sender plans), its manifest, the adapter it ends with."""
+
+    source: Any
+    #: None for a TrainerModel: the sender announces what its plan sends
+    manifest: list[TensorSpec] | None
+    #: every tensor the sync may carry (sizes the buckets)
+    specs: list[TensorSpec]
+    #: the LoRA adapter's spec for the engine (AdapterSpec.to_dict()), or None
+    adapter: dict[str, Any] | None = None
+
+
+def sync_parts(weights: Any, manifest: list[TensorSpec] | None = None) -> SyncParts:
+    """Normalise what a trainer passes: weights as weights_and_manifest takes them, or a TrainerModel."""
+    if not isinstance(weights, TrainerModel):
+        source, manifest = weights_and_manifest(weights, manifest)
+        return SyncParts(source, manifest, manifest)
+    if manifest is not None:
+        raise ValueError("a TrainerModel announces its own tensors: set base_manifest / adapters_manifest on it "
+                         "instead of passing manifest=")
+    model = weights
+    if model.base is not None and model.base_manifest is None:
+        raise ValueError("the engine checks names, shapes and dtypes before loading: give the TrainerModel "
+                         "base_manifest (e.g. hwsync.integrations.hf.checkpoint_manifest_of(model))")
+    adapter = None
+    if model.mode is SyncMode.LORA_UNMERGED:
+        if not isinstance(model, LoraTrainerModel):
+            raise ValueError("unmerged LoRA into vLLM needs the adapter's name, id and config: use LoraTrainerModel("
+                             "..., adapter=LoraAdapter(name, lora_id, config)) or hwsync.integrations.peft."
+                             "peft_trainer_model(peft_model, name=..., lora_id=...)")
+        adapter = model.adapter_spec()
+    return SyncParts(model, None, (model.base_manifest or []) + (model.adapters_manifest or []), adapter)

@@ -8,7 +8,10 @@ Trainer side, one object per engine, kept across steps (its sender's buffers are
     stats = sync.sync(model, version=step)        # HttpVllmWeightSync for `vllm serve`
 
 What `sync()` takes is normalised by sources.py (an HF module goes under its checkpoint's
-names, a vLLM WeightSource as it says). `sync()` starts `hwsync_receive` on every worker
+names, a vLLM WeightSource as it says). A planner `TrainerModel` is planned by the sender
+against each worker's reported state (the base only when the engine lacks it; the plan and its
+reason in `stats.notes["plan"]`); an unmerged LoRA one (`LoraTrainerModel`, e.g. from
+hwsync.integrations.peft) delivers its adapter from memory, served to `lora_request(adapter)`. `sync()` starts `hwsync_receive` on every worker
 through `collective_rpc` (on a thread, since it blocks), drives the WeightSender meanwhile,
 resets the engine's prefix cache (cached KV blocks were computed with the old weights) and
 returns the sender's SyncStats. A refused or failed sync raises with the engine's own message.
@@ -29,8 +32,10 @@ import torch
 from hwsync.colocated import WeightSender
 from hwsync.devices import start_on_this_device
 from hwsync.errors import HwsyncError, ManifestError, ProtocolError, RemoteError, SyncError, SyncTimeout
-from hwsync.integrations.vllm.sources import Weights, weights_and_manifest
+from hwsync.integrations.lora import LoraAdapter
+from hwsync.integrations.vllm.sources import SyncParts, Weights, sync_parts
 from hwsync.manifest import TensorSpec
+from hwsync.planner import TrainerModel
 from hwsync.stats import SyncStats
 from hwsync.timing import DEFAULT_TIMEOUT_S, RPC_GRACE_S
 
@@ -80,8 +85,15 @@ class Outcome:
         return settle(self.stats, self.send_exc, self.results, self.rpc_exc)
 
 
-def send_while(rpc: Callable[[], Any], sender: WeightSender, source: Iterable[tuple[str, torch.Tensor]], *,
-               version: int, manifest: list[TensorSpec], timeout_s: float) -> Outcome:
+def lora_request(adapter: LoraAdapter) -> Any:
+    """vLLM's LoRARequest for an adapter hwsync delivered (its path is never read)."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(adapter.name, adapter.lora_id, adapter.path)
+
+
+def send_while(rpc: Callable[[], Any], sender: WeightSender, source: Iterable[tuple[str, torch.Tensor]] | TrainerModel,
+               *, version: int, manifest: list[TensorSpec] | None, timeout_s: float) -> Outcome:
     """Run the engine's receiving RPC on a thread (it blocks until the sync is loaded) while this thread sends."""
     outcome: dict[str, Any] = {}
 
@@ -128,15 +140,15 @@ class _EngineSync:
                                        timeout_s=self.timeout_s, num_receivers=self.num_workers)
         return self.sender
 
-    def _receive_args(self) -> tuple[Any, ...]:
+    def _receive_args(self, parts: SyncParts) -> tuple[Any, ...]:
         assert self.sender is not None
-        return (self.sender.endpoint, self.timeout_s, self.allow_partial)
+        return (self.sender.endpoint, self.timeout_s, self.allow_partial, parts.adapter)
 
-    def _drive(self, rpc: Callable[[], Any], reset_prefix_cache: Callable[[], Any],
-               source: Iterable[tuple[str, torch.Tensor]], version: int, manifest: list[TensorSpec]) -> SyncStats:
+    def _drive(self, rpc: Callable[[], Any], reset_prefix_cache: Callable[[], Any], parts: SyncParts,
+               version: int) -> SyncStats:
         """Run the engine's receive RPC on a thread (it blocks) while this thread sends."""
-        outcome = send_while(rpc, self._session(manifest), source, version=version, manifest=manifest,
-                             timeout_s=self.timeout_s)
+        outcome = send_while(rpc, self._session(parts.specs), parts.source, version=version,
+                             manifest=parts.manifest, timeout_s=self.timeout_s)
         reset_prefix_cache()  # also after a failure: a sync that broke midway changed some layers
         self.engine_stats = outcome.results or []
         return outcome.result()
@@ -171,14 +183,15 @@ class VllmWeightSync(_EngineSync):
         super().__init__(len(workers), sender, timeout_s, bucket_bytes, allow_partial)
 
     def status(self) -> list[dict[str, Any]]:
-        """Each worker's rank, last complete version and whether an update broke midway."""
+        """What each worker holds (checked): versions, EngineState (`"engine"`), LoRA adapters (`"lora"`)."""
         return self.llm.collective_rpc("hwsync_status")
 
-    def sync(self, weights: Weights, *, version: int, manifest: list[TensorSpec] | None = None) -> SyncStats:
-        """Push `weights` (module, state dict, (name, tensor) pairs, vLLM WeightSource) as `version`; raises on failure."""
-        source, manifest = weights_and_manifest(weights, manifest)
-        return self._drive(lambda: self.llm.collective_rpc("hwsync_receive", args=self._receive_args()),
-                           self.llm.reset_prefix_cache, source, version, manifest)
+    def sync(self, weights: Weights | TrainerModel, *, version: int,
+             manifest: list[TensorSpec] | None = None) -> SyncStats:
+        """Push `weights` (module, state dict, pairs, vLLM WeightSource, or a TrainerModel to plan) as `version`."""
+        parts = sync_parts(weights, manifest)
+        return self._drive(lambda: self.llm.collective_rpc("hwsync_receive", args=self._receive_args(parts)),
+                           self.llm.reset_prefix_cache, parts, version)
 
 
 class AsyncVllmWeightSync(_EngineSync):
@@ -200,14 +213,15 @@ class AsyncVllmWeightSync(_EngineSync):
         return cls(engine, len(workers), sender=sender, timeout_s=timeout_s, bucket_bytes=bucket_bytes,
                    allow_partial=allow_partial)
 
-    async def sync(self, weights: Weights, *, version: int, manifest: list[TensorSpec] | None = None) -> SyncStats:
-        """Push `weights` as `version` while the event loop keeps serving; raises on failure."""
-        source, manifest = weights_and_manifest(weights, manifest)
-        sender = self._session(manifest)
-        rpc = asyncio.ensure_future(self.engine.collective_rpc("hwsync_receive", args=self._receive_args()))
+    async def sync(self, weights: Weights | TrainerModel, *, version: int,
+                   manifest: list[TensorSpec] | None = None) -> SyncStats:
+        """Push `weights` (or a TrainerModel to plan) as `version` while the event loop keeps serving."""
+        parts = sync_parts(weights, manifest)
+        sender = self._session(parts.specs)
+        rpc = asyncio.ensure_future(self.engine.collective_rpc("hwsync_receive", args=self._receive_args(parts)))
         stats = send_exc = rpc_exc = results = None
         try:
-            stats = await asyncio.to_thread(sender.send, source, version=version, manifest=manifest)
+            stats = await asyncio.to_thread(sender.send, parts.source, version=version, manifest=parts.manifest)
         except Exception as exc:  # the trainer's source too: the engine's side is still awaited
             send_exc = exc
         try:
@@ -239,11 +253,13 @@ class HttpVllmWeightSync(_EngineSync):
             text = response.read()
         return json.loads(text) if text else None
 
-    def sync(self, weights: Weights, *, version: int, manifest: list[TensorSpec] | None = None) -> SyncStats:
-        """Push `weights` as `version` over the server's /collective_rpc; raises on failure."""
-        source, manifest = weights_and_manifest(weights, manifest)
-        self._session(manifest)
-        # the route passes arguments as strings; hwsync_receive converts them back
-        body = {"method": "hwsync_receive", "args": [str(a) for a in self._receive_args()]}
+    def sync(self, weights: Weights | TrainerModel, *, version: int,
+             manifest: list[TensorSpec] | None = None) -> SyncStats:
+        """Push `weights` (or a TrainerModel to plan) as `version` over the server's /collective_rpc."""
+        parts = sync_parts(weights, manifest)
+        self._session(parts.specs)
+        # the route passes arguments as strings; hwsync_receive converts them back (the adapter from JSON)
+        body = {"method": "hwsync_receive",
+                "args": [json.dumps(a) if isinstance(a, dict) else str(a) for a in self._receive_args(parts)]}
         return self._drive(lambda: self._post("/collective_rpc", body, self.timeout_s + RPC_GRACE_S)["results"],
-                           lambda: self._post("/reset_prefix_cache", None, self.timeout_s), source, version, manifest)
+                           lambda: self._post("/reset_prefix_cache", None, self.timeout_s), parts, version)

@@ -13,8 +13,10 @@ reload, finalize on every exit path) is loading.py's, shared with the native `hw
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from hwsync.integrations.vllm.adapters import AdapterSpec
 from hwsync.integrations.vllm.loading import Target, WorkerSync
 from hwsync.timing import DEFAULT_TIMEOUT_S
 
@@ -38,16 +40,21 @@ class HwsyncWorkerExtension:
         return Target(runner.model, runner.model_config, getattr(self, "vllm_config", None))
 
     def hwsync_status(self) -> dict[str, Any]:
-        """This worker's rank, last complete version and whether an update broke midway."""
-        return self._hwsync_worker().state(self.model_runner.model_config)  # type: ignore[attr-defined]
+        """What this worker holds (WorkerSync.state): versions, the checked EngineState, LoRA adapters."""
+        return self._hwsync_worker().state(self._hwsync_target())
 
     def hwsync_receive(self, endpoint: str, timeout_s: float | str = DEFAULT_TIMEOUT_S,
-                       allow_partial: bool | str = False) -> dict[str, Any]:
-        """Receive one sync from `endpoint` into the model; returns this worker's stats as a dict."""
-        # strings too: vLLM's HTTP /collective_rpc route passes every argument as a string
+                       allow_partial: bool | str = False, adapter: dict[str, Any] | str | None = None
+                       ) -> dict[str, Any]:
+        """Receive one sync from `endpoint` into the model (its trailing tensors `adapter`'s LoRA, if
+        given); returns this worker's stats as a dict."""
+        # strings too: vLLM's HTTP /collective_rpc route passes every argument as a string (JSON for adapter)
         partial = allow_partial in (True, "1", "true", "True")
+        if isinstance(adapter, str):
+            adapter = json.loads(adapter) if adapter not in ("", "None", "null") else None
+        spec = None if adapter is None else AdapterSpec.parse(adapter)
         return self._hwsync_worker().receive(endpoint, self._hwsync_target(), timeout_s=float(timeout_s),
-                                             allow_partial=partial)
+                                             allow_partial=partial, adapter=spec)
 
     def hwsync_close(self) -> None:
         """Drop the receiver (its socket and buffer mappings); the next receive reconnects."""
