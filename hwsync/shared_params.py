@@ -24,7 +24,7 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -168,8 +168,9 @@ class SharedParameters:
     while offloaded). close() moves the tensors back into private memory.
     """
 
-    def __init__(self, module: torch.nn.Module, *, include_buffers: bool = True,
-                 segment_bytes: int = DEFAULT_SEGMENT_BYTES, pin: bool = True) -> None:
+    def __init__(self, module: torch.nn.Module, *, device: torch.device | str | None = None,
+                 include_buffers: bool = True, segment_bytes: int = DEFAULT_SEGMENT_BYTES, pin: bool = True) -> None:
+        """`device`: where onload() puts the tensors (default: the device they are on now)."""
         from hwsync.registry import get_backend
 
         self.module = module
@@ -182,15 +183,17 @@ class SharedParameters:
             raise ValueError(f"the module's tensors are on several devices {sorted(map(str, devices))}; "
                              "move it to one device (or the CPU) before sharing it")
         #: where onload() puts the tensors: the device they were on, or the CPU (then onload does nothing)
-        self.home = devices.pop() if devices else torch.device("cpu")
+        self.home = torch.device(device) if device is not None else next(iter(devices)) if devices else torch.device("cpu")
+        if self.home.type == self._device_api.torch_type and self.home.index is None:
+            self.home = self._device_api.torch_device()
         self.shared = SharedTensors(owners, segment_bytes=segment_bytes, device=self._device_api, pin=pin)
-        if self.home.type != "cpu":
+        if any(d.type != "cpu" for d in devices | {self.home}):
             self._device_api.synchronize()
         self._owners = owners
         self.onloaded = False
         self._rebind(lambda name, tensor: self.shared.tensors[name])
 
-    def _rebind(self, new: "callable") -> None:
+    def _rebind(self, new: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
         done: set[int] = set()
         for name, tensor in self._owners:
             if id(tensor) not in done:  # a tied Parameter is listed under each name: move it once
