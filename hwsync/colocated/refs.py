@@ -7,14 +7,20 @@ straight `into` the caller's destinations (one memmove on the host, one host-to-
 an accelerator) or to `load` as views of the shared memory, valid during that call only. The
 sender's trainer leaves the memory alone until this receiver's Complete, so every copy and
 every queued device read finishes (`finish`) before Complete is sent.
+
+Host-to-host copies of a batch are memmoves on the data pointers, spread over `copy_threads`
+threads (2 by default): during a one-copy sync the sender has nothing to do, so the receiver may
+use the core the packed path would have spent packing (ctypes releases the GIL for memmove).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -31,13 +37,39 @@ log = logging.getLogger("hwsync")
 
 #: the receiver's load callback (hwsync.colocated.receiver.LoadFn)
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
+#: threads copying a batch of host tensors (see the module doc)
+COPY_THREADS = 2
+#: a batch smaller than this is copied by the calling thread alone
+_PARALLEL_BYTES = 32 << 20
+
+
+def _memmove_all(jobs: list[tuple[int, int, int]]) -> None:
+    for dst, src, nbytes in jobs:
+        ctypes.memmove(dst, src, nbytes)
+
+
+def split_copies(jobs: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
+    """(dst, src, nbytes) copies cut into `parts` lists of about equal bytes, cutting a copy only at a boundary."""
+    total = sum(n for _, _, n in jobs)
+    share, out, current, room = -(-total // parts), [], [], -(-total // parts)
+    for dst, src, nbytes in jobs:
+        while nbytes:
+            take = min(nbytes, room)
+            current.append((dst, src, take))
+            dst, src, nbytes, room = dst + take, src + take, nbytes - take, room - take
+            if not room:
+                out.append(current)
+                current, room = [], share
+    return out + ([current] if current else [])
 
 
 class SharedReader:
     """The sender's shared segments as this receiver maps them, and the copies out of them."""
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device, copy_threads: int = COPY_THREADS) -> None:
         self.device = device
+        self.copy_threads = max(1, copy_threads)
+        self._pool: ThreadPoolExecutor | None = None
         self._mapped: dict[str, SharedSegment] = {}
         self._pinned: dict[str, torch.Tensor] = {}
         #: devices this sync's copies were queued on (synchronized by finish())
@@ -72,20 +104,34 @@ class SharedReader:
         """Copy every referenced tensor `into` names; the others as views of shared memory, for `load`."""
         segments = [self._segment(spec, sender_pid).tensor for spec in frame.segments]
         out: list[tuple[str, torch.Tensor]] = []
+        host_copies: list[tuple[int, int, int]] = []  # (dst, src, nbytes) on data pointers
         for ref in frame.refs:
             dtype = dtype_from_name(ref.dtype)
             source = segments[ref.segment]
             dest = None if into is None else checked_destination(ref.name, dtype, ref.shape,
                                                                  into(ref.name, dtype, ref.shape))
-            if dest is not None:
-                copy_bytes(dest, 0, source, ref.offset, ref.nbytes)
-                if dest.device.type != "cpu":
-                    self._queued.add(dest.device)
+            if dest is not None and dest.device.type == "cpu":
+                if ref.nbytes:
+                    host_copies.append((dest.data_ptr(), source.data_ptr() + ref.offset, ref.nbytes))
+            elif dest is not None:
+                copy_bytes(dest, 0, source, ref.offset, ref.nbytes)  # queued on the device
+                self._queued.add(dest.device)
             elif ref.nbytes:
                 out.append((ref.name, source[ref.offset: ref.offset + ref.nbytes].view(dtype).view(ref.shape)))
             else:
                 out.append((ref.name, torch.empty(ref.shape, dtype=dtype)))
+        self._copy(host_copies)
         return out
+
+    def _copy(self, jobs: list[tuple[int, int, int]]) -> None:
+        """Run host memmoves, over the copy threads when the batch is large."""
+        if self.copy_threads == 1 or sum(n for _, _, n in jobs) < _PARALLEL_BYTES:
+            _memmove_all(jobs)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="hwsync-copy")
+        for done in [self._pool.submit(_memmove_all, part) for part in split_copies(jobs, self.copy_threads)]:
+            done.result()
 
     def receive(self, frame: Refs, sender_pid: int | None, load: LoadFn | None, into: IntoFn | None,
                 stats: SyncStats) -> bool:
@@ -120,6 +166,9 @@ class SharedReader:
 
     def close(self, dead_sender: int | None = None) -> None:
         """Unmap everything; with `dead_sender` (a pid that exited), also unlink its segments it left behind."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         for name in list(self._mapped):
             self._unmap(name)
             if dead_sender is not None and name.startswith(f"hwsync-{dead_sender}-params-"):
