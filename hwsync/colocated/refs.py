@@ -169,6 +169,10 @@ class SharedReader:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        try:  # a failed sync may have device copies from the mappings still queued: never unmap under them
+            self.finish(False)
+        except Exception as exc:
+            log.warning("hwsync: waiting for device copies before unmapping shared segments failed: %s", exc)
         for name in list(self._mapped):
             self._unmap(name)
             if dead_sender is not None and name.startswith(f"hwsync-{dead_sender}-params-"):
