@@ -1,7 +1,8 @@
 """`hwsync bench transfer`: GB/s process to process, hwsync against stop-and-wait and memory copy.
 
-One run measures three things on the same synthetic state dict and bucket size: hwsync's
-WeightSender into a spawned WeightReceiver process (several syncs on one session), a
+One run measures on the same synthetic state dict and bucket size: hwsync's WeightSender into
+a spawned WeightReceiver process (several syncs on one session), the same tensors synced from
+hwsync's shared memory by reference (one copy per byte; `--source packed` skips it), a
 single-buffer stop-and-wait sender (stop_and_wait.py: pack one bucket, send a frame, wait
 for the ack: what peers ship), the device's copy bandwidth (single-thread on the host), and two
 such copies in two processes at once (half their sum bounds any pipeline that copies each byte
@@ -21,14 +22,13 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import zmq
 
 from hwsync.cli.bench.stop_and_wait import StopAndWait, await_reply, pack
-from hwsync.cli.bench.transfer_parts import Named, Spec, _receiver_main, bench_device, build, concurrent_copy_gbps, \
+from hwsync.cli.bench.transfer_parts import Spec, _receiver_main, bench_device, build, concurrent_copy_gbps, \
     copy_gbps
 from hwsync.control import private_ipc_dir, remove_ipc_dir
 from hwsync.manifest import dtype_name
