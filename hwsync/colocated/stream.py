@@ -14,7 +14,6 @@ REFS_BATCH_BYTES of tensors or REFS_BATCH_WIRE_BYTES of frame, and at the end of
 from __future__ import annotations
 
 import time
-
 from collections.abc import Callable
 
 import torch
