@@ -30,6 +30,7 @@ from hwsync.memory import (
 from hwsync.offload import OnloadStats, onload
 from hwsync.planner import EngineState, SendSet, SyncMode, SyncPlan, TrainerModel, plan_for_engines, plan_sync
 from hwsync.registry import get_backend, select_backend
+from hwsync.shared_params import SharedParameters, SharedTensors, share_parameters
 from hwsync.stats import SyncStats
 from hwsync.colocated import WeightReceiver, WeightSender  # noqa: I001 - the paths build on the core above
 from hwsync.disaggregated import CollectiveReceiver, CollectiveSender, LocalForwarder
@@ -43,5 +44,5 @@ __all__ = [
     "select_backend", "BalanceResult", "BucketChoice", "MemoryImbalanceError", "MemoryReport", "check_balance",
     "choose_bucket_bytes", "memory_report", "OnloadStats", "onload", "EngineState", "SendSet", "SyncMode", "SyncPlan",
     "TrainerModel", "plan_for_engines", "plan_sync", "SourceError", "CollectiveReceiver", "CollectiveSender",
-    "LocalForwarder",
+    "LocalForwarder", "SharedParameters", "SharedTensors", "share_parameters",
 ]

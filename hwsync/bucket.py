@@ -46,6 +46,21 @@ def copy_bytes(dst: torch.Tensor, dst_offset: int, src: torch.Tensor, src_offset
         dst[dst_offset : dst_offset + nbytes].copy_(src[src_offset : src_offset + nbytes])
 
 
+def checked_destination(name: str, dtype: torch.dtype, shape: tuple[int, ...], dest: torch.Tensor | None
+                        ) -> torch.Tensor | None:
+    """What into(name) returned as flat bytes, or None; ValueError naming the tensor unless it matches."""
+    if dest is None:
+        return None
+    if dest.dtype != dtype or tuple(dest.shape) != shape:
+        raise ValueError(f"into({name!r}) gave a {dest.dtype} tensor of shape {tuple(dest.shape)}, "
+                         f"but the sender sent {dtype} of shape {shape}; return a matching tensor "
+                         "or None to get this one through load")
+    if not dest.is_contiguous():
+        raise ValueError(f"into({name!r}) gave a non-contiguous tensor; return a contiguous one "
+                         "or None to get this one through load")
+    return dest.detach().reshape(-1).view(torch.uint8)
+
+
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of the tensor's data (a contiguous copy first if it is strided)."""
     if hasattr(tensor, "full_tensor"):  # a DTensor: materialise the global tensor, one at a time
@@ -181,17 +196,7 @@ class BucketReader:
     def _destination(self, e: Entry, dtype: torch.dtype, into: IntoFn) -> torch.Tensor | None:
         """The caller's tensor for this entry as flat bytes (asked once per tensor), or None."""
         if e.chunk_offset == 0:
-            dest = into(e.name, dtype, e.shape)
-            if dest is not None:
-                if dest.dtype != dtype or tuple(dest.shape) != e.shape:
-                    raise ValueError(f"into({e.name!r}) gave a {dest.dtype} tensor of shape {tuple(dest.shape)}, "
-                                     f"but the sender sent {dtype} of shape {e.shape}; return a matching tensor "
-                                     "or None to get this one through load")
-                if not dest.is_contiguous():
-                    raise ValueError(f"into({e.name!r}) gave a non-contiguous tensor; return a contiguous one "
-                                     "or None to get this one through load")
-                dest = dest.detach().reshape(-1).view(torch.uint8)
-            self._into[e.name] = dest
+            self._into[e.name] = checked_destination(e.name, dtype, e.shape, into(e.name, dtype, e.shape))
         return self._into.get(e.name)
 
     def pending(self) -> list[str]:

@@ -79,6 +79,13 @@ class Device(ABC):
     def physical_id(self, index: int | None = None) -> str:
         """Stable identity of a device (uuid or physical index) valid across processes."""
 
+    def pin_host_memory(self, tensor: torch.Tensor) -> bool:
+        """Page-lock a host tensor's memory for fast device copies; False where the backend cannot (the default)."""
+        return False
+
+    def unpin_host_memory(self, tensor: torch.Tensor) -> None:
+        """Undo pin_host_memory (call only after it returned True)."""
+
     def torch_device(self, index: int | None = None) -> torch.device:
         """The torch.device for `index` (the current device when None)."""
         if self.torch_type == "cpu":

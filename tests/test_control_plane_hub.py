@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 from hwsync import CollectiveSender, ProtocolError
 from hwsync.control import Endpoint
-from hwsync.protocol import Error, Joined, PlanAccept, Pong, Progress, RankComplete, RankReady, Sent, encode
+from hwsync.protocol import PROTOCOL_VERSION, Error, Joined, PlanAccept, Pong, Progress, RankComplete, RankReady, Sent, encode
 from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES
 
 import control_procs
@@ -147,7 +147,7 @@ def test_a_silent_stranger_on_the_hub_is_ignored(hub, caplog, log_every_drop):
 
 @pytest.mark.parametrize("misfit,reason", [
     ({"rank": 3}, "receiver 3 .* has no place in this sync"),
-    ({"proto": 99}, "speaks hwsync protocol 99 and this hub speaks 4"),
+    ({"proto": 99}, f"speaks hwsync protocol 99 and this hub speaks {PROTOCOL_VERSION}"),
     ({"toy": True}, "runs backend 'toy' and sender 0 runs 'cpu'"),
 ], ids=["rank beyond num_receivers", "other protocol", "other backend"])
 def test_a_rank_the_hub_cannot_serve_is_told_why_at_once(hub, misfit, reason):

@@ -21,7 +21,10 @@ from hwsync.protocol import (
     Offer,
     PlanFrame,
     Ready,
+    Ref,
+    Refs,
     Release,
+    SegmentSpec,
     decode,
     encode,
 )
@@ -30,7 +33,9 @@ ENTRY = Entry("w", "float32", (2, 3), 0, 0, 24, 24)
 OFFER = Offer(sync=1, proto=3, backend="cpu", transport="shm", handles={"kind": "shm", "names": ["a"]},
               bucket_bytes=4096, num_buffers=2, version=7, pid=1, host="h",
               manifest=[TensorSpec("w", "float32", (2, 3))], tensors=1, total_bytes=24, first=0, doorbell=None,
-              rank=0)
+              rank=0, segments=[])
+SEGMENT = SegmentSpec("hwsync-12-params-ab", 4096)
+REF = Ref("w", "float32", (2, 3), 0, 256, 24)
 
 
 def _example(cls):
@@ -39,7 +44,11 @@ def _example(cls):
     kwargs = {}
     for f in dataclasses.fields(cls):
         kind = str(f.type)
-        if "Entry" in kind:
+        if "SegmentSpec" in kind:
+            kwargs[f.name] = [SEGMENT]
+        elif "Ref" in kind:
+            kwargs[f.name] = [REF]
+        elif "Entry" in kind:
             kwargs[f.name] = [ENTRY]
         elif "BucketSpec" in kind:
             kwargs[f.name] = [BucketSpec(0, 24, (ENTRY,))]
@@ -129,3 +138,26 @@ def test_ready_and_error_keep_their_fields():
     assert decode(encode(ready), TO_SENDER) == ready
     error = Error(sync=None, kind="load", message="boom")
     assert decode(encode(error), TO_HUB) == error
+
+
+@pytest.mark.parametrize("segments,refs,match", [
+    ([["hwsync-12-params-ab", 4096]], [["w", "float32", [2, 3], 0, 4096 - 16, 24]], "multiples of 256"),
+    ([["hwsync-12-params-ab", 4096]], [["w", "float32", [2, 3], 0, 4096, 24]], "past the 4096 bytes"),
+    ([["hwsync-12-params-ab", 4096]], [["w", "float32", [2, 3], 1, 0, 24]], "segment #1 of 1"),
+    ([["hwsync-12-params-ab", 4096]], [["w", "float32", [2, 3], 0, 0, 25]], "do not fit float32"),
+    ([["hwsync-12-params-ab", 4096]], [["w", "float32", [2, 3], 0, -256, 24]], "non-negative int"),
+    ([["../etc/passwd", 4096]], [], "not an hwsync parameter segment"),
+    ([["hwsync-12-abc", 4096]], [], "not an hwsync parameter segment"),
+    ([["hwsync-12-params-ab/x", 4096]], [], "not an hwsync parameter segment"),
+    ([["hwsync-12-params-ab", -1]], [], "non-negative int"),
+    ([["hwsync-12-params-ab", 4096], ["hwsync-13-params-ab", 4096]], [], "several processes"),
+])
+def test_shared_tensor_references_are_checked(segments, refs, match):
+    with pytest.raises(BadFrame, match=match):
+        decode(_raw(t="refs", sync=1, segments=segments, refs=refs), TO_RECEIVER)
+
+
+def test_refs_come_back_as_refs():
+    frame = Refs(sync=3, segments=[SEGMENT], refs=[REF])
+    back = decode(encode(frame), TO_RECEIVER)
+    assert back == frame and back.segments[0].pid == 12 and back.refs[0].shape == (2, 3)

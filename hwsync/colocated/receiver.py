@@ -5,7 +5,9 @@ or frames), so nothing has to be configured alike on both sides. `load` sees com
 once per bucket; whole tensors are zero-copy views of the shared buffer, valid during the call
 only, and tensors reassembled from chunks are valid until the next sync (their memory is
 reused). `into` names the caller's own tensors to copy straight into, chunk by chunk: the
-fastest way for a receiver that owns preallocated destinations.
+fastest way for a receiver that owns preallocated destinations. Tensors the sender keeps in
+shared parameter memory arrive as references (refs.py): copied once, straight `into` their
+destination, or handed to `load` as views of that memory, valid during the call only.
 A failure is reported to the sender as an error frame carrying the message, and leaves the
 receiver marked as holding an incomplete update until the next complete sync. A sender that
 exits or closes is noticed at once, between syncs too: the connection's monitor sees it go
@@ -29,6 +31,7 @@ import zmq
 
 from hwsync.bucket import BucketReader, IntoFn
 from hwsync.colocated.doorbell import Doorbell, doorbell_supported, spin_wait
+from hwsync.colocated.refs import SharedReader
 from hwsync.control import Endpoint, Lifetime, peer_alive, raise_if_exited, receive_frame, remove_ipc_dir
 from hwsync.devices import synchronize_for
 from hwsync.errors import ProtocolError, RemoteError, SyncError
@@ -36,7 +39,7 @@ from hwsync.interfaces import Backend, Handles, ReceiveBuffers
 from hwsync.manifest import TensorSpec
 from hwsync.memory import local_memory
 from hwsync.protocol import PROTOCOL_VERSION, TO_RECEIVER, Abort, Accept, BadFrame, Bucket, Complete, Done, Error, \
-    Frame, Gone, Offer, Ready, Refused, Release, Welcome, decode, encode, peek
+    Frame, Gone, Offer, Ready, Refs, Refused, Release, Welcome, decode, encode, peek
 from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES, check_size, cut
 from hwsync.registry import get_backend
 from hwsync.sockets import ConnectionWatch, connect_control
@@ -66,8 +69,10 @@ class WeightReceiver:
         self._buffers: ReceiveBuffers | None = None
         self._handles: Handles | None = None
         self._doorbell: Doorbell | None = None
-        #: the sender's Done frame, when it arrived while reading from the doorbell
+        #: the sender's Done frame, and Refs frames, that arrived while reading from the doorbell
         self._done: Done | None = None
+        self._refs: list[Refs] = []
+        self._shared: SharedReader | None = None
         #: last version received completely, or None
         self.version: int | None = None
         #: True when a sync broke after some bucket was loaded: the model holds a mix
@@ -110,9 +115,8 @@ class WeightReceiver:
                  check_manifest: Callable[[list[TensorSpec]], None] | None, state: dict[str, Any] | None
                  ) -> SyncStats:
         start = time.perf_counter()
-        stats = SyncStats()
-        sync = None
-        self._done = None
+        stats, sync = SyncStats(), None
+        self._done, self._refs = None, []
         try:
             self._connect()
             self._send(Ready(token=self._endpoint.token, proto=PROTOCOL_VERSION, pid=os.getpid(),
@@ -170,6 +174,9 @@ class WeightReceiver:
             self._close_doorbell()  # frames this time, or another doorbell: unmap the old one
         if bell and self._doorbell is None:
             self._doorbell = Doorbell.attach(bell)
+        if self._shared is None:
+            self._shared = SharedReader(self.backend.device())
+        self._shared.retain(offer.segments)  # unmap what the sender no longer has
         if offer.manifest is not None and check_manifest is not None:
             check_manifest(offer.manifest)
         stats.version = offer.version
@@ -183,18 +190,25 @@ class WeightReceiver:
         sync, reader, seq, rank = offer.sync, self._reader, offer.first, offer.rank
         bell = self._doorbell if offer.doorbell else None
         reader.begin(self.backend.device().torch_device())  # reassemble on this receiver's own device
+        views, shared = False, self._shared  # views: whether load was handed the sender's shared memory
+        assert shared is not None
         while True:
             what = f"waiting for bucket {stats.buckets}"
             if self._lifetime.signal.is_set():  # close() from another thread: checked per bucket, the waits check too
                 self._lifetime.signal.check(what)
             if bell is None:
-                frame = self._await((Bucket, Done), sync, what, stats)
+                frame = self._await((Bucket, Done, Refs), sync, what, stats)
             else:
                 frame = self._ring_next(bell, seq, sync, what, stats)
             if isinstance(frame, Done):
                 if reader.pending():
                     raise SyncError(f"the sync ended with tensors incomplete: {reader.pending()[:5]}")
+                shared.finish(views)  # queued device reads of shared memory end before our Complete
                 return
+            if isinstance(frame, Refs):
+                self.incomplete = True
+                views = shared.receive(frame, offer.pid, load, into, stats) or views
+                continue
             assert isinstance(frame, Bucket)
             if frame.sync != sync or frame.seq != seq:
                 raise ProtocolError(f"bucket {seq} of sync {sync} was announced as {frame.seq} of sync "
@@ -226,15 +240,17 @@ class WeightReceiver:
             seq += 1
 
     def _ring_next(self, bell: Doorbell, seq: int, sync: int, what: str, stats: SyncStats) -> Frame:
-        """The next bucket's descriptor from the doorbell, or the sender's Done frame."""
+        """The next bucket's descriptor from the doorbell, a Refs frame, or the sender's Done frame."""
         t0 = time.perf_counter()
         try:
             while True:
                 if bell.posted > seq:
                     return decode(bell.read(seq), {Bucket.T: Bucket})
+                if self._refs:  # each came before Done on the socket
+                    return self._refs.pop(0)
                 if self._done is not None:  # "done" follows the last post: nothing more will come
                     return self._done
-                spin_wait(lambda: bell.posted > seq or self._done is not None,
+                spin_wait(lambda: bell.posted > seq or self._done is not None or bool(self._refs),
                           lambda: self._poll_sender(sync, what), timeout_s=self.timeout_s, what=what,
                           endpoint=str(self._endpoint.address))
         finally:
@@ -252,6 +268,8 @@ class WeightReceiver:
                 raise RemoteError(f"sender aborted the sync: {frame.message}")
             if isinstance(frame, Done):
                 self._done = frame
+            if isinstance(frame, Refs):
+                self._refs.append(frame)
         self._watch.check(what)  # after the frames: an abort sent just before the sender closed comes first
         raise_if_exited([self._sender], what=what, endpoint=str(self._endpoint.address))
 
@@ -329,9 +347,11 @@ class WeightReceiver:
             except (zmq.ZMQError, ProtocolError):
                 pass
         log.warning("hwsync receive failed: %s", exc)
-        if self._sender[0] and not peer_alive(*self._sender):
-            # the sender died without cleaning up: its private ipc directory is ours to remove
+        dead = self._sender[0] is not None and not peer_alive(*self._sender)
+        if dead:  # the sender died without cleaning up: its private ipc directory is ours to remove
             remove_ipc_dir(self._endpoint.address)
+        if self._shared is not None:  # unmapped, and a dead sender's segments unlinked: none stays alive
+            self._shared.close(dead_sender=self._sender[0] if dead else None)
         self._close_buffers()
         self._close_socket(linger_ms=1000)
         self._last_sync = 0  # a new socket sees no frame of earlier syncs
@@ -365,6 +385,8 @@ class WeightReceiver:
         self._lifetime.close()
 
     def _release(self) -> None:
+        if self._shared is not None:
+            self._shared.close()
         self._close_buffers()
         self._reader.clear()  # reassembly scratch may live in device memory
         self._close_socket(linger_ms=500)

@@ -29,6 +29,7 @@ from hwsync.bucket import ALIGN
 from hwsync.colocated.buffer_pool import BufferPool
 from hwsync.colocated.doorbell import Doorbell, doorbell_supported
 from hwsync.colocated.links import BucketLink, DoorbellLink, FrameLink
+from hwsync.colocated.geometry import bucket_geometry
 from hwsync.colocated.peers import Peer, PeerTable
 from hwsync.colocated.stream import BucketStream
 from hwsync.control import Endpoint, Lifetime, new_token, private_ipc_dir, raise_if_exited, receive_frame, \
@@ -37,12 +38,12 @@ from hwsync.errors import ClosedError, ProtocolError, RemoteError
 from hwsync.gate import reply_on
 from hwsync.interfaces import Backend, SendBuffers, Transport
 from hwsync.manifest import TensorSpec
-from hwsync.memory import MemoryReport, choose_bucket_bytes, local_memory
 from hwsync.offload import onload as onload_params
 from hwsync.planner import TrainerModel, plan_for_engines
 from hwsync.protocol import PROTOCOL_VERSION, Abort, Accept, Complete, Done, Error, Frame, Offer, encode
 from hwsync.protocol.limits import MAX_SENDER_FRAME_BYTES, check_size, cut
 from hwsync.registry import get_backend
+from hwsync.shared_params import live_segments
 from hwsync.sockets import ConnectionLog, bind_control
 from hwsync.source import NamedTensors, TensorSource
 from hwsync.stats import SyncStats
@@ -139,6 +140,9 @@ class WeightSender:
     ) -> SyncStats:
         """Send one sync; returns when every receiver has loaded it, raises SyncError otherwise.
 
+        Tensors that lie in shared parameter memory (hwsync.SharedParameters) are sent as
+        references that receivers read in place: they are done with them when this returns.
+
         `named_tensors` is an iterable of (name, tensor), a function of the receiver's reported
         state returning one, or a TrainerModel, which is planned against the engines' state.
         `onload`: parameters to bring from host memory to the device for the sync, and back.
@@ -162,8 +166,10 @@ class WeightSender:
             stats.bucket_bytes = self.bucket_bytes
             link = self._offer(peers, sync, version, manifest, stats)
             assert self._buffers is not None and self._pool is not None
+            here = socket.gethostname()  # references into our segments only for receivers that can map them
+            refs = (lambda frame: self._broadcast(peers, frame)) if all(p.host == here for p in peers) else None
             stream = BucketStream(link, self._buffers, self._pool, self.bucket_bytes, sync, self._seq, stats,
-                                  dense=all(p.into for p in peers))
+                                  dense=all(p.into for p in peers), send_refs=refs)
             if onload is None:
                 self._seq = stream.run(source, manifest)
             else:
@@ -195,24 +201,9 @@ class WeightSender:
 
     def _size_buckets(self, peers: list[Peer], stats: SyncStats) -> None:
         """Default sizes: by how receivers take tensors; "auto": by the least free memory of all sides."""
-        geometry = self.transport.into_geometry
-        if self._default_geometry:  # decided afresh whenever buffers are opened: receivers may have changed
-            if geometry and all(p.into for p in peers):
-                self.bucket_bytes, self.num_buffers = geometry
-                stats.notes["bucket"] = (f"{geometry[0] >> 20} MiB x {geometry[1]} buffers: every receiver copies "
-                                         f"into its own tensors, the {self.transport.name} transport's geometry for that")
-            else:
-                self.bucket_bytes, self.num_buffers = self.transport.default_bucket_bytes, 2
-            stats.num_buffers = self.num_buffers
-        if not self._auto_bucket:
-            return
-        device = self.backend.device()
-        rows = [local_memory(device, rank=0)] + [
-            {**p.state["memory"], "rank": i + 1} for i, p in enumerate(peers) if "memory" in p.state]
-        choice = choose_bucket_bytes(MemoryReport.from_rows(device.torch_type, rows), self.num_buffers)
-        self.bucket_bytes = choice.bucket_bytes
-        stats.notes["bucket"] = choice.reason
-        log.info("hwsync bucket size: %s", choice.reason)
+        self.bucket_bytes, self.num_buffers = bucket_geometry(
+            self.transport, self.backend.device(), peers, stats, self.bucket_bytes, self.num_buffers,
+            default=self._default_geometry, auto=self._auto_bucket)
 
     def _open_buffers(self) -> None:
         self._buffers = self.transport.open_sender(self.bucket_bytes, self.num_buffers)
@@ -270,7 +261,7 @@ class WeightSender:
             version=version, pid=os.getpid(), host=socket.gethostname(), manifest=manifest,
             tensors=None if manifest is None else len(manifest),
             total_bytes=None if manifest is None else sum(s.nbytes for s in manifest),
-            first=self._seq, doorbell=None if bell is None else bell.handle(), rank=0)
+            first=self._seq, doorbell=None if bell is None else bell.handle(), rank=0, segments=live_segments())
         self._accepted = False
         for rank, peer in enumerate(peers):
             # each receiver its own handles: shared device memory is exported once per receiver process

@@ -8,7 +8,8 @@ field, each value of its declared type, and each frame's own rules (an entry tha
 bucket, sizes that agree). Anything else raises BadFrame before any code sees the frame.
 
 Bucket entries travel as lists `[name, dtype, shape, offset, chunk_offset, chunk_bytes,
-total_bytes]` (Entry); manifest items as `[name, dtype, shape]` (manifest.TensorSpec); a
+total_bytes]` (Entry); shared tensor references as `[name, dtype, shape, segment, offset, nbytes]`
+(Ref) with segments as `[name, size]` (SegmentSpec); manifest items as `[name, dtype, shape]` (manifest.TensorSpec); a
 disaggregated plan's buckets as `[owner, nbytes, [entries]]` (BucketSpec).
 
 Files: fields.py (how a frame is defined and checked), layout.py (Entry, BucketSpec),
@@ -19,7 +20,8 @@ the version, the frame sets of each socket, `encode`, `decode` and `peek`.
 Two paths speak it. Same host (hwsync.colocated): a receiver says `Ready` (with the token; the
 sender binds the connection's identity to it, answers `Welcome` at once, or `Refused` with the
 reason, and drops every frame of an identity that never presented the token); then an `Offer` (geometry, handles, manifest), the receiver `Accept`s, then each bucket is a
-`Bucket` (a ZeroMQ frame, or a doorbell descriptor) and a `Release`; `Done` and `Complete` end
+`Bucket` (a ZeroMQ frame, or a doorbell descriptor) and a `Release`, and tensors that lie in the
+sender's shared parameter segments go as `Refs` (segment, offset, dtype, shape) read in place; `Done` and `Complete` end
 the sync; `Error` and `Abort` end it early. Across nodes (hwsync.disaggregated): every rank says
 `RankReady` to sender 0's hub (`Welcome` or `Refused` at once, as above), which then sends `Setup` (group addresses), `PlanFrame`, `Go`,
 `Commit`, and keeps everyone honest with `Ping`/`Pong`/`Alive`.
@@ -31,20 +33,20 @@ from typing import Any
 
 import msgpack
 
-from hwsync.protocol.colocated import Abort, Accept, Bucket, Complete, Done, Error, Gone, Offer, Ready, Refused, \
-    Release, Welcome
+from hwsync.protocol.colocated import Abort, Accept, Bucket, Complete, Done, Error, Gone, Offer, Ready, Refs, \
+    Refused, Release, Welcome
 from hwsync.protocol.disaggregated import Alive, Commit, Go, Joined, Ping, PlanAccept, PlanFrame, Pong, Progress, \
     RankComplete, RankReady, Sent, Setup
 from hwsync.protocol.fields import BadFrame, Frame, Map, short, value_to_wire
-from hwsync.protocol.layout import BucketSpec, Entry
+from hwsync.protocol.layout import BucketSpec, Entry, Ref, SegmentSpec
 
 #: bump when frames change incompatibly; a receiver refuses any other version
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 __all__ = ["PROTOCOL_VERSION", "TO_HUB", "TO_RANK", "TO_RECEIVER", "TO_SENDER", "Abort", "Accept", "Alive", "BadFrame",
            "Bucket", "BucketSpec", "Commit", "Complete", "Done", "Entry", "Error", "Frame", "Go", "Gone", "Joined",
            "Map", "Offer", "Ping", "PlanAccept", "PlanFrame", "Pong", "Progress", "RankComplete", "RankReady", "Ready",
-           "Refused", "Release", "Sent", "Setup", "Welcome", "decode", "encode", "frame_set", "peek"]
+           "Ref", "Refs", "Refused", "Release", "SegmentSpec", "Sent", "Setup", "Welcome", "decode", "encode", "frame_set", "peek"]
 
 
 def frame_set(*classes: type[Frame]) -> dict[str, type[Frame]]:
@@ -56,7 +58,7 @@ def frame_set(*classes: type[Frame]) -> dict[str, type[Frame]]:
 
 
 TO_SENDER = frame_set(Ready, Gone, Accept, Release, Complete, Error)
-TO_RECEIVER = frame_set(Welcome, Refused, Offer, Bucket, Done, Abort)
+TO_RECEIVER = frame_set(Welcome, Refused, Offer, Bucket, Refs, Done, Abort)
 TO_HUB = frame_set(RankReady, Joined, PlanAccept, Progress, Sent, RankComplete, Pong, Error)
 TO_RANK = frame_set(Welcome, Refused, Setup, PlanFrame, Go, Commit, Ping, Alive, Abort)
 

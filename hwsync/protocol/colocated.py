@@ -7,6 +7,9 @@
     Accept (or Error: refused)        ->
                                       <-  Bucket {seq, buf, nbytes, entries}  (a frame, or a doorbell descriptor)
     Release {buf, seq}                ->  (the sender refills buf only after every receiver released it)
+                                      <-  Refs {segments, refs}  (tensors read in place from shared parameter
+                                          segments, interleaved with the buckets; no release: they are the
+                                          trainer's own memory, left alone until the sync's Complete)
                                       <-  Done {buckets, tensors, bytes}
     Complete {stats}                  ->
 """
@@ -14,8 +17,8 @@
 from __future__ import annotations
 
 from hwsync.manifest import TensorSpec
-from hwsync.protocol.fields import Frame, Map, frame
-from hwsync.protocol.layout import Entry, entries_within
+from hwsync.protocol.fields import BadFrame, Frame, Map, frame
+from hwsync.protocol.layout import Entry, Ref, SegmentSpec, entries_within, refs_within
 
 @frame("ready")
 class Ready(Frame):
@@ -111,6 +114,8 @@ class Offer(Frame):
     first: int
     doorbell: Map | None
     rank: int
+    #: the sender's shared parameter segments now: a receiver unmaps any other it had mapped from this sender
+    segments: list[SegmentSpec]
 
 
 @frame("bucket")
@@ -127,6 +132,25 @@ class Bucket(Frame):
     def validate(self) -> None:
         """Every entry lies inside the bucket's used bytes."""
         entries_within(self.entries, self.nbytes)
+
+
+@frame("refs")
+class Refs(Frame):
+    """Whole tensors of this sync that lie in the sender's shared parameter segments: read them in place.
+
+    The sender's trainer leaves that memory alone until every receiver's Complete, so a receiver
+    may copy from it (or hand out views of it) until it sends Complete, and not after.
+    """
+
+    sync: int
+    segments: list[SegmentSpec]
+    refs: list[Ref]
+
+    def validate(self) -> None:
+        """Every reference lies inside a segment of this frame, and every segment is one process's."""
+        refs_within(self.refs, self.segments)
+        if len({s.pid for s in self.segments}) > 1:
+            raise BadFrame(f"a Refs frame names segments of several processes: {[s.name for s in self.segments]}")
 
 
 @frame("done")

@@ -189,6 +189,19 @@ class CudaDevice(Device):
     def _index(self, index: int | None) -> int:
         return self.current_index() if index is None else index
 
+    def pin_host_memory(self, tensor: torch.Tensor) -> bool:
+        """cudaHostRegister the tensor's pages (shared memory included), so host-to-device copies run at full
+        speed and asynchronously; False (and pageable copies) when the driver refuses."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if not nbytes or tensor.device.type != "cpu":
+            return False
+        # flags 0: cudaHostRegisterDefault, portable to this process's contexts
+        return int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)) == 0
+
+    def unpin_host_memory(self, tensor: torch.Tensor) -> None:
+        """cudaHostUnregister what pin_host_memory registered."""
+        torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
     def mem_get_info(self, index: int | None = None) -> tuple[int, int]:
         """(free, total) from cudaMemGetInfo, which counts other processes' use too."""
         free, total = torch.cuda.mem_get_info(self._index(index))

@@ -1,7 +1,8 @@
 """`hwsync bench transfer`: GB/s process to process, hwsync against stop-and-wait and memory copy.
 
-One run measures three things on the same synthetic state dict and bucket size: hwsync's
-WeightSender into a spawned WeightReceiver process (several syncs on one session), a
+One run measures on the same synthetic state dict and bucket size: hwsync's WeightSender into
+a spawned WeightReceiver process (several syncs on one session), the same tensors synced from
+hwsync's shared memory by reference (one copy per byte; `--source packed` skips it), a
 single-buffer stop-and-wait sender (stop_and_wait.py: pack one bucket, send a frame, wait
 for the ack: what peers ship), the device's copy bandwidth (single-thread on the host), and two
 such copies in two processes at once (half their sum bounds any pipeline that copies each byte
@@ -22,18 +23,16 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import zmq
 
-from hwsync.cli.bench.stop_and_wait import StopAndWait, await_reply, pack, stop_and_wait_receive
+from hwsync.cli.bench.stop_and_wait import StopAndWait, await_reply, pack
+from hwsync.cli.bench.transfer_parts import Spec, _receiver_main, bench_device, build, concurrent_copy_gbps, \
+    copy_gbps
 from hwsync.control import private_ipc_dir, remove_ipc_dir
-from hwsync.manifest import dtype_from_name, dtype_name
-
-Named = list[tuple[str, torch.Tensor]]
-Spec = list[tuple[str, list[int], str]]
+from hwsync.manifest import dtype_name
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # a ~1.5B-parameter transformer (Qwen2.5-1.5B geometry): hidden, mlp, vocab, kv width, layers
 _HIDDEN, _MLP, _VOCAB, _KV, _LAYERS = 1536, 8960, 151936, 256, 28
@@ -82,122 +81,6 @@ def model_spec(total_bytes: int, dtype: str, tensors: int | None = None) -> Spec
     return [(name, shape, dt(m)) for name, shape, m in layout]
 
 
-def bench_device() -> tuple[torch.device, Callable[[], None]]:
-    """Where the benchmark's tensors live (the selected backend's device) and how to wait for it."""
-    from hwsync.registry import get_backend
-
-    device = get_backend().device()
-    return device.torch_device(), device.synchronize
-
-
-def build(spec: Spec, device: torch.device | str = "cpu") -> Named:
-    """Tensors of the spec; tensor i is filled with i % 128 (exact in every dtype) for the check."""
-    return [(n, torch.full(s, float(i % 128), dtype=dtype_from_name(d), device=device))
-            for i, (n, s, d) in enumerate(spec)]
-
-
-def copy_gbps(nbytes: int = 1 << 30, repeat: int = 3) -> float:
-    """`dst.copy_(src)` bandwidth on the backend's device over `nbytes` of uint8, best of `repeat`, in GB/s."""
-    device, sync = bench_device()
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # first touch of dst
-    sync()
-    best = min(_timed(lambda: (dst.copy_(src), sync())) for _ in range(repeat))
-    return nbytes / best / 1e9
-
-
-def _copy_worker(nbytes: int, barrier: Any, q: Any) -> None:
-    torch.set_num_threads(1)
-    device, sync = bench_device()
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    sync()
-    barrier.wait()  # both processes copy at the same time, as sender and receiver do
-    q.put(nbytes / min(_timed(lambda: (dst.copy_(src), sync())) for _ in range(3)) / 1e9)
-
-
-def concurrent_copy_gbps(nbytes: int, processes: int = 2) -> float:
-    """Summed bandwidth of `processes` single-thread copies running at once, in GB/s.
-
-    A sync copies every byte twice (packed by the sender, loaded by the receiver), both at once,
-    so half of this is the most any two-copy pipeline can move on this machine.
-    """
-    ctx = mp.get_context("spawn")
-    barrier, q = ctx.Barrier(processes), ctx.Queue()
-    procs = [ctx.Process(target=_copy_worker, args=(nbytes, barrier, q), daemon=True) for _ in range(processes)]
-    for p in procs:
-        p.start()
-    try:
-        return sum(q.get(timeout=300) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(10)
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-# ---------------------------------------------------------------- receiver process
-
-
-def _receiver_main(endpoint: str, baseline: str, spec_json: str, syncs: int, threads: int, timeout_s: float,
-                   into: bool) -> None:
-    """The spawned engine stand-in: hwsync syncs, then stop-and-wait syncs, same destinations."""
-    torch.set_num_threads(threads)
-    from hwsync.colocated.receiver import WeightReceiver
-
-    spec: Spec = json.loads(spec_json)
-    device, _ = bench_device()
-    dest = {n: torch.empty(s, dtype=dtype_from_name(d), device=device) for n, s, d in spec}
-    for t in dest.values():
-        t.fill_(-1)  # resident, like an engine's parameters
-
-    copy_s = [0.0]
-
-    def load(tensors: Named) -> None:
-        t0 = time.perf_counter()
-        for name, t in tensors:
-            dest[name].copy_(t)
-        copy_s[0] += time.perf_counter() - t0
-
-    def check() -> str | None:
-        for i, (n, _, _) in enumerate(spec):
-            t = dest[n].reshape(-1)
-            if t.numel() and (float(t[0]) != i % 128 or float(t[-1]) != i % 128):
-                return f"tensor {n} holds {float(t[0])}, expected {i % 128}"
-        return None
-
-    load_s, engine_s = [], []
-    with WeightReceiver(endpoint, timeout_s=timeout_s) as rx:
-        for _ in range(syncs):
-            copy_s[0] = 0.0
-            if into:  # hwsync copies each tensor's bytes straight into the engine's tensor
-                load_s.append(rx.receive(into=lambda name, dtype, shape: dest[name]).load_s)
-                engine_s.append(load_s[-1])
-            else:
-                load_s.append(rx.receive(load).load_s)
-                engine_s.append(copy_s[0])
-    first_error = check()
-    for t in dest.values():
-        t.fill_(-1)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PAIR)
-    sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(baseline)
-    try:
-        sock.send(pack({"t": "hello", "error": first_error, "load_s": load_s, "engine_s": engine_s}))
-        stop_and_wait_receive(sock, load, timeout_s)
-        sock.send(pack({"t": "bye", "error": check()}))
-    finally:
-        sock.close()
-        ctx.term()
-
-
 # ---------------------------------------------------------------- the run
 
 
@@ -228,8 +111,10 @@ class _Progress:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Run both transfers and the copy reference; a dict of the figures."""
+    """Run the transfers and the copy references; a dict of the figures."""
     from hwsync.colocated.sender import WeightSender
+    from hwsync.registry import get_backend
+    from hwsync.shared_params import SharedTensors
 
     torch.set_num_threads(args.threads)
     spec = model_spec(int(args.gb * 1e9), args.dtype, args.tensors)
@@ -238,6 +123,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     total = sum(t.numel() * t.element_size() for _, t in named)
     bucket = None if args.bucket_mb is None else int(args.bucket_mb * (1 << 20))
     baseline_bucket = int(args.baseline_bucket_mb * (1 << 20))
+    shared_syncs = args.syncs if args.source == "both" else 0
     memcpy = copy_gbps(args.copy_mib << 20)
     both = concurrent_copy_gbps(args.copy_mib << 20)
     ipc_dir = private_ipc_dir()
@@ -248,20 +134,26 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     sock.bind(baseline_addr)
     proc: mp.process.BaseProcess | None = None
     sender: WeightSender | None = None
+    shared: SharedTensors | None = None
     saw: StopAndWait | None = None
-    progress = _Progress(2 * args.syncs)
+    progress = _Progress(2 * args.syncs + shared_syncs)
     try:
         sender = WeightSender(bucket_bytes=bucket, num_buffers=args.num_buffers, timeout_s=args.timeout)
         proc = mp.get_context("spawn").Process(
             target=_receiver_main, daemon=True,
-            args=(sender.endpoint, baseline_addr, json.dumps(spec), args.syncs, args.threads, args.timeout,
-                  args.receive == "into"))
+            args=(sender.endpoint, baseline_addr, json.dumps(spec), args.syncs, shared_syncs, args.threads,
+                  args.timeout, args.receive == "into"))
         proc.start()
-        runs = []
+        runs, one_copy = [], []
         for v in range(args.syncs):
-            stats = sender.send(named, version=v)
-            runs.append(stats)
-            progress.step("hwsync", stats.total_s)
+            runs.append(sender.send(named, version=v))
+            progress.step("hwsync packed", runs[-1].total_s)
+        if shared_syncs:  # the same tensors, kept in hwsync's shared memory: sent by reference
+            shared = SharedTensors(named, device=get_backend().device())
+            for v in range(shared_syncs):
+                one_copy.append(sender.send(list(shared.items()), version=args.syncs + v))
+                progress.step("hwsync one-copy", one_copy[-1].total_s)
+            shared.close()
         sender.close()
         alive = proc.is_alive
         hello = await_reply(sock, alive, args.timeout)
@@ -277,6 +169,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         progress.close()
         if saw is not None:
             saw.close()
+        if shared is not None:
+            shared.close()
         if sender is not None:
             sender.close()
         sock.close(linger=0)
@@ -292,6 +186,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     hw_s = statistics.median(s.total_s for s in timed)
     sw_s = statistics.median(base[1:] or base)
     hw, sw = total / hw_s / 1e9, total / sw_s / 1e9
+    oc_s = statistics.median(s.total_s for s in one_copy[1:] or one_copy) if one_copy else None
+    oc = total / oc_s / 1e9 if oc_s else None
     return {
         "cpus": os.cpu_count(), "torch": torch.__version__, "device": str(device), "transport": runs[0].transport,
         "threads": args.threads, "bytes": total,
@@ -302,6 +198,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "concurrent_copy_gbps": both, "two_copy_ceiling_gbps": both / 2,
         "hwsync_vs_copy": hw / memcpy, "hwsync_vs_two_copy_ceiling": hw / (both / 2), "hwsync_vs_stop_and_wait": hw / sw,
         "hwsync_s": hw_s, "stop_and_wait_s": sw_s,
+        "one_copy_gbps": oc, "one_copy_s": oc_s, "one_copy_vs_copy": oc / memcpy if oc else None,
+        "one_copy_vs_packed": oc / hw if oc else None, "one_copy_seconds": [s.total_s for s in one_copy],
         "hwsync_seconds": [s.total_s for s in runs], "stop_and_wait_seconds": base,
         "hwsync_phases": {k: statistics.median(getattr(s, k) for s in timed) for k in ("pack_s", "wait_s")}
         | {k: statistics.median(hello[h][1:] or hello[h]) for k, h in (("receiver_load_s", "load_s"),
@@ -326,6 +224,9 @@ def add_bench_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--receive", choices=["into", "load"], default="into",
                         help="how hwsync's receiver fills the engine's tensors: into= (copied straight in) or a "
                              "load callback copying whole tensors (split ones reassembled first)")
+    parser.add_argument("--source", choices=["both", "packed"], default="both",
+                        help="both: also sync the same tensors from hwsync's shared memory, by reference (one copy "
+                             "per byte); packed: only the packed path")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each process")
     parser.add_argument("--copy-mib", type=int, default=1024, help="size of the copy reference in MiB")
     parser.add_argument("--timeout", type=float, default=120.0, help="timeout_s of every wait")
@@ -363,7 +264,7 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
           f"{r['bucket_bytes'] / 2**20:g} MiB x {r['num_buffers']}, receiving by {r['receive']}; stop-and-wait "
           f"bucket {r['baseline_bucket_bytes'] / 2**20:g} MiB; "
           + (f"median of syncs 2-{r['syncs']}" if r["syncs"] > 1 else "one sync"))
-    rows = [(f"hwsync ({r['num_buffers']} buffers)", f"{r['hwsync_gbps']:.2f}", f"{r['hwsync_s']:.3f}"),
+    rows = [(f"hwsync packed ({r['num_buffers']} buf)", f"{r['hwsync_gbps']:.2f}", f"{r['hwsync_s']:.3f}"),
             ("stop-and-wait (1 buffer)", f"{r['stop_and_wait_gbps']:.2f}", f"{r['stop_and_wait_s']:.3f}"),
             ("single-thread copy" if r["device"] == "cpu" else f"copy on {r['device']}", f"{r['copy_gbps']:.2f}", ""),
             ("2 copies at once (sum)", f"{r['concurrent_copy_gbps']:.2f}", ""),
@@ -371,6 +272,10 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
             ("hwsync / copy", f"{r['hwsync_vs_copy']:.2f}x", ""),
             ("hwsync / two-copy ceiling", f"{r['hwsync_vs_two_copy_ceiling']:.2f}x", ""),
             ("hwsync / stop-and-wait", f"{r['hwsync_vs_stop_and_wait']:.2f}x", "")]
+    if r["one_copy_gbps"]:
+        rows[1:1] = [("hwsync one-copy (shared)", f"{r['one_copy_gbps']:.2f}", f"{r['one_copy_s']:.3f}")]
+        rows += [("one-copy / copy", f"{r['one_copy_vs_copy']:.2f}x", ""),
+                 ("one-copy / packed", f"{r['one_copy_vs_packed']:.2f}x", "")]
     print(f"{'':26} {'GB/s':>8} {'s/sync':>8}")
     for label, gbps, secs in rows:
         print(f"{label:26} {gbps:>8} {secs:>8}")

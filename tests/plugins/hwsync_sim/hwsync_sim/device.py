@@ -52,6 +52,19 @@ class SimDevice(Device):
         rt = runtime()
         rt.synchronize(rt.current())
 
+    def pin_host_memory(self, tensor: torch.Tensor) -> bool:
+        """Model cudaHostRegister: host-to-device copies from these bytes read them when they run, not before."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if not nbytes or tensor.device.type != "cpu":
+            return False
+        runtime().pinned.append((tensor.data_ptr(), nbytes))
+        return True
+
+    def unpin_host_memory(self, tensor: torch.Tensor) -> None:
+        """Forget a pinned range (cudaHostUnregister)."""
+        rt = runtime()
+        rt.pinned = [r for r in rt.pinned if r[0] != tensor.data_ptr()]
+
     def _index(self, index: int | None) -> int:
         return runtime().current() if index is None else index
 

@@ -135,7 +135,15 @@ class Runtime:
         self._usage_fd = os.open(os.path.join(SHM_DIR, self._usage_name), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         resource_tracker.register("/" + self._usage_name, "shared_memory")  # gone even if we are killed
         os.ftruncate(self._usage_fd, 8 * config.devices)
+        #: host ranges page-locked by pin_host_memory: (address, bytes)
+        self.pinned: list[tuple[int, int]] = []
         atexit.register(self._at_exit)
+
+    def is_pinned(self, host: torch.Tensor) -> bool:
+        """Whether a host tensor's bytes lie in pinned memory (device copies then read it asynchronously)."""
+        start = host.data_ptr()
+        end = start + host.numel() * host.element_size()
+        return any(base <= start and end <= base + size for base, size in list(self.pinned))
 
     # -- devices and threads -----------------------------------------------------------------
 

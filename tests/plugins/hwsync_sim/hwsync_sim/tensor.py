@@ -21,7 +21,8 @@ Why it is built this way (the choice the sim rests on):
 What an operation does (see hwsync_sim.runtime for the device model):
 - views (slice, view, view(dtype), detach, ...): metadata only, allowed from any thread;
 - copies: host to device reads the source at once (pageable memory is staged) and writes the
-  device bytes later on the stream; device to device runs later on the stream; device to host
+  device bytes later on the stream, except from host memory pinned with SimDevice.pin_host_memory,
+  which (as cudaHostRegister'd memory on CUDA) is read only when the copy runs; device to device runs later on the stream; device to host
   waits for the stream, as a copy into pageable memory does. So a destination read early has
   the old bytes;
 - any other kernel is queued on the stream too (its outputs' shapes come from meta tensors);
@@ -182,8 +183,12 @@ def copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     elif is_sim(dst):
         d = as_sim(dst)
         rt.require_current(d.device.index, "a host-to-device copy")
-        staged = src.detach().clone()  # pageable host memory: the source is read before copy_ returns
-        rt.stream(d.device.index).enqueue(lambda: host_view(d).copy_(staged))
+        if rt.is_pinned(src):  # pinned host memory: like CUDA, the source is read when the copy runs
+            source = src.detach()
+            rt.stream(d.device.index).enqueue(lambda: host_view(d).copy_(source))
+        else:
+            staged = src.detach().clone()  # pageable host memory: the source is read before copy_ returns
+            rt.stream(d.device.index).enqueue(lambda: host_view(d).copy_(staged))
     else:
         s = as_sim(src)
         rt.require_current(s.device.index, "a device-to-host copy")

@@ -1,0 +1,133 @@
+"""Parts of `hwsync bench transfer`: where its tensors live, the copy references, and the receiver process."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import zmq
+
+from hwsync.cli.bench.stop_and_wait import pack, stop_and_wait_receive
+from hwsync.manifest import dtype_from_name
+
+Named = list[tuple[str, torch.Tensor]]
+Spec = list[tuple[str, list[int], str]]
+
+
+def bench_device() -> tuple[torch.device, Callable[[], None]]:
+    """Where the benchmark's tensors live (the selected backend's device) and how to wait for it."""
+    from hwsync.registry import get_backend
+
+    device = get_backend().device()
+    return device.torch_device(), device.synchronize
+
+
+def build(spec: Spec, device: torch.device | str = "cpu") -> Named:
+    """Tensors of the spec; tensor i is filled with i % 128 (exact in every dtype) for the check."""
+    return [(n, torch.full(s, float(i % 128), dtype=dtype_from_name(d), device=device))
+            for i, (n, s, d) in enumerate(spec)]
+
+
+def copy_gbps(nbytes: int = 1 << 30, repeat: int = 3) -> float:
+    """`dst.copy_(src)` bandwidth on the backend's device over `nbytes` of uint8, best of `repeat`, in GB/s."""
+    device, sync = bench_device()
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch of dst
+    sync()
+    best = min(_timed(lambda: (dst.copy_(src), sync())) for _ in range(repeat))
+    return nbytes / best / 1e9
+
+
+def _copy_worker(nbytes: int, barrier: Any, q: Any) -> None:
+    torch.set_num_threads(1)
+    device, sync = bench_device()
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync()
+    barrier.wait()  # both processes copy at the same time, as sender and receiver do
+    q.put(nbytes / min(_timed(lambda: (dst.copy_(src), sync())) for _ in range(3)) / 1e9)
+
+
+def concurrent_copy_gbps(nbytes: int, processes: int = 2) -> float:
+    """Summed bandwidth of `processes` single-thread copies running at once, in GB/s.
+
+    A sync copies every byte twice (packed by the sender, loaded by the receiver), both at once,
+    so half of this is the most any two-copy pipeline can move on this machine.
+    """
+    ctx = mp.get_context("spawn")
+    barrier, q = ctx.Barrier(processes), ctx.Queue()
+    procs = [ctx.Process(target=_copy_worker, args=(nbytes, barrier, q), daemon=True) for _ in range(processes)]
+    for p in procs:
+        p.start()
+    try:
+        return sum(q.get(timeout=300) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _receiver_main(endpoint: str, baseline: str, spec_json: str, syncs: int, shared_syncs: int, threads: int,
+                   timeout_s: float, into: bool) -> None:
+    """The spawned engine stand-in: packed syncs, one-copy syncs, then stop-and-wait syncs, same destinations."""
+    torch.set_num_threads(threads)
+    from hwsync.colocated.receiver import WeightReceiver
+
+    spec: Spec = json.loads(spec_json)
+    device, _ = bench_device()
+    dest = {n: torch.empty(s, dtype=dtype_from_name(d), device=device) for n, s, d in spec}
+    for t in dest.values():
+        t.fill_(-1)  # resident, like an engine's parameters
+
+    copy_s = [0.0]
+
+    def load(tensors: Named) -> None:
+        t0 = time.perf_counter()
+        for name, t in tensors:
+            dest[name].copy_(t)
+        copy_s[0] += time.perf_counter() - t0
+
+    def check() -> str | None:
+        for i, (n, _, _) in enumerate(spec):
+            t = dest[n].reshape(-1)
+            if t.numel() and (float(t[0]) != i % 128 or float(t[-1]) != i % 128):
+                return f"tensor {n} holds {float(t[0])}, expected {i % 128}"
+        for t in dest.values():
+            t.fill_(-1)  # the next transfer must write every tensor again
+        return None
+
+    load_s, engine_s, errors = [], [], []
+    with WeightReceiver(endpoint, timeout_s=timeout_s) as rx:
+        for count in (syncs, shared_syncs):
+            for _ in range(count):
+                copy_s[0] = 0.0
+                if into:  # hwsync copies each tensor's bytes straight into the engine's tensor
+                    load_s.append(rx.receive(into=lambda name, dtype, shape: dest[name]).load_s)
+                    engine_s.append(load_s[-1])
+                else:
+                    load_s.append(rx.receive(load).load_s)
+                    engine_s.append(copy_s[0])
+            errors.append(check() if count else None)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(baseline)
+    try:
+        sock.send(pack({"t": "hello", "error": errors[0] or errors[1], "load_s": load_s[:syncs],
+                        "engine_s": engine_s[:syncs]}))
+        stop_and_wait_receive(sock, load, timeout_s)
+        sock.send(pack({"t": "bye", "error": check()}))
+    finally:
+        sock.close()
+        ctx.term()

@@ -1,0 +1,183 @@
+"""The receiver's side of a one-copy sync: tensors read in place from the sender's shared parameter segments.
+
+A Refs frame names whole tensors by (segment, offset, dtype, shape). Each segment is mapped
+once and kept across syncs (pinned for device copies where the backend can), and unmapped
+when the sender's offer no longer lists it, when the receiver fails, and at close. Tensors go
+straight `into` the caller's destinations (one memmove on the host, one host-to-device copy on
+an accelerator) or to `load` as views of the shared memory, valid during that call only. The
+sender's trainer leaves the memory alone until this receiver's Complete, so every copy and
+every queued device read finishes (`finish`) before Complete is sent.
+
+Host-to-host copies of a batch are memmoves on the data pointers, spread over `copy_threads`
+threads (2 by default): during a one-copy sync the sender has nothing to do, so the receiver may
+use the core the packed path would have spent packing (ctypes releases the GIL for memmove).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from hwsync.bucket import IntoFn, checked_destination, copy_bytes
+from hwsync.devices import synchronize_for
+from hwsync.errors import ProtocolError
+from hwsync.interfaces import Device
+from hwsync.manifest import dtype_from_name
+from hwsync.protocol import Refs, SegmentSpec
+from hwsync.shm import SHM_DIR, SharedSegment
+from hwsync.stats import SyncStats
+
+log = logging.getLogger("hwsync")
+
+#: the receiver's load callback (hwsync.colocated.receiver.LoadFn)
+LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
+#: threads copying a batch of host tensors (see the module doc)
+COPY_THREADS = 2
+#: a batch smaller than this is copied by the calling thread alone
+_PARALLEL_BYTES = 32 << 20
+
+
+def _memmove_all(jobs: list[tuple[int, int, int]]) -> None:
+    for dst, src, nbytes in jobs:
+        ctypes.memmove(dst, src, nbytes)
+
+
+def split_copies(jobs: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
+    """(dst, src, nbytes) copies cut into `parts` lists of about equal bytes, cutting a copy only at a boundary."""
+    total = sum(n for _, _, n in jobs)
+    share, out, current, room = -(-total // parts), [], [], -(-total // parts)
+    for dst, src, nbytes in jobs:
+        while nbytes:
+            take = min(nbytes, room)
+            current.append((dst, src, take))
+            dst, src, nbytes, room = dst + take, src + take, nbytes - take, room - take
+            if not room:
+                out.append(current)
+                current, room = [], share
+    return out + ([current] if current else [])
+
+
+class SharedReader:
+    """The sender's shared segments as this receiver maps them, and the copies out of them."""
+
+    def __init__(self, device: Device, copy_threads: int = COPY_THREADS) -> None:
+        self.device = device
+        self.copy_threads = max(1, copy_threads)
+        self._pool: ThreadPoolExecutor | None = None
+        self._mapped: dict[str, SharedSegment] = {}
+        self._pinned: dict[str, torch.Tensor] = {}
+        #: devices this sync's copies were queued on (synchronized by finish())
+        self._queued: set[torch.device] = set()
+
+    def retain(self, segments: list[SegmentSpec]) -> None:
+        """Keep only the mappings of segments the sender still has (its offer lists them)."""
+        keep = {s.name for s in segments}
+        for name in [n for n in self._mapped if n not in keep]:
+            self._unmap(name)
+
+    def _segment(self, spec: SegmentSpec, sender_pid: int | None) -> SharedSegment:
+        if spec.pid != sender_pid:
+            raise ProtocolError(f"the sender (pid {sender_pid}) referenced segment {spec.name} of process "
+                                f"{spec.pid}; a sender sends references into its own segments only")
+        mapped = self._mapped.get(spec.name)
+        if mapped is not None and mapped.size >= spec.size:
+            return mapped
+        if mapped is not None:
+            self._unmap(spec.name)
+        try:
+            mapped = SharedSegment(spec.name, spec.size, create=False)
+        except (OSError, ValueError) as exc:
+            raise ProtocolError(f"cannot map the sender's shared segment {spec.name} ({spec.size} bytes): {exc}; "
+                                "sender and receiver must share /dev/shm (same host, same IPC namespace)") from None
+        self._mapped[spec.name] = mapped
+        if self.device.torch_type != "cpu" and self.device.pin_host_memory(mapped.tensor):
+            self._pinned[spec.name] = mapped.tensor  # host-to-device copies from it run at full speed
+        return mapped
+
+    def read(self, frame: Refs, sender_pid: int | None, into: IntoFn | None) -> list[tuple[str, torch.Tensor]]:
+        """Copy every referenced tensor `into` names; the others as views of shared memory, for `load`."""
+        segments = [self._segment(spec, sender_pid).tensor for spec in frame.segments]
+        out: list[tuple[str, torch.Tensor]] = []
+        host_copies: list[tuple[int, int, int]] = []  # (dst, src, nbytes) on data pointers
+        for ref in frame.refs:
+            dtype = dtype_from_name(ref.dtype)
+            source = segments[ref.segment]
+            dest = None if into is None else checked_destination(ref.name, dtype, ref.shape,
+                                                                 into(ref.name, dtype, ref.shape))
+            if dest is not None and dest.device.type == "cpu":
+                if ref.nbytes:
+                    host_copies.append((dest.data_ptr(), source.data_ptr() + ref.offset, ref.nbytes))
+            elif dest is not None:
+                copy_bytes(dest, 0, source, ref.offset, ref.nbytes)  # queued on the device
+                self._queued.add(dest.device)
+            elif ref.nbytes:
+                out.append((ref.name, source[ref.offset: ref.offset + ref.nbytes].view(dtype).view(ref.shape)))
+            else:
+                out.append((ref.name, torch.empty(ref.shape, dtype=dtype)))
+        self._copy(host_copies)
+        return out
+
+    def _copy(self, jobs: list[tuple[int, int, int]]) -> None:
+        """Run host memmoves, over the copy threads when the batch is large."""
+        if self.copy_threads == 1 or sum(n for _, _, n in jobs) < _PARALLEL_BYTES:
+            _memmove_all(jobs)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="hwsync-copy")
+        for done in [self._pool.submit(_memmove_all, part) for part in split_copies(jobs, self.copy_threads)]:
+            done.result()
+
+    def receive(self, frame: Refs, sender_pid: int | None, load: LoadFn | None, into: IntoFn | None,
+                stats: SyncStats) -> bool:
+        """Copy or load one Refs batch (counted in `stats`); whether load was handed views of shared memory."""
+        t0 = time.perf_counter()
+        tensors = self.read(frame, sender_pid, into)
+        if tensors:
+            if load is None:
+                raise ValueError(f"into() returned None for {tensors[0][0]!r} and no load was given; return "
+                                 "a destination for every tensor or pass load")
+            load(tensors)
+        stats.load_s += time.perf_counter() - t0
+        stats.tensors += len(frame.refs)
+        stats.bytes += sum(r.nbytes for r in frame.refs)
+        return bool(tensors)
+
+    def finish(self, loaded_views: bool) -> None:
+        """Wait for this sync's queued device reads of shared memory (copies here, and `load`'s when it had
+        views): after this, the sender's trainer may change it."""
+        if loaded_views and self.device.torch_type != "cpu":
+            self._queued.add(self.device.torch_device())
+        for where in self._queued:
+            synchronize_for(self.device, where)
+        self._queued.clear()
+
+    def _unmap(self, name: str) -> None:
+        pinned = self._pinned.pop(name, None)
+        if pinned is not None:
+            self.device.unpin_host_memory(pinned)
+        del pinned
+        self._mapped.pop(name).close()
+
+    def close(self, dead_sender: int | None = None) -> None:
+        """Unmap everything; with `dead_sender` (a pid that exited), also unlink its segments it left behind."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        try:  # a failed sync may have device copies from the mappings still queued: never unmap under them
+            self.finish(False)
+        except Exception as exc:
+            log.warning("hwsync: waiting for device copies before unmapping shared segments failed: %s", exc)
+        for name in list(self._mapped):
+            self._unmap(name)
+            if dead_sender is not None and name.startswith(f"hwsync-{dead_sender}-params-"):
+                try:
+                    os.unlink(os.path.join(SHM_DIR, name))
+                    log.warning("hwsync: removed shared segment %s of the dead sender %d", name, dead_sender)
+                except FileNotFoundError:
+                    pass  # its resource tracker was first
