@@ -203,7 +203,7 @@ class WeightReceiver:
             if isinstance(frame, Done):
                 if reader.pending():
                     raise SyncError(f"the sync ended with tensors incomplete: {reader.pending()[:5]}")
-                shared.finish(views)  # queued device reads of shared memory end before our Complete
+                shared.finish(views, stats)  # queued reads of shared memory end before our Complete
                 return
             if isinstance(frame, Refs):
                 self.incomplete = True

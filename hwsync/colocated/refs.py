@@ -8,9 +8,11 @@ an accelerator) or to `load` as views of the shared memory, valid during that ca
 sender's trainer leaves the memory alone until this receiver's Complete, so every copy and
 every queued device read finishes (`finish`) before Complete is sent.
 
-Host-to-host copies of a batch are memmoves on the data pointers, spread over `copy_threads`
-threads (2 by default): during a one-copy sync the sender has nothing to do, so the receiver may
-use the core the packed path would have spent packing (ctypes releases the GIL for memmove).
+Host-to-host copies are memmoves on the data pointers, cut into COPY_CHUNK_BYTES pieces and
+queued on `copy_threads` threads (2 by default) that run across batches: during a one-copy sync
+the sender has nothing to do, so the receiver may use the core the packed path would have spent
+packing (ctypes releases the GIL for memmove). Nothing waits per batch: a thread slowed by
+another process hands its share to the other, and `finish` waits for the queue before Complete.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -41,6 +43,9 @@ LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 COPY_THREADS = 2
 #: a batch smaller than this is copied by the calling thread alone
 _PARALLEL_BYTES = 32 << 20
+#: the piece of a copy one thread takes at a time: small enough to balance the threads, large enough
+#: that queueing it costs nothing next to copying it
+COPY_CHUNK_BYTES = 16 << 20
 
 
 def _memmove_all(jobs: list[tuple[int, int, int]]) -> None:
@@ -48,10 +53,9 @@ def _memmove_all(jobs: list[tuple[int, int, int]]) -> None:
         ctypes.memmove(dst, src, nbytes)
 
 
-def split_copies(jobs: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
-    """(dst, src, nbytes) copies cut into `parts` lists of about equal bytes, cutting a copy only at a boundary."""
-    total = sum(n for _, _, n in jobs)
-    share, out, current, room = -(-total // parts), [], [], -(-total // parts)
+def chunk_copies(jobs: list[tuple[int, int, int]], chunk: int) -> list[list[tuple[int, int, int]]]:
+    """(dst, src, nbytes) copies cut into lists of about `chunk` bytes each (a copy is cut where it must)."""
+    out, current, room = [], [], chunk
     for dst, src, nbytes in jobs:
         while nbytes:
             take = min(nbytes, room)
@@ -59,7 +63,7 @@ def split_copies(jobs: list[tuple[int, int, int]], parts: int) -> list[list[tupl
             dst, src, nbytes, room = dst + take, src + take, nbytes - take, room - take
             if not room:
                 out.append(current)
-                current, room = [], share
+                current, room = [], chunk
     return out + ([current] if current else [])
 
 
@@ -70,6 +74,8 @@ class SharedReader:
         self.device = device
         self.copy_threads = max(1, copy_threads)
         self._pool: ThreadPoolExecutor | None = None
+        #: host copies queued on the pool this sync (waited for by finish(), and before any unmap)
+        self._copies: list[Future] = []
         self._mapped: dict[str, SharedSegment] = {}
         self._pinned: dict[str, torch.Tensor] = {}
         #: devices this sync's copies were queued on (synchronized by finish())
@@ -124,14 +130,20 @@ class SharedReader:
         return out
 
     def _copy(self, jobs: list[tuple[int, int, int]]) -> None:
-        """Run host memmoves, over the copy threads when the batch is large."""
+        """Run host memmoves: a small batch here, a large one queued in pieces on the copy threads."""
         if self.copy_threads == 1 or sum(n for _, _, n in jobs) < _PARALLEL_BYTES:
             _memmove_all(jobs)
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="hwsync-copy")
-        for done in [self._pool.submit(_memmove_all, part) for part in split_copies(jobs, self.copy_threads)]:
-            done.result()
+        self._copies += [self._pool.submit(_memmove_all, part) for part in chunk_copies(jobs, COPY_CHUNK_BYTES)]
+
+    def _wait_copies(self) -> None:
+        """Wait for every queued host copy; raise the first one's error after all have ended."""
+        copies, self._copies = self._copies, []
+        errors = [exc for exc in (c.exception() for c in copies) if exc is not None]
+        if errors:
+            raise errors[0]
 
     def receive(self, frame: Refs, sender_pid: int | None, load: LoadFn | None, into: IntoFn | None,
                 stats: SyncStats) -> bool:
@@ -148,9 +160,18 @@ class SharedReader:
         stats.bytes += sum(r.nbytes for r in frame.refs)
         return bool(tensors)
 
-    def finish(self, loaded_views: bool) -> None:
+    def finish(self, loaded_views: bool, stats: SyncStats | None = None) -> None:
         """Wait for this sync's queued device reads of shared memory (copies here, and `load`'s when it had
-        views): after this, the sender's trainer may change it."""
+        views): after this, the sender's trainer may change it. The wait counts as load time in `stats`."""
+        t0 = time.perf_counter()
+        try:
+            self._finish(loaded_views)
+        finally:
+            if stats is not None:
+                stats.load_s += time.perf_counter() - t0
+
+    def _finish(self, loaded_views: bool) -> None:
+        self._wait_copies()
         if loaded_views and self.device.torch_type != "cpu":
             self._queued.add(self.device.torch_device())
         for where in self._queued:
@@ -158,6 +179,11 @@ class SharedReader:
         self._queued.clear()
 
     def _unmap(self, name: str) -> None:
+        if self._copies:  # a failed sync's copies may still read the mapping: never unmap under them
+            try:
+                self._wait_copies()
+            except Exception:  # noqa: BLE001 - that sync has failed already; its error was reported
+                pass
         pinned = self._pinned.pop(name, None)
         if pinned is not None:
             self.device.unpin_host_memory(pinned)
@@ -170,7 +196,7 @@ class SharedReader:
             self._pool.shutdown()
             self._pool = None
         try:  # a failed sync may have device copies from the mappings still queued: never unmap under them
-            self.finish(False)
+            self._finish(False)
         except Exception as exc:
             log.warning("hwsync: waiting for device copies before unmapping shared segments failed: %s", exc)
         for name in list(self._mapped):
