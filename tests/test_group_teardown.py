@@ -69,4 +69,10 @@ def test_destroy_after_the_peer_died_aborts_instead_of_waiting_for_it(sim, peers
     destroyer.start()
     destroyer.join(ENDS_WITHIN_S)
     assert not destroyer.is_alive(), "destroy() waits for a collective whose peer died (shutdown, not abort)"
-    sim.device().synchronize()  # the device stream that waited for the collective is free again
+    # the device stream that waited for the collective is free again: only an abort frees it (destroy()
+    # itself returns after WORKER_JOIN_S whatever happens, so it is the stream that tells abort from shutdown)
+    syncer = threading.Thread(target=sim.device().synchronize, daemon=True)
+    syncer.start()
+    syncer.join(ENDS_WITHIN_S)
+    assert not syncer.is_alive(), "the collective of a dead peer still holds the device stream: the group was " \
+                                  "shut down, not aborted"
