@@ -9,6 +9,7 @@ ASCEND_RT_VISIBLE_DEVICES restrict what a process sees).
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 pytest.importorskip("hwsync_sim", reason="the sim backend is not installed: pip install -e tests/plugins/hwsync_sim")
@@ -92,3 +93,21 @@ def test_split_tensors_are_reassembled_on_the_receivers_device_and_the_scratch_i
     huge = tensors["huge"].numel() * tensors["huge"].element_size()
     assert result["during"] - result["before"] >= huge, "the reassembled tensor lives on the receiver's device"
     assert result["after_close"] == result["before"], "close() must free the reassembly scratch"
+
+
+def test_the_reader_reassembles_on_the_device_it_was_begun_on_not_the_views(sim):
+    """Bug 10, the reader's contract: a split tensor read from a buffer elsewhere (here host memory, as a
+    staged or peer-mapped buffer may be) is reassembled on the receiver's device that begin() names."""
+    from hwsync.bucket import BucketReader
+    from hwsync.protocol.layout import Entry
+
+    here = sim.device().torch_device()
+    data = torch.arange(96, dtype=torch.uint8)
+    first, second = data[:64], data[64:]
+    reader = BucketReader()
+    reader.begin(here)
+    assert reader.read(first, [Entry("w", "uint8", (96,), 0, 0, 64, 96)]) == []
+    [(name, tensor)] = reader.read(second, [Entry("w", "uint8", (96,), 0, 64, 32, 96)])
+    assert name == "w" and tensor.device == here, f"reassembled on {tensor.device}, not the receiver's {here}"
+    assert torch.equal(tensor.cpu(), data)
+    reader.clear()
