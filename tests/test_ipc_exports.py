@@ -8,6 +8,7 @@ let go. Leaks show up as failures through the sim's leak log (tests/conftest.py)
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 
@@ -18,7 +19,7 @@ import torch.multiprocessing as mp
 pytest.importorskip("hwsync_sim", reason="the sim backend is not installed: pip install -e tests/plugins/hwsync_sim")
 
 import hwsync.colocated.receiver  # noqa: E402
-from hwsync import ProtocolError, RemoteError, SyncError, WeightReceiver, WeightSender  # noqa: E402
+from hwsync import HwsyncError, ProtocolError, RemoteError, SyncError, WeightReceiver, WeightSender  # noqa: E402
 from hwsync.registry import load_backend  # noqa: E402
 from hwsync_sim.peers import Peer  # noqa: E402
 
@@ -57,12 +58,34 @@ def test_each_receiver_gets_its_own_export_so_one_closing_never_frees_the_buffer
 
 
 def _refusing_receiver(endpoint: str, q) -> None:
-    hwsync.colocated.receiver.PROTOCOL_VERSION = 99  # refuses every offer before mapping anything
+    hwsync.colocated.receiver.PROTOCOL_VERSION = 99  # refused at its ready, before anything is exported for it
     with WeightReceiver(endpoint, timeout_s=30) as receiver:
         try:
             receiver.receive(lambda pairs: None)
         except ProtocolError as exc:
             q.put(str(exc))
+
+
+def _receiver_that_cannot_map(endpoint: str, q, hold) -> None:
+    """Fails to map the buffers exported for it (its sim_ipc's open_receiver raises, as a failed IPC open does),
+    and stays alive until the sender has cleaned up: only the sender can release what it never mapped."""
+    with WeightReceiver(endpoint, timeout_s=30) as receiver:
+        real = receiver.backend.transports
+
+        def transports() -> dict:
+            found = dict(real())
+            broken = copy.copy(found["sim_ipc"])
+            broken.open_receiver = lambda handles: (_ for _ in ()).throw(
+                HwsyncError("sim_ipc: cannot open the sender's IPC handles (test stand-in)"))
+            found["sim_ipc"] = broken
+            return found
+
+        receiver.backend.transports = transports
+        try:
+            receiver.receive(lambda pairs: None)
+        except HwsyncError as exc:
+            q.put(str(exc))
+        hold.wait(60)
 
 
 def _dying_receiver(endpoint: str) -> None:
@@ -81,6 +104,14 @@ def test_retries_after_failed_receivers_leave_no_buffers_behind(sim):
             sender.send(procs.versioned(1).items(), version=1)
         assert "protocol" in q.get(timeout=60)
         refusing.join(30)
+        hold = CTX.Event()
+        lacking = CTX.Process(target=_receiver_that_cannot_map, args=(sender.endpoint, q, hold))
+        lacking.start()
+        with pytest.raises(HwsyncError, match="cannot open the sender's IPC handles"):
+            sender.send(procs.versioned(1).items(), version=1)
+        assert "cannot open" in q.get(timeout=60)
+        hold.set()
+        lacking.join(30)
         dying = CTX.Process(target=_dying_receiver, args=(sender.endpoint,))
         dying.start()
         with pytest.raises((SyncError, RemoteError)):
