@@ -3,6 +3,8 @@
 On one model and one engine (started with hwsync's worker extension and `backend="hwsync"`),
 each round times, from the trainer's side (each ends with the engine's prefix cache reset):
 - hwsync: `VllmWeightSync.sync` of the trainer's tensors (shared buffers, pipelined);
+- one-copy: the same, from the trainer's tensors kept in hwsync's shared memory (SharedTensors):
+  references instead of packed bytes, the engine's loader reads them in place;
 - native: the same tensors through vLLM's own weight-transfer API, hwsync's trainer engine
   over `LLMClient` (start / update / finish(weight_version));
 - reload: the engine's own `reload_weights(weights_path=...)` of a checkpoint of the same
@@ -32,7 +34,7 @@ from hwsync.cli.toy_model import ToyModel, cpu_engine_env, engine_kwargs, engine
     param_count, shutdown_engine
 from hwsync.integrations.vllm.worker import HwsyncWorkerExtension
 
-METHODS = ("hwsync", "native", "reload", "safetensors", "floor")
+METHODS = ("hwsync", "one-copy", "native", "reload", "safetensors", "floor")
 #: hwsync <= 1.3x the floor and <= 1.05x the page-cached reload; native <= 1.05x hwsync; save+reload >= 1.5x hwsync
 TARGET_VS_FLOOR, TARGET_VS_RELOAD, TARGET_NATIVE, TARGET_VS_FILE = 1.3, 1.05, 1.05, 1.5
 
@@ -95,6 +97,7 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from hwsync.integrations.vllm import HwsyncTrainerInitInfo, LLMClient, VllmWeightSync
+    from hwsync.shared_params import SharedTensors
 
     repeats = max(3, args.repeats)
     toy = ToyModel(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
@@ -113,7 +116,7 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
         kwargs = engine_kwargs(base, max_model_len=128)
         kwargs["worker_extension_cls"] = f"{__name__}.{BenchWorkerExtension.__qualname__}"
         llm = LLM(**kwargs, weight_transfer_config=WeightTransferConfig(backend="hwsync"))
-        native = None
+        native = shared = None
         try:
             bucket = int(args.bucket_mb * 2**20) if args.bucket_mb else None
             native = WeightTransferTrainerFactory.trainer_init(HwsyncTrainerInitInfo(rank=0, bucket_bytes=bucket),
@@ -125,6 +128,12 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
 
                 def via_hwsync() -> None:
                     sync.sync(tensors, version=next(version))
+
+                shared = SharedTensors(tensors)
+                shared_items = list(shared.items())
+
+                def via_one_copy() -> None:
+                    sync.sync(shared_items, version=next(version))
 
                 def via_native() -> None:
                     native.send_weights(str(next(version)))  # ends with the prefix cache reset
@@ -141,7 +150,7 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
                     engine_s["floor"].append(llm.collective_rpc("hwsync_bench_reload_staged")[0])
                     llm.reset_prefix_cache()
 
-                runs = {"hwsync": via_hwsync, "native": via_native, "reload": via_reload,
+                runs = {"hwsync": via_hwsync, "one-copy": via_one_copy, "native": via_native, "reload": via_reload,
                         "safetensors": via_safetensors, "floor": via_floor}
                 times: dict[str, list[float]] = {m: [] for m in METHODS}
                 for round_ in range(repeats + 1):  # round 0 warms every path up and is not counted
@@ -155,14 +164,16 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
                           if times[m] and round_ > 0), file=sys.stderr, flush=True)
                 # the same tensors through every path must leave the engine in the same state
                 outputs = []
-                for method in ("hwsync", "native", "reload"):
+                for method in ("hwsync", "one-copy", "native", "reload"):
                     runs[method]()
                     outputs.append(engine_outputs(llm).prompt_logprobs)
-                agree = outputs[0] == outputs[1] == outputs[2]
+                agree = all(o == outputs[0] for o in outputs)
                 last_stats = sync.engine_stats
         finally:
             if native is not None:
                 native.shutdown()
+            if shared is not None:
+                shared.close()
             shutdown_engine(llm)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -176,6 +187,8 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
         "gbps": {m: nbytes / med[m] / 1e9 for m in METHODS},
         "hwsync_vs_floor": med["hwsync"] / med["floor"],
         "hwsync_vs_reload": med["hwsync"] / med["reload"],
+        "one_copy_vs_reload": med["one-copy"] / med["reload"],
+        "one_copy_vs_floor": med["one-copy"] / med["floor"],
         "native_vs_hwsync": med["native"] / med["hwsync"],
         "native_vs_reload": med["native"] / med["reload"],
         "safetensors_vs_hwsync": med["safetensors"] / med["hwsync"],
@@ -208,7 +221,9 @@ def _print_table(r: dict[str, Any]) -> None:
           f"hwsync / reload = {r['hwsync_vs_reload']:.2f}x (target <= {TARGET_VS_RELOAD}x); "
           f"native / hwsync = {r['native_vs_hwsync']:.2f}x (target <= {TARGET_NATIVE}x); "
           f"safetensors / hwsync = {r['safetensors_vs_hwsync']:.2f}x (target >= {TARGET_VS_FILE}x)")
-    print(f"engine outputs agree across hwsync, native and reload: {r['outputs_agree']}; "
+    print(f"one-copy (trainer tensors in hwsync's shared memory) / reload = {r['one_copy_vs_reload']:.2f}x, "
+          f"/ floor = {r['one_copy_vs_floor']:.2f}x")
+    print(f"engine outputs agree across hwsync, one-copy, native and reload: {r['outputs_agree']}; "
           f"targets met: {r['targets_met']}")
 
 
