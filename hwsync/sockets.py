@@ -109,24 +109,40 @@ def connect_control(ctx: zmq.Context, endpoint: Endpoint, *, linger_ms: int = 10
     return sock, watch
 
 
-class ConnectionWatch:
-    """The monitor of a connecting socket: raises once the connection to the bound side is gone."""
+class _SocketMonitor:
+    """A socket's ZeroMQ monitor for `events`, pollable, closed before the socket."""
 
-    def __init__(self, sock: zmq.Socket, address: str) -> None:
-        self.address = address
+    def __init__(self, sock: zmq.Socket, events: int) -> None:
         self._sock = sock
         # a name of its own: pyzmq's default is made from the socket's fd, which a socket opened right after
         # this one closed may reuse while the old monitor's inproc name is still taken
         self._monitor: zmq.Socket | None = sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED,
-            addr=f"inproc://hwsync-monitor-{secrets.token_hex(8)}")
-        self.connected = False
-        self.gone: str | None = None
+            events, addr=f"inproc://hwsync-monitor-{secrets.token_hex(8)}")
 
     def fileno_or_socket(self) -> zmq.Socket:
         """The monitor socket, readable when an event arrived."""
         assert self._monitor is not None
         return self._monitor
+
+    def close(self) -> None:
+        """Stop monitoring (before the socket closes); safe to call twice."""
+        if self._monitor is not None:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(linger=0)
+            self._monitor = None
+
+
+class ConnectionWatch(_SocketMonitor):
+    """The monitor of a connecting socket: raises once the connection to the bound side is gone."""
+
+    def __init__(self, sock: zmq.Socket, address: str) -> None:
+        super().__init__(sock, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
+        self.address = address
+        self.connected = False
+        self.gone: str | None = None
 
     def check(self, what: str) -> None:
         """Read the events so far; raise SyncTimeout when the peer went away, ProtocolError for a failed handshake."""
@@ -145,33 +161,14 @@ class ConnectionWatch:
             raise SyncTimeout(f"the connection to {self.address} closed while {what}: the other side exited or was "
                             "closed (check its log)")
 
-    def close(self) -> None:
-        """Stop monitoring (before the socket closes); safe to call twice."""
-        if self._monitor is not None:
-            try:
-                self._sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            self._monitor.close(linger=0)
-            self._monitor = None
-
-
-class ConnectionLog:
+class ConnectionLog(_SocketMonitor):
     """The monitor of a bound socket: logs the connections ZeroMQ dropped or refused (never raises)."""
 
     def __init__(self, sock: zmq.Socket, where: str) -> None:
+        super().__init__(sock, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
         self.where = where
-        self._sock = sock
-        self._monitor: zmq.Socket | None = sock.get_monitor_socket(
-            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED,
-            addr=f"inproc://hwsync-monitor-{secrets.token_hex(8)}")
         self._last: dict[str, float] = {}
         self._counts: dict[str, int] = {}
-
-    def fileno_or_socket(self) -> zmq.Socket:
-        """The monitor socket, readable when an event arrived."""
-        assert self._monitor is not None
-        return self._monitor
 
     def check(self, what: str = "") -> None:
         """Log the events so far: accepted connections (debug), dropped ones, failed handshakes."""
@@ -195,16 +192,6 @@ class ConnectionLog:
             count, self._counts[key] = self._counts[key], 0
             log.log(level, "hwsync: %s %s%s", self.where, text, f" ({count} times)" if count > 1 else "")
             self._last[key] = now
-
-    def close(self) -> None:
-        """Stop monitoring (before the socket closes); safe to call twice."""
-        if self._monitor is not None:
-            try:
-                self._sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            self._monitor.close(linger=0)
-            self._monitor = None
 
 
 def peer_address(part: Any) -> str:
