@@ -14,6 +14,24 @@ from hwsync import CollectiveReceiver, WeightReceiver, WeightSender
 import transfer_procs as procs
 
 
+def _receive_and_report(receiver, q) -> bool:
+    """Receive one sync; report its digests and version, or the error (with when); whether it succeeded."""
+    got: dict[str, list] = {}
+
+    def load(pairs):
+        for name, t in pairs:
+            got[name] = procs.digest(t)
+
+    t0 = time.monotonic()
+    try:
+        receiver.receive(load)
+        q.put({"digests": got, "version": receiver.version})
+        return True
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        q.put({"error": f"{type(exc).__name__}: {exc}", "after_s": time.monotonic() - t0, "at": time.time()})
+        return False
+
+
 def serve(endpoint: str, q, doorbell: bool = True, timeout_s: float = 30.0) -> None:
     """Receive syncs until killed; report each one's digests and version, or the error."""
     if not doorbell:
@@ -22,18 +40,7 @@ def serve(endpoint: str, q, doorbell: bool = True, timeout_s: float = 30.0) -> N
     receiver = WeightReceiver(endpoint, timeout_s=timeout_s)
     q.put({"up": os.getpid()})
     while True:
-        got: dict[str, list] = {}
-
-        def load(pairs):
-            for name, t in pairs:
-                got[name] = procs.digest(t)
-
-        t0 = time.monotonic()
-        try:
-            receiver.receive(load)
-            q.put({"digests": got, "version": receiver.version})
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            q.put({"error": f"{type(exc).__name__}: {exc}", "after_s": time.monotonic() - t0, "at": time.time()})
+        _receive_and_report(receiver, q)
 
 
 def serve_collective(endpoint: str, q, rank: int = 0, timeout_s: float = 30.0, proto: int | None = None,
@@ -57,21 +64,8 @@ def serve_collective(endpoint: str, q, rank: int = 0, timeout_s: float = 30.0, p
     receiver = CollectiveReceiver(endpoint, rank=rank, timeout_s=timeout_s, backend=backend)
     misfit = proto is not None or toy or rank > 0
     q.put({"up": os.getpid()})
-    while True:
-        got: dict[str, list] = {}
-
-        def load(pairs):
-            for name, t in pairs:
-                got[name] = procs.digest(t)
-
-        t0 = time.monotonic()
-        try:
-            receiver.receive(load)
-            q.put({"digests": got, "version": receiver.version})
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            q.put({"error": f"{type(exc).__name__}: {exc}", "after_s": time.monotonic() - t0})
-            if misfit:
-                break
+    while _receive_and_report(receiver, q) or not misfit:
+        pass
     receiver.close()
 
 
