@@ -55,6 +55,8 @@ def find_shared(tensor: torch.Tensor) -> tuple[SegmentSpec, int] | None:
 
     Only contiguous host tensors qualify, at an aligned offset: anything else goes the packed way.
     """
+    if not _live:  # the common case, a process that shares nothing: no per-tensor work on the packed path
+        return None
     if tensor.device.type != "cpu" or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or not tensor.numel():
         return None
     if not tensor.is_contiguous():
