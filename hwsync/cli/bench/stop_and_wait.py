@@ -1,7 +1,9 @@
 """The baseline of `hwsync bench transfer`: the single-buffer, stop-and-wait design peers ship.
 
-One shared buffer; the sender packs a bucket, sends its frame and waits for the ack before
-packing the next. The receiver reassembles split tensors into fresh memory, as those designs do.
+One buffer of the same transport hwsync's run uses (a host segment on the CPU, a GPU buffer
+shared by CUDA IPC on a GPU): the sender packs a bucket, publishes it, sends its frame and waits
+for the ack before packing the next. The receiver reassembles split tensors into fresh memory, as
+those designs do, and releases the buffer before it acks.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import msgpack
 import torch
 import zmq
 
-from hwsync.bucket import align_up
+from hwsync.bucket import align_up, copy_bytes
+from hwsync.interfaces import ReceiveBuffers, Transport
 from hwsync.manifest import dtype_from_name, dtype_name
 
 Named = list[tuple[str, torch.Tensor]]
@@ -30,11 +33,10 @@ def unpack(data: bytes) -> dict[str, Any]:
     return msgpack.unpackb(data, raw=False)
 
 
-def stop_and_wait_receive(sock: zmq.Socket, load: Callable[[Named], None], timeout_s: float) -> None:
-    """Receive stop-and-wait syncs into `load` until the sender says "end"."""
-    from hwsync.shm import SharedSegment
-
-    segment: SharedSegment | None = None
+def stop_and_wait_receive(sock: zmq.Socket, transport: Transport, load: Callable[[Named], None],
+                          timeout_s: float) -> None:
+    """Receive stop-and-wait syncs over `transport` into `load` until the sender says "end"."""
+    buffers: ReceiveBuffers | None = None
     partial: dict[str, torch.Tensor] = {}
     try:
         while True:
@@ -44,42 +46,42 @@ def stop_and_wait_receive(sock: zmq.Socket, load: Callable[[Named], None], timeo
             if frame["t"] == "end":
                 return
             if frame["t"] == "bucket":
-                if segment is None:
-                    segment = SharedSegment(frame["segment"], frame["size"], create=False)
-                view, out = segment.tensor, []
+                if buffers is None:
+                    buffers = transport.open_receiver(frame["handles"])
+                view, out = buffers.view(0, frame["used"]), []
                 for name, dt, shape, off, coff, cbytes, total in frame["entries"]:
                     piece, dtype = view[off : off + cbytes], dtype_from_name(dt)
                     if cbytes == total:
                         out.append((name, piece.view(dtype).view(shape)))
                         continue
                     if coff == 0:
-                        partial[name] = torch.empty(total, dtype=torch.uint8)
-                    partial[name][coff : coff + cbytes].copy_(piece)
+                        partial[name] = torch.empty(total, dtype=torch.uint8, device=view.device)
+                    copy_bytes(partial[name], coff, view, off, cbytes)
                     if coff + cbytes == total:
                         out.append((name, partial.pop(name).view(dtype).view(shape)))
                 load(out)
-                del out, view, piece
+                del out, view
+                buffers.release(0)
             sock.send(pack({"t": "ack"}))
     finally:
-        if segment is not None:
-            segment.close()
+        if buffers is not None:
+            buffers.close()
 
 
 class StopAndWait:
     """The design peers ship: one shared buffer; pack a bucket, send its frame, wait for the ack."""
 
-    def __init__(self, sock: zmq.Socket, bucket_bytes: int, alive: Callable[[], bool], timeout_s: float) -> None:
-        from hwsync.shm import SharedSegment
-
+    def __init__(self, sock: zmq.Socket, transport: Transport, bucket_bytes: int, alive: Callable[[], bool],
+                 timeout_s: float) -> None:
         self.sock, self.bucket_bytes, self.alive, self.timeout_s = sock, bucket_bytes, alive, timeout_s
-        self.segment = SharedSegment.create(bucket_bytes)
+        self.buffers = transport.open_sender(bucket_bytes, 1)
         self.entries: list[list[Any]] = []
         self.used = 0
 
     def send(self, named: Named) -> float:
         """One sync, in seconds (until the receiver acknowledged the end)."""
         t0 = time.perf_counter()
-        buf = self.segment.tensor
+        buf = self.buffers.buffer(0)
         for name, tensor in named:
             flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
             total, done, meta = flat.numel(), 0, (name, dtype_name(tensor.dtype), list(tensor.shape))
@@ -91,7 +93,7 @@ class StopAndWait:
                     self._flush()
                     continue
                 take = min(self.bucket_bytes - start, total - done)
-                buf[start : start + take].copy_(flat[done : done + take])
+                copy_bytes(buf, start, flat, done, take, non_blocking=True)  # published before the frame
                 self.entries.append([*meta, start, done, take, total])
                 self.used, done = start + take, done + take
                 if done >= total:
@@ -102,7 +104,8 @@ class StopAndWait:
         return time.perf_counter() - t0
 
     def _flush(self) -> None:
-        self._exchange({"t": "bucket", "segment": self.segment.name, "size": self.bucket_bytes,
+        self.buffers.publish(0, self.used)
+        self._exchange({"t": "bucket", "handles": self.buffers.handles(), "used": self.used,
                         "entries": self.entries})
         self.entries, self.used = [], 0
 
@@ -111,8 +114,8 @@ class StopAndWait:
         return await_reply(self.sock, self.alive, self.timeout_s)
 
     def close(self) -> None:
-        """Unlink the shared buffer."""
-        self.segment.close()
+        """Free the buffer (unlink its segment)."""
+        self.buffers.close()
 
 
 def await_reply(sock: zmq.Socket, alive: Callable[[], bool], timeout_s: float) -> dict[str, Any]:

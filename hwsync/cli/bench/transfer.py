@@ -30,7 +30,7 @@ import zmq
 
 from hwsync.cli.bench.stop_and_wait import StopAndWait, await_reply, pack
 from hwsync.cli.bench.transfer_parts import Spec, _receiver_main, bench_device, build, concurrent_copy_gbps, \
-    copy_gbps
+    copy_gbps, host_to_device_gbps
 from hwsync.control import private_ipc_dir, remove_ipc_dir
 from hwsync.manifest import dtype_name
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -126,6 +126,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     shared_syncs = args.syncs if args.source == "both" else 0
     memcpy = copy_gbps(args.copy_mib << 20)
     both = concurrent_copy_gbps(args.copy_mib << 20)
+    h2d = host_to_device_gbps(args.copy_mib << 20)
     ipc_dir = private_ipc_dir()
     baseline_addr = f"ipc://{ipc_dir}/baseline"
     ctx = zmq.Context()
@@ -138,11 +139,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     saw: StopAndWait | None = None
     progress = _Progress(2 * args.syncs + shared_syncs)
     try:
-        sender = WeightSender(bucket_bytes=bucket, num_buffers=args.num_buffers, timeout_s=args.timeout)
+        sender = WeightSender(bucket_bytes=bucket, num_buffers=args.num_buffers, transport=args.transport,
+                              timeout_s=args.timeout)
+        # the baseline runs over the transport hwsync's run picked, one buffer of it
+        transport = get_backend().transports()[args.transport] if args.transport else get_backend().default_transport()
         proc = mp.get_context("spawn").Process(
             target=_receiver_main, daemon=True,
-            args=(sender.endpoint, baseline_addr, json.dumps(spec), args.syncs, shared_syncs, args.threads,
-                  args.timeout, args.receive == "into"))
+            args=(sender.endpoint, baseline_addr, transport.name, json.dumps(spec), args.syncs, shared_syncs,
+                  args.threads, args.timeout, args.receive == "into"))
         proc.start()
         runs, one_copy = [], []
         for v in range(args.syncs):
@@ -157,7 +161,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         sender.close()
         alive = proc.is_alive
         hello = await_reply(sock, alive, args.timeout)
-        saw = StopAndWait(sock, baseline_bucket, alive, args.timeout)
+        saw = StopAndWait(sock, transport, baseline_bucket, alive, args.timeout)
         base = []
         for _ in range(args.syncs):
             base.append(saw.send(named))
@@ -195,7 +199,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "num_buffers": runs[-1].num_buffers,
         "receive": args.receive, "baseline_bucket_bytes": baseline_bucket, "pool": runs[-1].notes.get("pool"),
         "syncs": args.syncs, "hwsync_gbps": hw, "stop_and_wait_gbps": sw, "copy_gbps": memcpy,
-        "concurrent_copy_gbps": both, "two_copy_ceiling_gbps": both / 2,
+        "concurrent_copy_gbps": both, "host_to_device_gbps": h2d,
+        "hwsync_vs_host_to_device": hw / h2d if h2d else None, "two_copy_ceiling_gbps": both / 2,
         "hwsync_vs_copy": hw / memcpy, "hwsync_vs_two_copy_ceiling": hw / (both / 2), "hwsync_vs_stop_and_wait": hw / sw,
         "hwsync_s": hw_s, "stop_and_wait_s": sw_s,
         "one_copy_gbps": oc, "one_copy_s": oc_s, "one_copy_vs_copy": oc / memcpy if oc else None,
@@ -227,6 +232,9 @@ def add_bench_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", choices=["both", "packed"], default="both",
                         help="both: also sync the same tensors from hwsync's shared memory, by reference (one copy "
                              "per byte); packed: only the packed path")
+    parser.add_argument("--transport", default=None,
+                        help="hwsync's transport by name (default: the backend's first usable one; `hwsync info` "
+                             "lists them, e.g. cuda_ipc or shm on a GPU)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each process")
     parser.add_argument("--copy-mib", type=int, default=1024, help="size of the copy reference in MiB")
     parser.add_argument("--timeout", type=float, default=120.0, help="timeout_s of every wait")
@@ -272,6 +280,9 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
             ("hwsync / copy", f"{r['hwsync_vs_copy']:.2f}x", ""),
             ("hwsync / two-copy ceiling", f"{r['hwsync_vs_two_copy_ceiling']:.2f}x", ""),
             ("hwsync / stop-and-wait", f"{r['hwsync_vs_stop_and_wait']:.2f}x", "")]
+    if r["host_to_device_gbps"]:  # on an accelerator: the reference for a transport staged in host memory
+        rows[4:4] = [("pinned host-to-device copy", f"{r['host_to_device_gbps']:.2f}", "")]
+        rows += [("hwsync / host-to-device", f"{r['hwsync_vs_host_to_device']:.2f}x", "")]
     if r["one_copy_gbps"]:
         rows[1:1] = [("hwsync one-copy (shared)", f"{r['one_copy_gbps']:.2f}", f"{r['one_copy_s']:.3f}")]
         rows += [("one-copy / copy", f"{r['one_copy_vs_copy']:.2f}x", ""),

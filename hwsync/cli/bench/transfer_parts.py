@@ -43,6 +43,30 @@ def copy_gbps(nbytes: int = 1 << 30, repeat: int = 3) -> float:
     return nbytes / best / 1e9
 
 
+def host_to_device_gbps(nbytes: int = 1 << 30, repeat: int = 3) -> float | None:
+    """Copy bandwidth from pinned host memory onto the backend's device, best of `repeat`, in GB/s; None on the CPU.
+
+    The reference for a transport that stages buckets in host memory (the shm transport on a GPU or NPU).
+    """
+    from hwsync.registry import get_backend
+
+    device = get_backend().device()
+    target, sync = device.torch_device(), device.synchronize
+    if target.type == "cpu":
+        return None
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    pinned = device.pin_host_memory(src)
+    try:
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=target)
+        dst.copy_(src, non_blocking=pinned)
+        sync()
+        best = min(_timed(lambda: (dst.copy_(src, non_blocking=pinned), sync())) for _ in range(repeat))
+    finally:
+        if pinned:
+            device.unpin_host_memory(src)
+    return nbytes / best / 1e9
+
+
 def _copy_worker(nbytes: int, barrier: Any, q: Any) -> None:
     torch.set_num_threads(1)
     device, sync = bench_device()
@@ -78,8 +102,8 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def _receiver_main(endpoint: str, baseline: str, spec_json: str, syncs: int, shared_syncs: int, threads: int,
-                   timeout_s: float, into: bool) -> None:
+def _receiver_main(endpoint: str, baseline: str, transport: str, spec_json: str, syncs: int, shared_syncs: int,
+                   threads: int, timeout_s: float, into: bool) -> None:
     """The spawned engine stand-in: packed syncs, one-copy syncs, then stop-and-wait syncs, same destinations."""
     torch.set_num_threads(threads)
     from hwsync.colocated.receiver import WeightReceiver
@@ -126,7 +150,9 @@ def _receiver_main(endpoint: str, baseline: str, spec_json: str, syncs: int, sha
     try:
         sock.send(pack({"t": "hello", "error": errors[0] or errors[1], "load_s": load_s[:syncs],
                         "engine_s": engine_s[:syncs]}))
-        stop_and_wait_receive(sock, load, timeout_s)
+        from hwsync.registry import get_backend
+
+        stop_and_wait_receive(sock, get_backend().transports()[transport], load, timeout_s)
         sock.send(pack({"t": "bye", "error": check()}))
     finally:
         sock.close()
