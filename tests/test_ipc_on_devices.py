@@ -111,3 +111,15 @@ def test_the_reader_reassembles_on_the_device_it_was_begun_on_not_the_views(sim)
     assert name == "w" and tensor.device == here, f"reassembled on {tensor.device}, not the receiver's {here}"
     assert torch.equal(tensor.cpu(), data)
     reader.clear()
+
+
+def test_device_tensors_packed_into_pinned_shm_segments_are_published_only_when_the_copies_ran(sim):
+    """The shm transport on a device pins its segments (as hwsync_cuda's does, for full-speed copies), so
+    packing device tensors into them is a non_blocking copy queued on the stream: publish() must wait for
+    the device. Without that wait the receiver reads segments the copies have not filled yet."""
+    here = sim.device().torch_device()
+    for version in (1, 2):
+        tensors = {name: t.to(here) for name, t in procs.versioned(version).items()}
+        result = _sync_to_a_receiver(tensors, "shm")
+        assert "error" not in result, result
+        assert result["digests"] == procs.digests(tensors), f"sync {version}: the receiver read unfinished bytes"

@@ -23,7 +23,8 @@ What an operation does (see hwsync_sim.runtime for the device model):
 - copies: host to device reads the source at once (pageable memory is staged) and writes the
   device bytes later on the stream, except from host memory pinned with SimDevice.pin_host_memory,
   which (as cudaHostRegister'd memory on CUDA) is read only when the copy runs; device to device runs later on the stream; device to host
-  waits for the stream, as a copy into pageable memory does. So a destination read early has
+  waits for the stream, as a copy into pageable memory does, except a non_blocking copy into
+  pinned memory, which (as on CUDA) is queued and returns at once. So a destination read early has
   the old bytes;
 - any other kernel is queued on the stream too (its outputs' shapes come from meta tensors);
   one that returns a value to the host (item, equal) waits for the stream, as on a GPU;
@@ -137,7 +138,7 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if func.is_view:
         return _view(func, args, kwargs)
     if func is aten.copy_.default:
-        return copy(args[0], args[1])
+        return copy(args[0], args[1], bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False)))
     if func is aten._to_copy.default:
         return _to_copy(*args, **kwargs)
     if func is aten.record_stream.default:
@@ -166,7 +167,7 @@ def _view(func: Any, args: tuple, kwargs: dict) -> Any:
                                                                   o.dtype), out)
 
 
-def copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+def copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     """dst.copy_(src) with a sim tensor on either side (see the module doc for the timing)."""
     rt = runtime()
     if src.shape != dst.shape and torch.broadcast_shapes(src.shape, dst.shape) != dst.shape:
@@ -192,8 +193,11 @@ def copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     else:
         s = as_sim(src)
         rt.require_current(s.device.index, "a device-to-host copy")
-        # into pageable host memory the copy returns only once it (and all work before it) is done
-        rt.stream(s.device.index).call(lambda: dst.copy_(host_view(s)))
+        if non_blocking and rt.is_pinned(dst):  # into pinned memory, as on CUDA: queued, returns at once
+            target = dst.detach()
+            rt.stream(s.device.index).enqueue(lambda: target.copy_(host_view(s)))
+        else:  # into pageable host memory the copy returns only once it (and all work before it) is done
+            rt.stream(s.device.index).call(lambda: dst.copy_(host_view(s)))
     return dst
 
 
@@ -326,7 +330,7 @@ def _empty_strided(size: Any, stride: Any, dtype: Any = None, layout: Any = None
 
 
 def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-    return copy(dst, src)
+    return copy(dst, src, non_blocking)
 
 
 _libraries: list = []
