@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The CUDA path on a real NVIDIA GPU: install, the CUDA tests, the round trip and the transfer benchmarks.
+#
+# Run on a GPU machine whose Python already has a CUDA build of torch, msgpack and pytest (pyzmq and
+# stevedore come as wheels in .whl/ where the machine has no package registry; see docs/cuda.md):
+#   bash ci/gpu.sh [LOG_DIR] [STEPS]
+# STEPS (default all): any of install,tests,suite,roundtrip,bench,bench-load,bench-shm, comma-separated.
+# Every step runs under its own time limit and the script goes on after a failure, so one run shows
+# everything; each step's log lands in LOG_DIR (default ./gpu-logs) and the summary in LOG_DIR/summary.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG=${1:-gpu-logs}
+STEPS=${2:-install,tests,suite,roundtrip,bench,bench-load,bench-shm}
+GB=${HWSYNC_GPU_BENCH_GB:-4}
+mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1 HWSYNC_BACKEND=cuda
+PY=${PYTHON:-python3}
+summary() { echo "$*" | tee -a "$LOG/summary.txt"; }
+step() {  # step NAME LIMIT_S COMMAND...: run one step, log it, record its exit status
+  local name=$1 limit=$2; shift 2
+  [[ ",$STEPS," == *",$name,"* ]] || return 0
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$LOG/$name.log" 2>&1
+  local rc=$?
+  summary "$name: exit $rc in $((SECONDS - t0)) s"
+  tail -n 25 "$LOG/$name.log"
+}
+
+wheels=()
+[ -d .whl ] && wheels=(.whl/*.whl)
+step install 300 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation "${wheels[@]}" \
+  -e . -e backends/cpu -e backends/cuda -e backends/npu -e tests/plugins/hwsync_sim
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+  "$PY" -m hwsync.cli info; } >"$LOG/machine.txt" 2>&1
+cat "$LOG/machine.txt"
+# the CUDA-only files, then every backend-parametrized test's cuda case
+step tests 300 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 -rs \
+  tests/test_cuda_backend.py tests/test_cuda_ipc.py tests/test_cuda_expandable_segments.py tests/test_offload.py \
+  tests/test_transfer.py tests/test_into.py -k "cuda or gpu or not (cpu or sim or npu)"
+step suite 330 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 -rs tests -k "cuda" \
+  --ignore=tests/test_cuda_backend.py --ignore=tests/test_cuda_ipc.py \
+  --ignore=tests/test_cuda_expandable_segments.py --ignore=tests/test_offload.py \
+  --ignore=tests/test_transfer.py --ignore=tests/test_into.py
+step roundtrip 90 "$PY" -m hwsync.cli roundtrip
+step bench 240 "$PY" -m hwsync.cli bench transfer --gb "$GB" --syncs 6 --receive into --json
+step bench-load 240 "$PY" -m hwsync.cli bench transfer --gb "$GB" --syncs 6 --receive load --source packed --json
+step bench-shm 240 "$PY" -m hwsync.cli bench transfer --gb "$GB" --syncs 6 --transport shm --json
+cat "$LOG/summary.txt"
