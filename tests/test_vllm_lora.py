@@ -178,6 +178,22 @@ def test_a_weight_overwritten_behind_hwsyncs_back_sends_the_base_again(llm, refe
     assert engine_state(sync)["engine"]["base_intact"] is True
 
 
+def test_a_sync_that_does_not_plan_keeps_no_fingerprint_and_the_next_plan_sends_the_base(llm, reference, trainer,
+                                                                                         sync, base_dir):
+    from vllm_helpers import checkpoint_tensors
+
+    sync.sync(trainer.model, version=70)  # planned: the base is checked before and fingerprinted after
+    assert engine_state(sync)["engine"]["base_intact"] is True
+    sync.sync(checkpoint_tensors(base_dir), version=71)  # plain pairs: no check before, no fingerprint after
+    status = engine_state(sync)
+    assert status["engine"]["has_base"] is False and "did not plan" in status["base_check"]
+    adapter_dir = trainer.train()
+    stats = sync.sync(trainer.model, version=72)
+    assert stats.notes["plan"]["send"] == "base_then_adapters"
+    assert_serves(llm, reference, trainer, adapter_dir)
+    assert engine_state(sync)["engine"]["base_intact"] is True
+
+
 def _rewrite_layer0_qkv(worker: Any, tensors: list[tuple[str, torch.Tensor]]) -> None:
     # vLLM's own layerwise reload, not hwsync's receiver: hwsync's records are not told
     from hwsync.integrations.vllm.loading import LayerwiseReload, Target

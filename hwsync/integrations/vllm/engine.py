@@ -48,11 +48,13 @@ class HwsyncInitInfo(WeightTransferInitInfo):
 @dataclass
 class HwsyncUpdateInfo(WeightTransferUpdateInfo):
     """One sync: the vLLM weight version it becomes (the worker reports it), optionally a new endpoint,
-    and the LoRA adapter whose tensors end the sync (AdapterSpec.to_dict()), if any."""
+    the LoRA adapter whose tensors end the sync (AdapterSpec.to_dict()), if any, and whether it plans."""
 
     weight_version: str | None = None
     endpoint: str | None = None
     adapter: dict[str, Any] | None = None
+    #: the trainer plans from the workers' state (a TrainerModel): they check their base's fingerprint
+    plans: bool = True
 
 
 class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpdateInfo]):
@@ -81,7 +83,8 @@ class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpda
         adapter = None if update_info.adapter is None else AdapterSpec.parse(update_info.adapter)
         self.worker.receive(update_info.endpoint or init.endpoint, self.target(),
                             timeout_s=float(init.timeout_s), allow_partial=bool(init.allow_partial),
-                            weight_version=update_info.weight_version, adapter=adapter)
+                            weight_version=update_info.weight_version, adapter=adapter,
+                            plans=bool(update_info.plans))
 
     def finish_weight_update(self) -> None:
         """Nothing left to do: update_weights finalized the reload (vLLM sets the version itself).

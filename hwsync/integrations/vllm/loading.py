@@ -204,6 +204,8 @@ class WorkerSync:
         self._fingerprints: dict[int, Fingerprint] = {}
         #: per model: why its base is not what the last complete sync left, when a sync broke while loading it
         self._broken: dict[int, str] = {}
+        #: models whose base last came by a sync that did not plan: it keeps no fingerprint (see receive)
+        self._unplanned: set[int] = set()
 
     def connect(self, endpoint: str, timeout_s: float) -> WeightReceiver:
         """The receiver for `endpoint`: kept across syncs of one sender (its socket and mappings serve each)."""
@@ -230,6 +232,9 @@ class WorkerSync:
         if key in self._broken:
             return True, False, self._broken[key]
         if key not in self._fingerprints:
+            if key in self._unplanned:
+                return False, None, ("no fingerprint: the last base weights came by a sync that did not plan, and "
+                                     "such syncs keep none; a planned sync (TrainerModel) sends the base and takes one")
             return False, None, "no base weights received through hwsync yet"
         before = self._fingerprints[key]
         changed = before.changed(Fingerprint.take(target.model))
@@ -240,9 +245,10 @@ class WorkerSync:
                                  f"the last complete sync, e.g. {changed[0]!r}")
         return True, True, f"unchanged since the last complete sync ({seen['tensors']} tensors, {seen['kernels']} kernels)"
 
-    def state(self, target: Target | None = None) -> dict[str, Any]:
+    def state(self, target: Target | None = None, check_base: bool = True) -> dict[str, Any]:
         """What this worker holds: versions, whether a sync broke midway, and for a model the planner's
-        EngineState (checked, not assumed), the check's finding and the LoRA adapters."""
+        EngineState (checked, not assumed; `check_base=False` skips the fingerprint check and reports the
+        base as unknown), the check's finding and the LoRA adapters."""
         receiver = self.receiver
         version = self.version
         out: dict[str, Any] = {
@@ -254,7 +260,8 @@ class WorkerSync:
         if target is None:
             return out
         out["model"] = str(target.model_config.model)
-        has_base, intact, seen = self.base_check(target)
+        has_base, intact, seen = self.base_check(target) if check_base else (
+            False, None, "not checked: the sender of this sync does not plan from it")
         # sleep is not seen from here (vLLM's worker handles it); what a sleep did to the weights is,
         # through the fingerprint: level 0 / not freed, with base_intact saying what is really there
         out["engine"] = EngineState(sleep_level=0, weights_freed=False, has_base=has_base, version=version,
@@ -264,9 +271,15 @@ class WorkerSync:
         return out
 
     def receive(self, endpoint: str, target: Target, *, timeout_s: float, allow_partial: bool = False,
-                weight_version: str | None = None, adapter: AdapterSpec | None = None) -> dict[str, Any]:
+                weight_version: str | None = None, adapter: AdapterSpec | None = None, plans: bool = True
+                ) -> dict[str, Any]:
         """Receive one sync from `endpoint` into `target` (its trailing tensors `adapter`'s, if given);
-        returns this worker's stats as a dict."""
+        returns this worker's stats as a dict.
+
+        `plans`: the sender plans from this worker's state. Only then is the base checked against its
+        fingerprint before the sync and a new fingerprint taken after it (each check reads every weight
+        once, ~15 ms for a 125M model on 2 CPU cores); a sync that does not plan drops the fingerprint,
+        so a later planned sync finds none and sends the base."""
         receiver = self.connect(endpoint, timeout_s)
 
         def check(announced: list[TensorSpec]) -> frozenset[str]:
@@ -286,10 +299,16 @@ class WorkerSync:
             loading_base.append(True)
             self._broken[model] = "a sync broke while loading base weights: the model holds a mix of old and new"
 
-        stats = load_sync(receiver, target, check, state=self.state(target), adapter=delivery, on_base=base_changes)
+        stats = load_sync(receiver, target, check, state=self.state(target, check_base=plans), adapter=delivery,
+                          on_base=base_changes)
         if loading_base:  # what this sync left is the reference from now on
-            self._fingerprints[model] = Fingerprint.take(target.model)
             self._broken.pop(model, None)
+            if plans:
+                self._fingerprints[model] = Fingerprint.take(target.model)
+                self._unplanned.discard(model)
+            else:  # the old fingerprint no longer describes the base, and none is kept for syncs that do not plan
+                self._fingerprints.pop(model, None)
+                self._unplanned.add(model)
         if adapter is not None:
             self.adapters.held[adapter.name].version = stats.version
         self.version, self.weight_version = stats.version, weight_version

@@ -122,7 +122,8 @@ class HwsyncTrainerEngine(TrainerWeightTransferEngine[HwsyncTrainerInitInfo]):
         assert self.sender is not None, "trainer_init opens the sender"
         self._rounds += 1
         number = version if version is not None else _version_number(weight_version, self._rounds)
-        update = asdict(HwsyncUpdateInfo(weight_version=weight_version, adapter=parts.adapter))
+        update = asdict(HwsyncUpdateInfo(weight_version=weight_version, adapter=parts.adapter,
+                                         plans=parts.plans))
         self.client.start_weight_update()
         outcome = send_while(lambda: self.client.update_weights(update), self.sender, parts.source, version=number,
                              manifest=parts.manifest, timeout_s=float(self.init_info.timeout_s))

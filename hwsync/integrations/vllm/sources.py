@@ -113,6 +113,12 @@ class SyncParts:
     #: the LoRA adapter's spec for the engine (AdapterSpec.to_dict()), or None
     adapter: dict[str, Any] | None = None
 
+    @property
+    def plans(self) -> bool:
+        """Whether the sender reads the engines' reported state (a TrainerModel it plans, a callable source):
+        only then do the workers check their base against its fingerprint, and keep one after loading."""
+        return isinstance(self.source, TrainerModel) or callable(self.source)
+
 
 def sync_parts(weights: Any, manifest: list[TensorSpec] | None = None) -> SyncParts:
     """Normalise what a trainer passes: weights as weights_and_manifest takes them, or a TrainerModel."""

@@ -142,7 +142,7 @@ class _EngineSync:
 
     def _receive_args(self, parts: SyncParts) -> tuple[Any, ...]:
         assert self.sender is not None
-        return (self.sender.endpoint, self.timeout_s, self.allow_partial, parts.adapter)
+        return (self.sender.endpoint, self.timeout_s, self.allow_partial, parts.adapter, parts.plans)
 
     def _drive(self, rpc: Callable[[], Any], reset_prefix_cache: Callable[[], Any], parts: SyncParts,
                version: int) -> SyncStats:

@@ -44,17 +44,18 @@ class HwsyncWorkerExtension:
         return self._hwsync_worker().state(self._hwsync_target())
 
     def hwsync_receive(self, endpoint: str, timeout_s: float | str = DEFAULT_TIMEOUT_S,
-                       allow_partial: bool | str = False, adapter: dict[str, Any] | str | None = None
-                       ) -> dict[str, Any]:
+                       allow_partial: bool | str = False, adapter: dict[str, Any] | str | None = None,
+                       plans: bool | str = True) -> dict[str, Any]:
         """Receive one sync from `endpoint` into the model (its trailing tensors `adapter`'s LoRA, if
-        given); returns this worker's stats as a dict."""
+        given; `plans`: the sender plans from this worker's state); returns this worker's stats as a dict."""
         # strings too: vLLM's HTTP /collective_rpc route passes every argument as a string (JSON for adapter)
         partial = allow_partial in (True, "1", "true", "True")
         if isinstance(adapter, str):
             adapter = json.loads(adapter) if adapter not in ("", "None", "null") else None
         spec = None if adapter is None else AdapterSpec.parse(adapter)
         return self._hwsync_worker().receive(endpoint, self._hwsync_target(), timeout_s=float(timeout_s),
-                                             allow_partial=partial, adapter=spec)
+                                             allow_partial=partial, adapter=spec,
+                                             plans=plans in (True, "1", "true", "True"))
 
     def hwsync_close(self) -> None:
         """Drop the receiver (its socket and buffer mappings); the next receive reconnects."""
