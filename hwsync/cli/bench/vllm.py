@@ -9,7 +9,8 @@ each round times, from the trainer's side (each ends with the engine's prefix ca
   over `LLMClient` (start / update / finish(weight_version));
 - reload: the engine's own `reload_weights(weights_path=...)` of a checkpoint of the same
   tensors already written and in the page cache (what vLLM does with no transfer at all);
-- safetensors: save the tensors to that file (no fsync), then the same reload;
+- safetensors: save the tensors to that file (no fsync), then the same reload; the file's dirty
+  pages are written back after the timing (untimed), so the writeback does not slow the next method;
 - floor: the engine's own layerwise reload of the same tensors already in its process
   (what any transfer adds its cost to).
 Medians over rounds after a warm-up round, in a rotating order; ratios against the floor.
@@ -160,6 +161,10 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
                         seconds, _ = _timed(runs[method])
                         if round_ > 0:
                             times[method].append(seconds)
+                        if method == "safetensors":
+                            # untimed: write the saved file's dirty pages back now, so the kernel's writeback
+                            # does not run during (and slow) whichever method comes next
+                            os.sync()
                     print(f"round {round_}/{repeats}: " + ", ".join(f"{m} {times[m][-1]:.3f}s" for m in METHODS
                           if times[m] and round_ > 0), file=sys.stderr, flush=True)
                 # the same tensors through every path must leave the engine in the same state
