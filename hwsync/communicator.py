@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from hwsync.errors import HwsyncError
 from hwsync.interfaces import Communicator
-from hwsync.timing import WORKER_JOIN_S
+from hwsync.timing import FAILED_JOIN_S, WORKER_JOIN_S
 
 log = logging.getLogger("hwsync")
 
@@ -126,7 +126,8 @@ class ProcessGroupCommunicator(Communicator):
     def destroy(self) -> None:
         """Tear the group down: shut it down, or abort it if a collective failed or has not finished.
 
-        Waits at most WORKER_JOIN_S: the release happens on a thread that holds the group's only reference.
+        Waits at most WORKER_JOIN_S (FAILED_JOIN_S for a failed or unfinished group): the release happens
+        on a thread that holds the group's only reference.
         """
         group, self._group = self._group, None
         if group is not None:
@@ -139,7 +140,8 @@ class ProcessGroupCommunicator(Communicator):
             done = threading.Thread(target=_release, args=(box, unfinished), name=f"hwsync-{self.library}-release",
                                     daemon=True)
             done.start()
-            done.join(WORKER_JOIN_S)
+            # an unfinished operation keeps an aborted group until the group's timeout, whatever we wait
+            done.join(FAILED_JOIN_S if unfinished else WORKER_JOIN_S)
             if done.is_alive():
                 log.warning("hwsync: a %s group is still being released behind an operation on a dead peer; it ends "
                             "at the group's timeout", self.library)

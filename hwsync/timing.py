@@ -28,6 +28,10 @@ PACKING_CHECK_S = 0.005
 DOORBELL_MAX_SLEEP_S = 1e-3
 #: how long a collective worker thread gets to finish its queue when its group is dropped
 WORKER_JOIN_S = 2.0
+#: the same, when the group is dropped because its sync failed: a collective stuck on a dead or stalled
+#: peer ends only at the group's own timeout however long we wait, and the caller must hear of the
+#: failure before that (the thread is abandoned; it ends at that timeout)
+FAILED_JOIN_S = 0.25
 #: extra time the trainer gives the engine's receive call after its own side finished
 RPC_GRACE_S = 30.0
 #: how long close() called from another thread waits for a running sync to send its abort and end

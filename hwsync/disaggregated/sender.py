@@ -36,7 +36,7 @@ from hwsync.protocol import Commit, Go, Joined, PlanAccept, PlanFrame, RankCompl
 from hwsync.registry import get_backend
 from hwsync.source import NamedTensors, TensorSource, checked_items, with_manifest
 from hwsync.stats import SyncStats
-from hwsync.timing import DEFAULT_TIMEOUT_S
+from hwsync.timing import DEFAULT_TIMEOUT_S, FAILED_JOIN_S, WORKER_JOIN_S
 
 log = logging.getLogger("hwsync")
 #: bucket size when none is given: large enough to amortise a collective's latency
@@ -147,7 +147,7 @@ class CollectiveSender:
                 self._hub.abort(f"{type(exc).__name__}: {exc}")
             elif self._link is not None:
                 self._link.report(exc)
-            self._drop_group()
+            self._drop_group(failed=True)
             raise
         stats.total_s = time.perf_counter() - start
         log.info("hwsync collective sender %d sent %s", self.rank, stats)
@@ -331,8 +331,11 @@ class CollectiveSender:
         self._inflight = [None] * self.num_buffers
         return self._buffers
 
-    def _drop_group(self) -> None:
-        """Tear this rank's group down (a stuck broadcast is woken by the shutdown, or abandoned)."""
+    def _drop_group(self, failed: bool = False) -> None:
+        """Tear this rank's group down (a stuck broadcast is woken by the shutdown, or abandoned).
+
+        After a failed sync the collective thread gets only FAILED_JOIN_S: one stuck on the failed peer
+        ends at the group's timeout, and the caller must hear of the failure within its own."""
         comm, worker = self._comm, self._worker
         self._comm, self._worker, self._epoch = None, None, None
         self._inflight = [None] * self.num_buffers
@@ -344,7 +347,7 @@ class CollectiveSender:
                 comm.destroy()
             except Exception as exc:  # noqa: BLE001 - a broken group may fail to shut down; it is dropped anyway
                 log.debug("hwsync: destroying a failed group raised %s", exc)
-        if worker is not None and not worker.stop():
+        if worker is not None and not worker.stop(FAILED_JOIN_S if failed else WORKER_JOIN_S):
             log.warning("hwsync: sender %d left a collective thread stuck in a dead group; it ends at the "
                         "group's timeout", self.rank)
 
