@@ -34,7 +34,7 @@ from hwsync.manifest import TensorSpec
 from hwsync.protocol import Commit, Go, Joined, PlanAccept, PlanFrame, Progress, RankComplete, Setup
 from hwsync.registry import get_backend
 from hwsync.stats import SyncStats
-from hwsync.timing import DEFAULT_TIMEOUT_S
+from hwsync.timing import DEFAULT_TIMEOUT_S, FAILED_JOIN_S, WORKER_JOIN_S
 
 log = logging.getLogger("hwsync")
 
@@ -107,7 +107,7 @@ class CollectiveReceiver:
         except BaseException as exc:
             link.report(exc)
             log.warning("hwsync collective receive failed on receiver %d: %s", self.rank, exc)
-            self._drop_groups()
+            self._drop_groups(failed=True)
             raise
         stats.total_s = time.perf_counter() - start
         return stats
@@ -197,8 +197,9 @@ class CollectiveReceiver:
         if reader.pending():
             raise SyncError(f"the sync ended with tensors incomplete: {reader.pending()[:5]}")
 
-    def _drop_groups(self) -> None:
-        """Tear the groups down; a worker stuck in a dead group's broadcast is abandoned."""
+    def _drop_groups(self, failed: bool = False) -> None:
+        """Tear the groups down; a worker stuck in a dead group's broadcast is abandoned (after a failed
+        sync at once: FAILED_JOIN_S, as the sender does)."""
         comms, worker = self._comms, self._worker
         self._comms, self._worker, self._epoch, self._arrived = [], None, None, {}
         self._link.workers = []
@@ -208,7 +209,7 @@ class CollectiveReceiver:
                     comm.destroy()
                 except Exception as exc:  # noqa: BLE001 - a broken group may fail to shut down; dropped anyway
                     log.debug("hwsync: destroying a failed group raised %s", exc)
-        if worker is not None and not worker.stop():
+        if worker is not None and not worker.stop(FAILED_JOIN_S if failed else WORKER_JOIN_S):
             log.warning("hwsync: receiver %d left a collective thread stuck in a dead group; it ends at the "
                         "group's timeout", self.rank)
 
