@@ -7,6 +7,7 @@ has returned, and the tests check that nothing a receiver reads changes before t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -18,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from hwsync import SharedParameters, SyncTimeout, WeightSender, share_parameters
 from hwsync.colocated.sender import WeightSender as _Sender
@@ -27,17 +27,13 @@ from hwsync.shared_params import find_shared, live_segments
 from hwsync.shm import leftover_segments
 
 import shared_procs as procs
-from transfer_procs import digests
+from transfer_procs import digests, start_receiver as spawn_receiver
 
 HERE = Path(__file__).parent
-CTX = mp.get_context("spawn")
 
 
-def start_receiver(endpoint: str, syncs: int = 1, **kwargs):
-    q = CTX.Queue()
-    p = CTX.Process(target=procs.receive_digests, args=(endpoint, syncs, q), kwargs=kwargs)
-    p.start()
-    return p, q
+#: a receiver process running shared_procs.receive_digests: (process, result queue)
+start_receiver = functools.partial(spawn_receiver, procs.receive_digests)
 
 
 def _step(net: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:

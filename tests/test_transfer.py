@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import functools
 import json
 import os
 import signal
@@ -27,11 +28,8 @@ HERE = Path(__file__).parent
 CTX = mp.get_context("spawn")
 
 
-def start_receiver(endpoint: str, syncs: int = 1, **kwargs):
-    q = CTX.Queue()
-    p = CTX.Process(target=procs.receive_n, args=(endpoint, syncs, q), kwargs=kwargs)
-    p.start()
-    return p, q
+#: a receiver process running transfer_procs.receive_n: (process, result queue)
+start_receiver = functools.partial(procs.start_receiver, procs.receive_n)
 
 
 SIM_COVERS = "the 4 KiB-bucket matrix (every dtype) and the big split tensor run there"

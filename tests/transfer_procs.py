@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+import multiprocessing as mp
+
 import torch
 
 from hwsync import WeightReceiver, WeightSender
@@ -70,6 +72,15 @@ def digest(t: torch.Tensor) -> list:
 def digests(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
     """Digest of every tensor."""
     return {n: digest(t) for n, t in tensors.items()}
+
+
+def start_receiver(target, endpoint: str, syncs: int = 1, **kwargs):
+    """Spawn `target(endpoint, syncs, q, **kwargs)` in a fresh process; (the process, its result queue)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=target, args=(endpoint, syncs, q), kwargs=kwargs)
+    p.start()
+    return p, q
 
 
 def receive_n(endpoint: str, syncs: int, q, fail_in_load: str | None = None, timeout_s: float = 30.0,
