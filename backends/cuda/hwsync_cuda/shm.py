@@ -22,6 +22,7 @@ import torch
 
 from hwsync.interfaces import Handles, ReceiveBuffers, SendBuffers
 from hwsync.shm import ShmReceiveBuffers, ShmSendBuffers, ShmTransport
+from hwsync_cuda.device import CudaDevice
 
 
 log = logging.getLogger("hwsync")
@@ -33,32 +34,29 @@ def _cuda_in_use() -> bool:
     return torch.cuda.is_initialized()
 
 
-def pin_segments(tensors: list[torch.Tensor]) -> list[int]:
-    """Page-lock each tensor's host pages for this process's GPU copies; the addresses pinned.
+def pin_segments(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Page-lock each tensor's host pages for this process's GPU copies (CudaDevice.pin_host_memory); those pinned.
 
     A refusal (the driver's limit on locked memory, say) leaves that tensor pageable: slower, still correct.
     """
-    pinned = []
+    device, pinned = CudaDevice(), []
     for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if not nbytes:
-            continue
-        err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
-        if err:
-            log.warning("hwsync: cudaHostRegister of a %d-byte shared segment failed (cudaError %d); "
-                        "its copies stay pageable (slower)", nbytes, err)
-            continue
-        pinned.append(t.data_ptr())
+        if device.pin_host_memory(t):
+            pinned.append(t)
+        elif t.numel():
+            log.warning("hwsync: cudaHostRegister of a %d-byte shared segment failed; its copies stay pageable "
+                        "(slower)", t.numel() * t.element_size())
     return pinned
 
 
-def unpin_segments(pinned: list[int]) -> None:
+def unpin_segments(pinned: list[torch.Tensor]) -> None:
     """Wait for the GPU, then unregister what pin_segments registered (before the pages are unmapped)."""
     if not pinned:
         return
     torch.cuda.synchronize()  # an async copy may still read or write the pages
-    for address in pinned:
-        torch.cuda.cudart().cudaHostUnregister(address)
+    device = CudaDevice()
+    for t in pinned:
+        device.unpin_host_memory(t)
     pinned.clear()
 
 
@@ -67,7 +65,7 @@ class CudaShmSendBuffers(ShmSendBuffers):
 
     def __init__(self, bucket_bytes: int, num_buffers: int) -> None:
         super().__init__(bucket_bytes, num_buffers)
-        self._pinned: list[int] = []
+        self._pinned: list[torch.Tensor] = []
         if _cuda_in_use():  # a sender of host tensors only never initialises CUDA for this
             self._pinned = pin_segments([s.tensor for s in self.segments])
 
@@ -92,7 +90,7 @@ class CudaShmReceiveBuffers(ShmReceiveBuffers):
         if stage_on_device and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._staging: dict[int, torch.Tensor] = {}
-        self._pinned: list[int] = []
+        self._pinned: list[torch.Tensor] = []
         if self.device is not None:
             self._pinned = pin_segments([s.tensor for s in self.segments])
 
