@@ -33,6 +33,7 @@ PYTHON_ATTRIBUTES: tuple[str, ...] = (
     "torch_npu.npu.get_device_name",
     "torch_npu.npu.ipc_collect",
     "torch_npu.npu.utils.get_cann_version",
+    "torch_npu.npu.npurt",
     "torch_npu.distributed.is_hccl_available",
 )
 
@@ -54,6 +55,9 @@ C_EXTENSION_NAMES: tuple[str, ...] = (
     "_share_npu_",
     "_new_shared_npu",
     "_release_ipc_counter_npu",
+    "_npurt",  # torch_npu._C._npurt, what torch_npu.npu.npurt() returns
+    "npuHostRegister",  # npurt().npuHostRegister(ptr, size, flags): aclrtHostRegisterV2
+    "npuHostUnregister",
 )
 
 #: Module imported for the HCCL group (the binding named above).

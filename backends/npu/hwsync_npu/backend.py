@@ -22,7 +22,7 @@ class NpuBackend(Backend):
         # NPU IPC first where the driver and CANN allow it; shared memory is always there.
         self._transports: dict[str, Transport] = {
             "npu_ipc": NpuIpcTransport(self._current_device),
-            "shm": DeviceCopyShmTransport(self._current_device),
+            "shm": DeviceCopyShmTransport(self._current_device, host=self._device),
         }
 
     def _current_device(self) -> torch.device:

@@ -10,6 +10,7 @@ different logical indices, so handles carry the physical id and each side maps i
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 from types import ModuleType
@@ -19,6 +20,7 @@ import torch
 
 from hwsync.interfaces import Device, ProbeResult
 from hwsync_npu.api import import_torch_npu, torch_npu_installed
+from hwsync_npu.host_register import HostRegister, open_host_register
 from hwsync_npu.preimport import NOTE_ENV
 
 VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
@@ -117,6 +119,8 @@ class NpuDevice(Device):
 
     def __init__(self) -> None:
         self._torch_npu: ModuleType | None = None
+        #: AscendCL's host registration, looked up at the first pin (False: not yet; None: unavailable)
+        self._host_register: HostRegister | None | bool = False
 
     def _npu(self) -> ModuleType:
         """torch_npu.npu, importing torch_npu on first use."""
@@ -192,3 +196,28 @@ class NpuDevice(Device):
             return str(self._npu().get_device_name())
         except Exception:  # an unnamed chip gets the dtypes every Ascend product reduces
             return None
+
+    def _registrar(self) -> HostRegister | None:
+        if self._host_register is False:
+            try:
+                npu = self._npu()
+            except Exception:  # no usable torch_npu: nothing to copy to, nothing to register for
+                npu = None
+            self._host_register = None if npu is None else open_host_register(npu)
+        return self._host_register  # type: ignore[return-value]
+
+    def pin_host_memory(self, tensor: torch.Tensor) -> bool:
+        """Register the tensor's pages (shared memory included) with the NPU runtime, so torch_npu copies them at
+        full speed; False where torch_npu lacks npurt, the memory does not start on a page (AscendCL requires it)
+        or the runtime refuses."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if not nbytes or tensor.device.type != "cpu" or tensor.data_ptr() % mmap.PAGESIZE:
+            return False
+        registrar = self._registrar()
+        return registrar is not None and registrar.register(tensor.data_ptr(), nbytes)
+
+    def unpin_host_memory(self, tensor: torch.Tensor) -> None:
+        """Unregister what pin_host_memory registered."""
+        registrar = self._registrar()
+        if registrar is not None:
+            registrar.unregister(tensor.data_ptr())
