@@ -119,7 +119,7 @@ class NpuDevice(Device):
 
     def __init__(self) -> None:
         self._torch_npu: ModuleType | None = None
-        #: AscendCL's host registration, looked up at the first pin (False: not yet; None: unavailable)
+        #: torch_npu's host registration (npurt), looked up at the first pin (False: not yet; None: unavailable)
         self._host_register: HostRegister | None | bool = False
 
     def _npu(self) -> ModuleType:

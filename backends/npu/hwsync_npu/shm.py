@@ -6,7 +6,7 @@ device) and hands that out. Handles are the core's shm handles, unchanged, so a 
 can read an NPU sender's buckets too. The device is a callable so the same code runs with
 "cpu" standing in for the NPU in tests.
 
-Both sides page-lock the segments they map through `host` (the NpuDevice: aclrtHostRegister):
+Both sides page-lock the segments they map through `host` (the NpuDevice: torch_npu's npuHostRegister):
 from pageable pages every copy goes through the runtime's bounce buffer. The copies here are
 synchronous, so a segment is unregistered, before it is unmapped, with no copy reading it.
 """
@@ -28,13 +28,12 @@ log = logging.getLogger("hwsync")
 
 def pin_segments(host: Device | None, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Page-lock each segment through `host`; those pinned (a refusal leaves that one pageable: slower, correct)."""
-    pinned: list[torch.Tensor] = []
-    for tensor in tensors if host is not None else []:
-        if host.pin_host_memory(tensor):
-            pinned.append(tensor)
-        else:
-            log.warning("hwsync: a %d-byte shared segment could not be page-locked; its NPU copies stay pageable "
-                        "(slower)", tensor.numel() * tensor.element_size())
+    if host is None:
+        return []
+    pinned = [tensor for tensor in tensors if host.pin_host_memory(tensor)]
+    if len(pinned) < len(tensors):
+        log.warning("hwsync: %d of %d shared segments could not be page-locked; their NPU copies stay pageable "
+                    "(slower)", len(tensors) - len(pinned), len(tensors))
     return pinned
 
 
