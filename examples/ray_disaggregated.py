@@ -4,7 +4,7 @@
 
 On a real cluster the actors land on different nodes (use placement groups or node
 resources); here `ray.init()` starts a local cluster. Each engine actor stands for an engine
-node: it receives with a CollectiveReceiver; in production its load would forward into the
+node: it receives with a CrossNodeReceiver; in production its load would forward into the
 local vLLM engine (see hwsync.disaggregated.LocalForwarder and docs/disaggregated.md). Every rank
 runs on the CPU backend here (gloo); on GPUs the same code runs with NCCL, on Ascend with HCCL.
 """
@@ -39,10 +39,10 @@ class Trainer:
 
     def __init__(self, rank: int, senders: int, engines: int, endpoint: str | None, bucket_bytes: int) -> None:
         os.environ.setdefault("HWSYNC_BACKEND", "cpu")
-        from hwsync.disaggregated import CollectiveSender
+        from hwsync.disaggregated import CrossNodeSender
 
         ip = node_ip()
-        self.sender = CollectiveSender(endpoint or f"tcp://{ip}:0", rank=rank, num_senders=senders,
+        self.sender = CrossNodeSender(endpoint or f"tcp://{ip}:0", rank=rank, num_senders=senders,
                                        num_receivers=engines, group_host=ip, bucket_bytes=bucket_bytes,
                                        timeout_s=60)
 
@@ -61,9 +61,9 @@ class Engine:
 
     def __init__(self, rank: int, endpoint: str) -> None:
         os.environ.setdefault("HWSYNC_BACKEND", "cpu")
-        from hwsync.disaggregated import CollectiveReceiver
+        from hwsync.disaggregated import CrossNodeReceiver
 
-        self.receiver = CollectiveReceiver(endpoint, rank=rank, timeout_s=60)
+        self.receiver = CrossNodeReceiver(endpoint, rank=rank, timeout_s=60)
         self.weights: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None

@@ -14,7 +14,7 @@ from hwsync.errors import (
     RemoteError,
     SourceError,
     SyncError,
-    SyncTimeout,
+    SyncTimeoutError,
 )
 from hwsync.interfaces import Backend, Communicator, Device, ProbeResult, Transport
 from hwsync.manifest import TensorSpec, manifest_from_module, manifest_from_tensors
@@ -33,16 +33,16 @@ from hwsync.registry import get_backend, select_backend
 from hwsync.shared_params import SharedParameters, SharedTensors, share_parameters
 from hwsync.stats import SyncStats
 from hwsync.colocated import WeightReceiver, WeightSender  # noqa: I001 - the paths build on the core above
-from hwsync.disaggregated import CollectiveReceiver, CollectiveSender, LocalForwarder
+from hwsync.disaggregated import CrossNodeReceiver, CrossNodeSender, LocalForwarder
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Backend", "BackendError", "ClosedError", "Communicator", "Device", "HwsyncError", "ManifestError", "ProbeResult",
-    "ProtocolError", "RemoteError", "SyncError", "SyncStats", "SyncTimeout", "TensorSpec", "Transport",
+    "ProtocolError", "RemoteError", "SyncError", "SyncStats", "SyncTimeoutError", "TensorSpec", "Transport",
     "WeightReceiver", "WeightSender", "get_backend", "manifest_from_module", "manifest_from_tensors",
     "select_backend", "BalanceResult", "BucketChoice", "MemoryImbalanceError", "MemoryReport", "check_balance",
     "choose_bucket_bytes", "memory_report", "OnloadStats", "onload", "EngineState", "SendSet", "SyncMode", "SyncPlan",
-    "TrainerModel", "plan_for_engines", "plan_sync", "SourceError", "CollectiveReceiver", "CollectiveSender",
+    "TrainerModel", "plan_for_engines", "plan_sync", "SourceError", "CrossNodeReceiver", "CrossNodeSender",
     "LocalForwarder", "SharedParameters", "SharedTensors", "share_parameters",
 ]

@@ -20,6 +20,8 @@ from hwsync.protocol import Entry
 
 #: into(name, dtype, shape): the caller's own tensor to receive straight into, or None
 IntoFn = Callable[[str, torch.dtype, tuple[int, ...]], "torch.Tensor | None"]
+#: load(pairs): a receiver's callback, called with each bucket's complete (name, tensor) pairs
+LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 
 #: byte alignment of every entry: enough for any dtype view and for device copy engines
 ALIGN = 256

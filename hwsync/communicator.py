@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from hwsync.errors import HwsyncError
 from hwsync.interfaces import Communicator
-from hwsync.timing import FAILED_JOIN_S, WORKER_JOIN_S
+from hwsync.timing import FAILED_JOIN_S, GROUP_TIMEOUT_S, WORKER_JOIN_S
 
 log = logging.getLogger("hwsync")
 
@@ -55,7 +55,7 @@ class ProcessGroupCommunicator(Communicator):
         world_size: int,
         device: torch.device,
         reduce_dtypes: frozenset[torch.dtype],
-        timeout_s: float = 300.0,
+        timeout_s: float = GROUP_TIMEOUT_S,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of size {world_size}")

@@ -8,7 +8,7 @@ public key (the channel is encrypted and the sender authenticated):
     ipc://PATH#TOKEN                 a socket file in a private 0700 directory (one host)
     tcp://HOST:PORT#TOKEN#KEY        KEY: the sender's CURVE public key, 64 hex digits
 
-A wait returns a frame, or raises: at its deadline (SyncTimeout naming the phase), when a
+A wait returns a frame, or raises: at its deadline (SyncTimeoutError naming the phase), when a
 same-host peer process is gone, when the connection closed, or when close() was called from
 another thread (ClosedError).
 """
@@ -31,7 +31,7 @@ from typing import Protocol
 
 import zmq
 
-from hwsync.errors import ClosedError, SyncTimeout
+from hwsync.errors import ClosedError, SyncTimeoutError
 
 log = logging.getLogger("hwsync")
 from hwsync.timing import CLOSE_GRACE_S, LIVENESS_SLICE_S
@@ -54,7 +54,7 @@ class Endpoint:
 
     @classmethod
     def parse(cls, text: str) -> "Endpoint":
-        """Split an endpoint string as a WeightSender or CollectiveSender printed it (see the module doc)."""
+        """Split an endpoint string as a WeightSender or CrossNodeSender printed it (see the module doc)."""
         if text.startswith("ipc://"):
             address, sep, token = text.rpartition("#")  # a socket path may itself hold a '#'
             if sep and token:
@@ -103,19 +103,19 @@ def new_token() -> str:
     return secrets.token_hex(16)
 
 
-def timeout_error(timeout_s: float, what: str, endpoint: str) -> SyncTimeout:
+def timeout_error(timeout_s: float, what: str, endpoint: str) -> SyncTimeoutError:
     """The error every wait raises at its deadline, naming the phase and the endpoint."""
-    return SyncTimeout(
+    return SyncTimeoutError(
         f"timed out after {timeout_s:.1f}s {what} (endpoint {endpoint}); the peer is dead, stalled "
         "or never started. Check the other side's log, or raise timeout_s for slow peers."
     )
 
 
 def raise_if_exited(peers: Sequence[tuple[int | None, str | None]], *, what: str, endpoint: str) -> None:
-    """Raise SyncTimeout naming the first same-host peer process that no longer exists."""
+    """Raise SyncTimeoutError naming the first same-host peer process that no longer exists."""
     for pid, host in peers:
         if not peer_alive(pid, host):
-            raise SyncTimeout(f"peer process {pid} exited {what} (endpoint {endpoint})")
+            raise SyncTimeoutError(f"peer process {pid} exited {what} (endpoint {endpoint})")
 
 
 class Watch(Protocol):
@@ -246,7 +246,7 @@ def receive_frame(
     peers: Sequence[tuple[int | None, str | None]] = (), watches: Sequence[Watch] = (),
     deadline: float | None = None, copy: bool = True,
 ) -> list:
-    """Wait for one multipart message, or raise SyncTimeout naming the phase and endpoint.
+    """Wait for one multipart message, or raise SyncTimeoutError naming the phase and endpoint.
 
     `deadline` (time.monotonic()) lets a caller that skips some messages keep one deadline for
     the whole wait; `watches` (a close signal, a connection monitor) are polled with the socket.

@@ -15,7 +15,7 @@ class SyncError(HwsyncError):
     """A sync failed; both sides have released their buffers and a new sync may be tried."""
 
 
-class SyncTimeout(SyncError):
+class SyncTimeoutError(SyncError):
     """A peer stayed silent past the timeout (dead, stalled, or never started)."""
 
 
@@ -33,6 +33,18 @@ class ManifestError(SyncError):
 
 class SourceError(HwsyncError, ValueError):
     """What the caller passed as a sync's source is unusable; the message names the item and the fix."""
+
+
+class PlanError(HwsyncError, ValueError):
+    """The plan of a sync cannot be made or followed (TrainerModel, EngineState); the message names the fix."""
+
+
+class DuplicateTensorError(PlanError):
+    """A tensor name was yielded twice in one sync."""
+
+
+class MemoryImbalanceError(HwsyncError):
+    """Ranks' device memory differs by more than the tolerance (check_balance mode="raise")."""
 
 
 class ClosedError(HwsyncError):

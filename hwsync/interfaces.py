@@ -17,6 +17,9 @@ from typing import Any
 
 import torch
 
+from hwsync.sizes import DEFAULT_BUCKET_BYTES
+from hwsync.timing import GROUP_TIMEOUT_S
+
 #: A description of a transport's buffers that travels in the handshake (msgpack-safe values).
 Handles = dict[str, Any]
 
@@ -173,7 +176,7 @@ class Transport(ABC):
 
     name: str
     #: a bucket size that performs well on this transport when the user sets none
-    default_bucket_bytes: int = 32 << 20
+    default_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     #: (bucket bytes, buffers) for when every receiver copies straight into its own tensors
     #: (receive(into=...)), if that differs from default_bucket_bytes and 2 buffers
     into_geometry: tuple[int, int] | None = None
@@ -202,7 +205,7 @@ class Backend(ABC):
 
     @abstractmethod
     def communicator(
-        self, init_method: str, rank: int, world_size: int, timeout_s: float = 300.0
+        self, init_method: str, rank: int, world_size: int, timeout_s: float = GROUP_TIMEOUT_S
     ) -> Communicator:
         """A process group of its own, rendezvousing at `init_method` (tcp://host:port)."""
 

@@ -23,13 +23,12 @@ from typing import Any, Literal
 
 import torch
 
-from hwsync.errors import HwsyncError
+from hwsync.errors import HwsyncError, MemoryImbalanceError
+from hwsync.sizes import DEFAULT_NUM_BUFFERS, GiB, MiB
 from hwsync.interfaces import Communicator, Device
 
 log = logging.getLogger("hwsync")
 
-GiB = 1 << 30
-MiB = 1 << 20
 FIELDS = ("free", "total", "allocated", "reserved")
 Field = Literal["free", "total", "allocated", "reserved"]
 
@@ -37,10 +36,6 @@ CAUSES = (
     "Usual causes: ranks that loaded the model at different times, parameters offloaded on some "
     "ranks only, or another process on the same device (check nvidia-smi / npu-smi)."
 )
-
-
-class MemoryImbalanceError(HwsyncError):
-    """Ranks' device memory differs by more than the tolerance (check_balance mode="raise")."""
 
 
 def _gib(n: float) -> str:
@@ -213,7 +208,7 @@ class BucketChoice:
 
 def choose_bucket_bytes(
     report: MemoryReport,
-    num_buffers: int = 2,
+    num_buffers: int = DEFAULT_NUM_BUFFERS,
     fraction: float = 0.2,
     floor: int = 16 * MiB,
     cap: int = 1 * GiB,

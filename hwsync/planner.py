@@ -21,7 +21,7 @@ from typing import Any, Union
 
 import torch
 
-from hwsync.errors import HwsyncError
+from hwsync.errors import DuplicateTensorError, PlanError
 from hwsync.manifest import TensorSpec
 from hwsync.source import named_tensor
 
@@ -30,14 +30,6 @@ Version = Union[int, str]
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 #: (name, tensor) pairs, or a callable that returns them; a callable is re-callable every step.
 TensorSource = Union[NamedTensors, Callable[[], NamedTensors]]
-
-
-class PlanError(HwsyncError, ValueError):
-    """The plan cannot be made or followed; the message names the fix."""
-
-
-class DuplicateTensorError(PlanError):
-    """A tensor name was yielded twice in one sync."""
 
 
 class SyncMode(str, enum.Enum):

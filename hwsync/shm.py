@@ -15,6 +15,7 @@ from multiprocessing import resource_tracker
 
 import torch
 
+from hwsync.sizes import MiB
 from hwsync.interfaces import Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
 
 SHM_DIR = "/dev/shm"
@@ -143,11 +144,10 @@ class ShmTransport(Transport):
     """POSIX shared memory between processes on one node."""
 
     name = "shm"
-    default_bucket_bytes = 32 << 20  # 16-64 MiB measured best here; larger spills the cache
     # Receivers copying into their own tensors never reassemble, so small buckets cost nothing
     # and two of them stay in the CPU cache between the two copies; 32 buffers give the pool
     # room to go through memory instead when the cache is not shared (see buffer_pool).
-    into_geometry = (4 << 20, 16)
+    into_geometry = (4 * MiB, 16)
 
     def available(self) -> ProbeResult:
         """Usable where /dev/shm is a writable directory."""

@@ -31,9 +31,9 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from hwsync.control import Endpoint
-from hwsync.errors import HwsyncError, ProtocolError, SyncTimeout
+from hwsync.errors import HwsyncError, ProtocolError, SyncTimeoutError
 from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES, MAX_SENDER_FRAME_BYTES, PEER_QUEUE_FRAMES
-from hwsync.timing import DROP_LOG_INTERVAL_S
+from hwsync.timing import DROP_LOG_INTERVAL_S, ERROR_LINGER_S
 
 log = logging.getLogger("hwsync")
 
@@ -90,11 +90,11 @@ def bind_control(ctx: zmq.Context, address: str, secret_key: str | None = None) 
     return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT), public_key
 
 
-def connect_control(ctx: zmq.Context, endpoint: Endpoint, *, linger_ms: int = 1000
+def connect_control(ctx: zmq.Context, endpoint: Endpoint, *, linger_s: float = ERROR_LINGER_S
                     ) -> tuple[zmq.Socket, ConnectionWatch]:
     """A DEALER connected to `endpoint` (a CURVE client on tcp://) and the watch of its connection."""
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, linger_ms)
+    sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_SENDER_FRAME_BYTES)
     if endpoint.address.startswith("tcp://"):
         if endpoint.server_key is None:
@@ -145,7 +145,7 @@ class ConnectionWatch(_SocketMonitor):
         self.gone: str | None = None
 
     def check(self, what: str) -> None:
-        """Read the events so far; raise SyncTimeout when the peer went away, ProtocolError for a failed handshake."""
+        """Read the events so far; raise SyncTimeoutError when the peer went away, ProtocolError for a failed handshake."""
         monitor = self._monitor
         while monitor is not None and monitor.poll(0, zmq.POLLIN):
             event = recv_monitor_message(monitor)["event"]
@@ -157,8 +157,8 @@ class ConnectionWatch(_SocketMonitor):
                     "that sender's, or another program listens there; pass sender.endpoint as it is")
             elif event == zmq.EVENT_DISCONNECTED:
                 self.gone = what
-        if self.gone is not None:  # a SyncTimeout, as for a same-host peer process found gone
-            raise SyncTimeout(f"the connection to {self.address} closed while {what}: the other side exited or was "
+        if self.gone is not None:  # a SyncTimeoutError, as for a same-host peer process found gone
+            raise SyncTimeoutError(f"the connection to {self.address} closed while {what}: the other side exited or was "
                             "closed (check its log)")
 
 class ConnectionLog(_SocketMonitor):

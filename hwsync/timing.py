@@ -36,5 +36,9 @@ FAILED_JOIN_S = 0.25
 RPC_GRACE_S = 30.0
 #: how long close() called from another thread waits for a running sync to send its abort and end
 CLOSE_GRACE_S = 5.0
+#: how long closing a socket waits to deliver what was just sent on it: a sender's abort to live receivers
+CLOSE_LINGER_S = 0.5
+#: the same after a failure: a last error frame must reach the other side (the hub, the sender) before the socket goes
+ERROR_LINGER_S = 1.0
 #: a peer whose frames are dropped (no token, malformed) is logged at most once per this many seconds
 DROP_LOG_INTERVAL_S = 10.0

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from hwsync import CollectiveReceiver, WeightReceiver, WeightSender
+from hwsync import CrossNodeReceiver, WeightReceiver, WeightSender
 
 import transfer_procs as procs
 
@@ -45,7 +45,7 @@ def serve(endpoint: str, q, doorbell: bool = True, timeout_s: float = 30.0) -> N
 
 def serve_collective(endpoint: str, q, rank: int = 0, timeout_s: float = 30.0, proto: int | None = None,
                      toy: bool = False) -> None:
-    """A CollectiveReceiver that receives syncs until killed; a misfit one (`proto`, `toy`, rank) stops at a failure.
+    """A CrossNodeReceiver that receives syncs until killed; a misfit one (`proto`, `toy`, rank) stops at a failure.
 
     `proto`: the protocol version this process speaks; `toy`: run the third-party test backend
     (tests/plugins/hwsync_toy, gloo under another name) instead of cpu.
@@ -61,7 +61,7 @@ def serve_collective(endpoint: str, q, rank: int = 0, timeout_s: float = 30.0, p
         from hwsync_toy import ToyBackend
 
         backend = ToyBackend()
-    receiver = CollectiveReceiver(endpoint, rank=rank, timeout_s=timeout_s, backend=backend)
+    receiver = CrossNodeReceiver(endpoint, rank=rank, timeout_s=timeout_s, backend=backend)
     misfit = proto is not None or toy or rank > 0
     q.put({"up": os.getpid()})
     while _receive_and_report(receiver, q) or not misfit:

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from hwsync.disaggregated import CollectiveReceiver, CollectiveSender, assign_owners, make_plan, pack_layout
+from hwsync.disaggregated import CrossNodeReceiver, CrossNodeSender, assign_owners, make_plan, pack_layout
 from hwsync.disaggregated.plan import CollectivePlan
 from hwsync.protocol import TO_RANK, decode, encode
 from hwsync.errors import ManifestError, SyncError
@@ -53,7 +53,7 @@ def _exact(got: dict[str, torch.Tensor], version: int) -> bool:
 def _receiver(endpoint: str, out, where: tuple[str, int], rank: int, versions: list[int],
               fault: tuple | None = None) -> None:
     place(*where)
-    rx = CollectiveReceiver(endpoint, rank=rank, timeout_s=TIMEOUT)
+    rx = CrossNodeReceiver(endpoint, rank=rank, timeout_s=TIMEOUT)
     out.put(("up", rank))
     for v in versions:
         got: dict[str, torch.Tensor] = {}
@@ -85,7 +85,7 @@ def _receiver(endpoint: str, out, where: tuple[str, int], rank: int, versions: l
 def _sender(endpoint: str, out, where: tuple[str, int], rank: int, senders: int, receivers: int,
             versions: list[int]) -> None:
     place(*where)
-    tx = CollectiveSender(endpoint, rank=rank, num_senders=senders, num_receivers=receivers, group_host=HOST,
+    tx = CrossNodeSender(endpoint, rank=rank, num_senders=senders, num_receivers=receivers, group_host=HOST,
                           timeout_s=TIMEOUT)
     out.put(("up", -rank))
     for v in versions:
@@ -114,7 +114,7 @@ class Cluster:
         self.out = self.ctx.Queue()
         self.procs: list = []
         self.senders, self.receivers = senders, receivers
-        self.tx = CollectiveSender(f"tcp://{HOST}:0", num_senders=senders, num_receivers=receivers, group_host=HOST,
+        self.tx = CrossNodeSender(f"tcp://{HOST}:0", num_senders=senders, num_receivers=receivers, group_host=HOST,
                                    bucket_bytes=BUCKET, timeout_s=TIMEOUT)
 
     def receiver_at(self, rank: int) -> tuple[str, int]:
@@ -180,7 +180,7 @@ def test_duplicate_names_are_refused():
 
 def test_follower_needs_the_token():
     with pytest.raises(ValueError, match="endpoint"):
-        CollectiveSender("tcp://127.0.0.1:1", rank=1, num_senders=2, backend=object())  # type: ignore[arg-type]
+        CrossNodeSender("tcp://127.0.0.1:1", rank=1, num_senders=2, backend=object())  # type: ignore[arg-type]
 
 
 # -- real processes over gloo -------------------------------------------------------------------
@@ -301,7 +301,7 @@ def test_a_receivers_load_error_reaches_every_rank(backend):
 
 def _stateful_receiver(endpoint: str, out, where: tuple[str, int], rank: int, versions: list[int]) -> None:
     place(*where)
-    rx = CollectiveReceiver(endpoint, rank=rank, timeout_s=TIMEOUT)
+    rx = CrossNodeReceiver(endpoint, rank=rank, timeout_s=TIMEOUT)
     out.put(("up", rank))
     for v in versions:
         got: dict[str, torch.Tensor] = {}
@@ -313,7 +313,7 @@ def _stateful_receiver(endpoint: str, out, where: tuple[str, int], rank: int, ve
 def _callable_sender(endpoint: str, out, where: tuple[str, int], rank: int, senders: int, receivers: int,
                      versions: list[int]) -> None:
     place(*where)
-    tx = CollectiveSender(endpoint, rank=rank, num_senders=senders, num_receivers=receivers, group_host=HOST,
+    tx = CrossNodeSender(endpoint, rank=rank, num_senders=senders, num_receivers=receivers, group_host=HOST,
                           timeout_s=TIMEOUT)
     out.put(("up", -rank))
     for v in versions:

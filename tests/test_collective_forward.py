@@ -1,6 +1,6 @@
 """An engine node forwards what it receives over the collective group into its local engine.
 
-Three processes: sender 0 (here, on device 0), the engine node's agent (a CollectiveReceiver
+Three processes: sender 0 (here, on device 0), the engine node's agent (a CrossNodeReceiver
 whose load feeds a same-node WeightSender through LocalForwarder, on device 1), and the engine
 itself (a plain WeightReceiver, standing in for the vLLM worker extension, sharing the agent's
 device).
@@ -12,7 +12,7 @@ import multiprocessing as mp
 
 import torch
 
-from hwsync.disaggregated import CollectiveSender
+from hwsync.disaggregated import CrossNodeSender
 from placement import need_devices, place
 from tests.test_collective import BUCKET, HOST, TIMEOUT, _exact, _tensors
 
@@ -32,11 +32,11 @@ def _engine(endpoint: str, out, where: tuple[str, int]) -> None:
 
 def _agent(endpoint: str, out, where: tuple[str, int]) -> None:
     place(*where)
-    from hwsync.disaggregated import CollectiveReceiver, LocalForwarder
+    from hwsync.disaggregated import CrossNodeReceiver, LocalForwarder
     from hwsync.colocated.sender import WeightSender
 
     with WeightSender(bucket_bytes=BUCKET // 2, timeout_s=TIMEOUT) as local, \
-            CollectiveReceiver(endpoint, rank=0, timeout_s=TIMEOUT) as rx:
+            CrossNodeReceiver(endpoint, rank=0, timeout_s=TIMEOUT) as rx:
         engine = mp.get_context("spawn").Process(target=_engine, args=(local.endpoint, out, where))
         engine.start()
         forward = LocalForwarder(lambda src, v, manifest: local.send(src, version=v, manifest=manifest),
@@ -54,7 +54,7 @@ def test_engine_node_forwards_into_its_local_engine(backend):
         backend.device().set_index(0)  # sender 0, here
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    with CollectiveSender(f"tcp://{HOST}:0", num_receivers=1, group_host=HOST, bucket_bytes=BUCKET,
+    with CrossNodeSender(f"tcp://{HOST}:0", num_receivers=1, group_host=HOST, bucket_bytes=BUCKET,
                           timeout_s=TIMEOUT) as tx:
         agent = ctx.Process(target=_agent, args=(tx.endpoint, out, (backend.name, 1)))
         agent.start()

@@ -1,6 +1,6 @@
 """Strangers on the disaggregated hub's tcp:// control socket, and ranks the hub cannot serve.
 
-Sender rank 0 (the hub) runs in the test process with one CollectiveReceiver process (gloo on
+Sender rank 0 (the hub) runs in the test process with one CrossNodeReceiver process (gloo on
 127.0.0.1). A stranger (stranger_procs.py) knows the hub's address and CURVE public key but
 not the token; whatever it sends, the next collective sync completes bit-exact at its first
 attempt, the hub's memory stays where it was, and the stranger is logged. A rank the hub
@@ -20,7 +20,7 @@ import msgpack
 import pytest
 import torch.multiprocessing as mp
 
-from hwsync import CollectiveSender, ProtocolError
+from hwsync import CrossNodeSender, ProtocolError
 from hwsync.control import Endpoint
 from hwsync.protocol import PROTOCOL_VERSION, Error, Joined, PlanAccept, Pong, Progress, RankComplete, RankReady, Sent, encode
 from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES
@@ -38,7 +38,7 @@ class HubSession:
     """Sender rank 0 here, receiver 0 in a process that serves syncs until the module ends."""
 
     def __init__(self, num_receivers: int = 1, timeout_s: float = 20.0) -> None:
-        self.tx = CollectiveSender(f"tcp://{HOST}:0", num_receivers=num_receivers, group_host=HOST,
+        self.tx = CrossNodeSender(f"tcp://{HOST}:0", num_receivers=num_receivers, group_host=HOST,
                                    bucket_bytes=64 << 10, timeout_s=timeout_s)
         self.endpoint = Endpoint.parse(self.tx.endpoint)
         self.q = CTX.Queue()

@@ -104,7 +104,7 @@ def _catch(errors: list, fn, *args) -> None:
 
 def test_an_endpoint_announced_before_its_bind_is_bound_with_its_own_key(monkeypatch):
     """verl's rank 0 announces its endpoint (with the CURVE public key) before it binds it."""
-    from hwsync.disaggregated import CollectiveSender
+    from hwsync.disaggregated import CrossNodeSender
     from hwsync.sockets import curve_key_pair
 
     monkeypatch.setenv("HWSYNC_BACKEND", "cpu")
@@ -112,10 +112,10 @@ def test_an_endpoint_announced_before_its_bind_is_bound_with_its_own_key(monkeyp
     with socket_free_port() as port:
         announced = f"tcp://127.0.0.1:{port}#{'ab' * 16}#{public}"
     with pytest.raises(ValueError, match="pass secret_key="):
-        CollectiveSender(announced, group_host="127.0.0.1")
+        CrossNodeSender(announced, group_host="127.0.0.1")
     with pytest.raises(ValueError, match="does not belong to the endpoint's CURVE key"):
-        CollectiveSender(announced, group_host="127.0.0.1", secret_key=curve_key_pair()[1])
-    tx = CollectiveSender(announced, group_host="127.0.0.1", secret_key=secret)
+        CrossNodeSender(announced, group_host="127.0.0.1", secret_key=curve_key_pair()[1])
+    tx = CrossNodeSender(announced, group_host="127.0.0.1", secret_key=secret)
     try:
         assert tx.endpoint == announced
     finally:

@@ -16,6 +16,7 @@ import traceback
 import pytest
 import torch
 
+from hwsync.sizes import MiB
 from hwsync.errors import HwsyncError
 from hwsync.interfaces import ReceiveBuffers, SendBuffers
 from hwsync.registry import installed_names, load_backend
@@ -24,7 +25,6 @@ from hwsync_cuda import CudaBackend, CudaDevice, CudaShmTransport
 from hwsync_cuda.ipc import CudaIpcReceiveBuffers, CudaIpcSendBuffers
 from hwsync_cuda.shm import CudaShmReceiveBuffers, CudaShmSendBuffers
 
-MiB = 1 << 20
 
 
 # ---- any machine ---------------------------------------------------------------------------

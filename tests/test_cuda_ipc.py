@@ -17,11 +17,11 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+from hwsync.sizes import MiB
 from hwsync.errors import HwsyncError
 from hwsync_cuda import CudaBackend, CudaDevice
 from hwsync_cuda.ipc import decode_export, encode_export
 
-MiB = 1 << 20
 
 
 # ---- handle encoding, on any machine ----------------------------------------------------------

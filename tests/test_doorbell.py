@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hwsync import SyncTimeout, WeightSender
+from hwsync import SyncTimeoutError, WeightSender
 from hwsync.bucket import align_up
 from hwsync.colocated.doorbell import DESCRIPTOR_BYTES, Doorbell, doorbell_supported, spin_wait
 from hwsync.shm import SHM_DIR, leftover_segments
@@ -118,7 +118,7 @@ def test_receiver_killed_while_sender_waits_on_the_doorbell(backend, monkeypatch
         killer = threading.Thread(target=kill_when_loading)
         killer.start()
         try:
-            with pytest.raises(SyncTimeout, match=r"peer process \d+ exited waiting for receivers to release buffer"):
+            with pytest.raises(SyncTimeoutError, match=r"peer process \d+ exited waiting for receivers to release buffer"):
                 sender.send(procs.versioned(1).items(), version=1)
             noticed = time.monotonic() - seen["killed_at"]
         finally:
@@ -162,7 +162,7 @@ def test_sender_killed_while_receiver_waits_on_the_doorbell(backend, monkeypatch
             sender.kill()
         sender.wait()
     # noticed either by the /proc check ("exited") or by the closed connection, whichever comes first
-    assert result["error"].startswith("SyncTimeout:") and re.search(r"(exited|closed) while waiting for bucket 5|"
+    assert result["error"].startswith("SyncTimeoutError:") and re.search(r"(exited|closed) while waiting for bucket 5|"
                                                                     r"exited waiting for bucket 5", result["error"]), result
     assert noticed < 5, f"the dead sender was noticed after {noticed:.1f}s; timeout_s=30 must not end it"
     assert result["load_calls"] == 5 and set(result["doorbell_seen"]) == {True}
@@ -302,6 +302,6 @@ def test_spin_wait_returns_checks_and_times_out():
     with pytest.raises(PeerGone):
         spin_wait(lambda: False, check, timeout_s=5, what="waiting", endpoint="ipc://nowhere")
     t0 = time.monotonic()
-    with pytest.raises(SyncTimeout, match=r"timed out after 0.2s waiting for bucket 3 \(endpoint ipc://nowhere\)"):
+    with pytest.raises(SyncTimeoutError, match=r"timed out after 0.2s waiting for bucket 3 \(endpoint ipc://nowhere\)"):
         spin_wait(lambda: False, lambda: None, timeout_s=0.2, what="waiting for bucket 3", endpoint="ipc://nowhere")
     assert 0.2 <= time.monotonic() - t0 < 2

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hwsync import SharedParameters, SyncTimeout, WeightSender, share_parameters
+from hwsync import SharedParameters, SyncTimeoutError, WeightSender, share_parameters
 from hwsync.colocated.sender import WeightSender as _Sender
 from hwsync.protocol import Done
 from hwsync.shared_params import find_shared, live_segments
@@ -137,7 +137,7 @@ def test_a_receiver_killed_while_reading_references(backend):
         killer = threading.Thread(target=lambda: slow.stdout.readline().strip() == "loading" and slow.kill())
         killer.start()
         t0 = time.monotonic()
-        with pytest.raises(SyncTimeout, match=rf"peer process {slow.pid} exited waiting for receivers to finish"):
+        with pytest.raises(SyncTimeoutError, match=rf"peer process {slow.pid} exited waiting for receivers to finish"):
             sender.send(net.state_dict().items(), version=1)
         assert time.monotonic() - t0 < 20
         killer.join()
@@ -162,7 +162,7 @@ def test_a_sender_killed_mid_sync_leaves_no_segment(backend):
     p.join(30)
     # the sender is named by its pid (the /proc check) or its endpoint (its closed connection), whichever is first
     named = f"peer process {info['pid']} exited" in result["error"] or info["endpoint"].split("#")[0] in result["error"]
-    assert named and "SyncTimeout" in result["error"], result
+    assert named and "SyncTimeoutError" in result["error"], result
     deadline = time.monotonic() + 15
     while leftover_segments(info["pid"]) and time.monotonic() < deadline:
         time.sleep(0.1)

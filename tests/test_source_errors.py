@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from hwsync import SourceError
-from hwsync.planner import PlanError, SyncMode, TrainerModel, plan_sync
+from hwsync.errors import PlanError
+from hwsync.planner import SyncMode, TrainerModel, plan_sync
 
 from test_control_plane import Session
 from test_control_plane_hub import HubSession

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 import hwsync.colocated.receiver
 from hwsync.protocol import PROTOCOL_VERSION
-from hwsync import ManifestError, ProtocolError, RemoteError, SyncTimeout, WeightSender, manifest_from_tensors
+from hwsync import ManifestError, ProtocolError, RemoteError, SyncTimeoutError, WeightSender, manifest_from_tensors
 from hwsync.shm import leftover_segments
 
 import transfer_procs as procs
@@ -149,7 +149,7 @@ def test_receiver_killed_mid_sync(backend):
         killer = threading.Thread(target=kill_when_loading)
         killer.start()
         t0 = time.monotonic()
-        with pytest.raises(SyncTimeout, match=r"peer process \d+ exited") as info:
+        with pytest.raises(SyncTimeoutError, match=r"peer process \d+ exited") as info:
             sender.send(procs.versioned(1).items(), version=1)
         assert time.monotonic() - t0 < 20, "a dead receiver on this host is noticed well within the timeout"
         assert "release buffer" in str(info.value) and sender.endpoint.split("#")[0] in str(info.value)
@@ -176,7 +176,7 @@ def test_sender_killed_mid_sync(backend):
     result = q.get(timeout=60)
     p.join(30)
     assert time.monotonic() - t0 < 15
-    assert "SyncTimeout" in result["error"] and "waiting for bucket" in result["error"]
+    assert "SyncTimeoutError" in result["error"] and "waiting for bucket" in result["error"]
     assert result["incomplete"] is True and result["version"] is None
     assert not Path(info["endpoint"].split("#")[0].removeprefix("ipc://")).parent.exists(), \
         "the receiver removes a dead sender's private socket directory"
@@ -189,13 +189,13 @@ def test_sender_killed_mid_sync(backend):
 @pytest.mark.cpu_is_enough("control-plane logic only: nothing an accelerator changes")
 def test_silent_peer_times_out_naming_phase_and_endpoint(backend):
     with WeightSender(timeout_s=1.0) as sender:
-        with pytest.raises(SyncTimeout, match=r"timed out after 1.0s waiting for receivers to call receive\(\)"):
+        with pytest.raises(SyncTimeoutError, match=r"timed out after 1.0s waiting for receivers to call receive\(\)"):
             sender.send([("a", torch.ones(3))], version=1)
     from hwsync import WeightReceiver
 
     with WeightSender() as quiet:
         with WeightReceiver(quiet.endpoint, timeout_s=1.0) as receiver:
-            with pytest.raises(SyncTimeout, match="waiting for the sender's offer") as info:
+            with pytest.raises(SyncTimeoutError, match="waiting for the sender's offer") as info:
                 receiver.receive(lambda pairs: None)
             assert quiet.endpoint.split("#")[0] in str(info.value)
 
@@ -237,9 +237,9 @@ def test_wrong_token_is_ignored(backend):
         from hwsync import WeightReceiver
 
         with WeightReceiver(f"{address}#not-the-token", timeout_s=1.0) as intruder:
-            with pytest.raises(SyncTimeout):
+            with pytest.raises(SyncTimeoutError):
                 intruder.receive(lambda pairs: None)
-        with pytest.raises(SyncTimeout):
+        with pytest.raises(SyncTimeoutError):
             sender.send([("a", torch.ones(2))], version=1)
 
 

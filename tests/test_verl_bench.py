@@ -20,20 +20,21 @@ pytest.importorskip("verl", reason="verl is not installed in this environment: c
                                    ".venv-verl, which ci/setup-verl.sh makes")
 
 from hwsync.cli.bench.transfer import model_spec  # noqa: E402
-from hwsync.cli.bench.verl_peer import MIB, sweep  # noqa: E402
+from hwsync.cli.bench.verl_peer import sweep
+from hwsync.sizes import MiB  # noqa: E402
 from hwsync.manifest import dtype_from_name  # noqa: E402
 
 
 def test_the_sweep_spans_verls_default_down_to_below_the_largest_tensor():
     embedding = 151936 * 1536 * 2  # Qwen2.5-1.5B's, 445.1 MiB
     assert sweep(embedding, 2048) == [2048, 1024, 512, 446, 256]
-    assert sweep(3 * MIB, 2048) == [2048, 1024, 512, 3, 2]
+    assert sweep(3 * MiB, 2048) == [2048, 1024, 512, 3, 2]
 
 
 def test_bench_transfer_peer_verl_runs_verls_code_and_reports_the_refused_bucket():
     spec = model_spec(int(0.03e9), "bf16")
     largest = max(math.prod(shape) * dtype_from_name(dtype).itemsize for _, shape, dtype in spec)
-    fits, refused = math.ceil(largest / MIB), math.ceil(largest / MIB) // 2
+    fits, refused = math.ceil(largest / MiB), math.ceil(largest / MiB) // 2
     done = subprocess.run(
         [sys.executable, "-m", "hwsync.cli", "bench", "transfer", "--peer", "verl", "--gb", "0.03", "--syncs", "2",
          "--verl-syncs", "2", "--verl-bucket-mb", str(fits), str(refused), "--copy-mib", "64", "--json"],

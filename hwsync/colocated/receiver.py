@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import zmq
 
-from hwsync.bucket import BucketReader, IntoFn
+from hwsync.bucket import BucketReader, IntoFn, LoadFn
 from hwsync.colocated.doorbell import Doorbell, doorbell_supported, spin_wait
 from hwsync.colocated.refs import SharedReader
 from hwsync.control import Endpoint, Lifetime, peer_alive, raise_if_exited, receive_frame, remove_ipc_dir
@@ -44,11 +44,9 @@ from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES, check_size, cut
 from hwsync.registry import get_backend
 from hwsync.sockets import ConnectionWatch, connect_control
 from hwsync.stats import SyncStats
-from hwsync.timing import DEFAULT_TIMEOUT_S
+from hwsync.timing import CLOSE_LINGER_S, DEFAULT_TIMEOUT_S, ERROR_LINGER_S
 
 log = logging.getLogger("hwsync")
-
-LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 
 
 class WeightReceiver:
@@ -353,15 +351,15 @@ class WeightReceiver:
         if self._shared is not None:  # unmapped, and a dead sender's segments unlinked: none stays alive
             self._shared.close(dead_sender=self._sender[0] if dead else None)
         self._close_buffers()
-        self._close_socket(linger_ms=1000)
+        self._close_socket(ERROR_LINGER_S)
         self._last_sync = 0  # a new socket sees no frame of earlier syncs
 
-    def _close_socket(self, linger_ms: int) -> None:
+    def _close_socket(self, linger_s: float) -> None:
         if self._watch is not None:
             self._watch.close()
             self._watch = None
         if self._sock is not None:
-            self._sock.close(linger=linger_ms)
+            self._sock.close(linger=int(linger_s * 1000))
             self._sock = None
 
     def _close_doorbell(self) -> None:
@@ -389,7 +387,7 @@ class WeightReceiver:
             self._shared.close()
         self._close_buffers()
         self._reader.clear()  # reassembly scratch may live in device memory
-        self._close_socket(linger_ms=500)
+        self._close_socket(CLOSE_LINGER_S)
         if not self._ctx.closed:
             self._ctx.term()
 

@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from hwsync.bucket import IntoFn, checked_destination, copy_bytes
+from hwsync.bucket import IntoFn, LoadFn, checked_destination, copy_bytes
 from hwsync.devices import synchronize_for
 from hwsync.errors import ProtocolError
 from hwsync.interfaces import Device
@@ -37,8 +37,6 @@ from hwsync.stats import SyncStats
 
 log = logging.getLogger("hwsync")
 
-#: the receiver's load callback (hwsync.colocated.receiver.LoadFn)
-LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 #: threads copying a batch of host tensors (see the module doc)
 COPY_THREADS = 2
 #: a batch smaller than this is copied by the calling thread alone

@@ -47,7 +47,7 @@ from hwsync.shared_params import live_segments
 from hwsync.sockets import ConnectionLog, bind_control
 from hwsync.source import NamedTensors, TensorSource
 from hwsync.stats import SyncStats
-from hwsync.timing import DEFAULT_TIMEOUT_S
+from hwsync.timing import CLOSE_LINGER_S, DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("hwsync")
 
@@ -379,7 +379,7 @@ class WeightSender:
         self._close_buffers()
         self._connections.close()
         if self._sock is not None:
-            self._sock.close(linger=500)  # long enough for an abort just sent to reach live receivers
+            self._sock.close(linger=int(CLOSE_LINGER_S * 1000))
             self._sock = None
         if not self._ctx.closed:
             self._ctx.term()

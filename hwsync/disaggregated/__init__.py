@@ -1,11 +1,11 @@
 """Disaggregated weight sync: trainer ranks broadcast buckets to engine ranks on other nodes.
 
     # trainer rank s of S (rank 0 first: the others and the receivers need its endpoint)
-    sender = CollectiveSender(endpoint, rank=s, num_senders=S, num_receivers=R, group_host=MY_IP)
+    sender = CrossNodeSender(endpoint, rank=s, num_senders=S, num_receivers=R, group_host=MY_IP)
     stats = sender.send(model.state_dict().items(), version=step)        # every RL step
 
     # engine rank r of R
-    receiver = CollectiveReceiver(endpoint, rank=r)
+    receiver = CrossNodeReceiver(endpoint, rank=r)
     receiver.receive(load)                                               # every RL step
 
 The bytes move over the backend's collective library (gloo on CPU, NCCL, HCCL) through
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from hwsync.disaggregated.forwarder import LocalForwarder
 from hwsync.disaggregated.plan import CollectivePlan, assign_owners, make_plan, pack_layout
-from hwsync.disaggregated.receiver import CollectiveReceiver
-from hwsync.disaggregated.sender import DEFAULT_BUCKET_BYTES, CollectiveSender
+from hwsync.disaggregated.receiver import CrossNodeReceiver
+from hwsync.disaggregated.sender import CrossNodeSender
 from hwsync.protocol import BucketSpec
 
-__all__ = ["BucketSpec", "CollectivePlan", "CollectiveReceiver", "CollectiveSender", "DEFAULT_BUCKET_BYTES",
+__all__ = ["BucketSpec", "CollectivePlan", "CrossNodeReceiver", "CrossNodeSender",
            "LocalForwarder", "assign_owners", "make_plan", "pack_layout"]

@@ -1,4 +1,4 @@
-"""Hand what a CollectiveReceiver gets to the engine on the same node, through the same-node path.
+"""Hand what a CrossNodeReceiver gets to the engine on the same node, through the same-node path.
 
 On an engine node, one process (the engine's driver, or an agent beside it) receives the
 sync over the collective group and forwards it, bucket by bucket, into a local sync: a
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from hwsync.devices import start_on_this_device
-from hwsync.errors import SyncError, SyncTimeout
+from hwsync.errors import SyncError, SyncTimeoutError
 from hwsync.interfaces import Device
 from hwsync.manifest import TensorSpec
 from hwsync.timing import DEFAULT_TIMEOUT_S, FORWARD_SLICE_S
@@ -79,7 +79,7 @@ class LocalForwarder:
             deadline = time.monotonic() + self.timeout_s
             while not self._taken.acquire(timeout=FORWARD_SLICE_S):
                 if time.monotonic() > deadline:
-                    raise SyncTimeout(f"the local sync did not take {item[0]!r} within {self.timeout_s:.1f}s; is "
+                    raise SyncTimeoutError(f"the local sync did not take {item[0]!r} within {self.timeout_s:.1f}s; is "
                                       "the engine receiving? (check its log, or raise timeout_s)")
             if self._error is not None:
                 raise SyncError(f"the local sync failed: {type(self._error).__name__}: {self._error}") from self._error
@@ -99,6 +99,6 @@ class LocalForwarder:
         self._items.put(_END)
         thread.join(self.timeout_s)
         if thread.is_alive():
-            raise SyncTimeout(f"the local sync did not finish within {self.timeout_s:.1f}s after the last tensor")
+            raise SyncTimeoutError(f"the local sync did not finish within {self.timeout_s:.1f}s after the last tensor")
         if self._error is not None:
             raise SyncError(f"the local sync failed: {type(self._error).__name__}: {self._error}") from self._error

@@ -32,13 +32,13 @@ import zmq
 
 from hwsync.control import Endpoint, peer_alive
 from hwsync.disaggregated.worker import CollectiveWorker, Result
-from hwsync.errors import ProtocolError, RemoteError, SyncError, SyncTimeout
+from hwsync.errors import ProtocolError, RemoteError, SyncError, SyncTimeoutError
 from hwsync.gate import Gate, reply_on
 from hwsync.protocol import PROTOCOL_VERSION, TO_HUB, TO_RANK, Abort, Alive, BadFrame, Error, Frame, Ping, \
     PlanFrame, Pong, RankReady, Refused, Setup, Welcome, decode, encode, peek
 from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES, MAX_SENDER_FRAME_BYTES, check_size, cut
 from hwsync.sockets import ConnectionLog, bind_control, connect_control
-from hwsync.timing import CONTROL_SLICE_S
+from hwsync.timing import CONTROL_SLICE_S, ERROR_LINGER_S
 
 log = logging.getLogger("hwsync")
 
@@ -49,7 +49,7 @@ COLLECTIVE = "collective"
 def _close(sock: zmq.Socket, ctx: zmq.Context) -> None:
     """Close a socket (a short linger lets a last error frame out) and its context; idempotent."""
     if not sock.closed:
-        sock.close(linger=1000)
+        sock.close(linger=int(ERROR_LINGER_S * 1000))
     if not ctx.closed:
         ctx.term()
 
@@ -97,7 +97,7 @@ class Hub:
         self.num_senders, self.num_receivers, self.backend = num_senders, num_receivers, backend
         self._ctx = zmq.Context()
         self._sock, self.address, self.server_key = bind_control(self._ctx, address, secret_key)
-        self._sock.setsockopt(zmq.LINGER, 1000)  # lets a final abort reach live peers
+        self._sock.setsockopt(zmq.LINGER, int(ERROR_LINGER_S * 1000))  # lets a final abort reach live peers
         self.gate = Gate(token, RankReady, TO_HUB, reply_on(lambda: self._sock), names=("rank", "hub"))
         self._connections = ConnectionLog(self._sock, "the hub")
         self.waiting: dict[tuple[str, int], PeerInfo] = {}  # ready ranks for the next sync
@@ -131,7 +131,7 @@ class Hub:
                 break
             if time.monotonic() > deadline:
                 missing = ", ".join(f"{role} {rank}" for role, rank in wanted if (role, rank) not in self.waiting)
-                raise SyncTimeout(f"timed out after {self.timeout_s:.1f}s waiting for {missing} to call "
+                raise SyncTimeoutError(f"timed out after {self.timeout_s:.1f}s waiting for {missing} to call "
                                   f"send()/receive() (endpoint {self.address}); start them, or raise timeout_s")
             self._poll_once(CONTROL_SLICE_S)
         self.sync += 1
@@ -251,7 +251,7 @@ class Hub:
             self._suspect = None
         idle = now - self.last_event
         if idle > self.timeout_s:
-            raise SyncTimeout(f"nothing moved for {self.timeout_s:.1f}s while {what}, though every rank answers "
+            raise SyncTimeoutError(f"nothing moved for {self.timeout_s:.1f}s while {what}, though every rank answers "
                               "pings: the collective is stuck (network?). Raise timeout_s for slow links")
         if idle > self.timeout_s / 2 and self._suspect is None and self._pings == 0:
             self._start_round(None)
@@ -342,7 +342,7 @@ class Link:
             if not peer_alive(*self.hub):
                 raise SyncError(f"sender 0 (the hub, pid {self.hub[0]}) exited while {what}; restart the trainer")
             if time.monotonic() - last > self.timeout_s:
-                raise SyncTimeout(f"timed out after {self.timeout_s:.1f}s {what}: sender 0 (the hub, "
+                raise SyncTimeoutError(f"timed out after {self.timeout_s:.1f}s {what}: sender 0 (the hub, "
                                   f"{self.endpoint.address}) went silent. Check its log, or raise timeout_s")
         return None
 

@@ -1,4 +1,4 @@
-"""CollectiveReceiver: an engine rank's side of a sync from trainer ranks on other nodes.
+"""CrossNodeReceiver: an engine rank's side of a sync from trainer ranks on other nodes.
 
 The receiver knows only sender 0's control endpoint and its own rank among the receivers;
 everything else (the senders' group addresses, the bucket plan and which sender broadcasts
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from hwsync.bucket import BucketReader
+from hwsync.bucket import BucketReader, LoadFn
 from hwsync.disaggregated.hub import Link
 from hwsync.disaggregated.plan import CollectivePlan
 from hwsync.disaggregated.worker import CollectiveWorker, Result
@@ -38,10 +38,8 @@ from hwsync.timing import DEFAULT_TIMEOUT_S, FAILED_JOIN_S, WORKER_JOIN_S
 
 log = logging.getLogger("hwsync")
 
-LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 
-
-class CollectiveReceiver:
+class CrossNodeReceiver:
     """Connects to sender 0's endpoint and receives syncs over the senders' groups into `load`."""
 
     def __init__(self, endpoint: str, *, rank: int, num_buffers: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -224,7 +222,7 @@ class CollectiveReceiver:
         self._buffers = []
         self._link.close()
 
-    def __enter__(self) -> "CollectiveReceiver":
+    def __enter__(self) -> "CrossNodeReceiver":
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,4 +1,4 @@
-"""CollectiveSender: a trainer rank's side of a sync to engines on other nodes.
+"""CrossNodeSender: a trainer rank's side of a sync to engines on other nodes.
 
 Each of the S sender ranks owns a group of its own over the backend's collective library
 (gloo, NCCL, HCCL): itself as group rank 0 and the R receivers as ranks 1..R, rendezvousing at
@@ -35,12 +35,11 @@ from hwsync.manifest import TensorSpec
 from hwsync.protocol import Commit, Go, Joined, PlanAccept, PlanFrame, RankComplete, Sent, Setup
 from hwsync.registry import get_backend
 from hwsync.source import NamedTensors, TensorSource, checked_items, with_manifest
+from hwsync.sizes import DEFAULT_BUCKET_BYTES, DEFAULT_NUM_BUFFERS, MIN_NUM_BUFFERS
 from hwsync.stats import SyncStats
 from hwsync.timing import DEFAULT_TIMEOUT_S, FAILED_JOIN_S, WORKER_JOIN_S
 
 log = logging.getLogger("hwsync")
-#: bucket size when none is given: large enough to amortise a collective's latency
-DEFAULT_BUCKET_BYTES = 64 << 20
 
 
 def default_host() -> str:
@@ -58,7 +57,7 @@ def pick_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-class CollectiveSender:
+class CrossNodeSender:
     """One trainer rank's sender; rank 0 also runs the control hub that the other ranks connect to."""
 
     def __init__(
@@ -365,7 +364,7 @@ class CollectiveSender:
             if control is not None:
                 control.close()
 
-    def __enter__(self) -> "CollectiveSender":
+    def __enter__(self) -> "CrossNodeSender":
         return self
 
     def __exit__(self, *exc: object) -> None:

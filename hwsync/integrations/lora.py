@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hwsync.planner import PlanError, SyncMode, TrainerModel
+from hwsync.errors import PlanError
+from hwsync.planner import SyncMode, TrainerModel
 
 #: the path of every adapter hwsync delivers (vLLM's LoRARequest needs one; it is never read)
 ADAPTER_SCHEME = "hwsync://"

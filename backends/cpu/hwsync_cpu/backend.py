@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hwsync.timing import GROUP_TIMEOUT_S
 from hwsync.communicator import ProcessGroupCommunicator
 from hwsync.interfaces import Backend, Communicator, Device, Transport
 from hwsync.shm import ShmTransport
@@ -25,7 +26,7 @@ class CpuBackend(Backend):
         """The host."""
         return self._device
 
-    def communicator(self, init_method: str, rank: int, world_size: int, timeout_s: float = 300.0) -> Communicator:
+    def communicator(self, init_method: str, rank: int, world_size: int, timeout_s: float = GROUP_TIMEOUT_S) -> Communicator:
         """A gloo group of its own."""
         return ProcessGroupCommunicator(
             "gloo", gloo_group, init_method, rank, world_size, torch.device("cpu"), GLOO_REDUCE_DTYPES, timeout_s

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from hwsync.timing import GROUP_TIMEOUT_S
 from hwsync.communicator import ProcessGroupCommunicator
 from hwsync.errors import HwsyncError
 from hwsync.interfaces import Backend, Communicator, Device, Transport
@@ -33,7 +34,7 @@ class CudaBackend(Backend):
         """The process's NVIDIA GPUs."""
         return self._device
 
-    def communicator(self, init_method: str, rank: int, world_size: int, timeout_s: float = 300.0) -> Communicator:
+    def communicator(self, init_method: str, rank: int, world_size: int, timeout_s: float = GROUP_TIMEOUT_S) -> Communicator:
         """An NCCL group of its own on the current GPU; one GPU per rank, as NCCL requires."""
         reason = nccl_missing_reason()
         if reason is not None:

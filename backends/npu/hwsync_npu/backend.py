@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hwsync.timing import GROUP_TIMEOUT_S
 from hwsync.communicator import ProcessGroupCommunicator
 from hwsync.interfaces import Backend, Communicator, Device, Transport
 from hwsync_npu.device import NpuDevice
@@ -32,7 +33,7 @@ class NpuBackend(Backend):
         """The NPUs visible to this process."""
         return self._device
 
-    def communicator(self, init_method: str, rank: int, world_size: int, timeout_s: float = 300.0) -> Communicator:
+    def communicator(self, init_method: str, rank: int, world_size: int, timeout_s: float = GROUP_TIMEOUT_S) -> Communicator:
         """An HCCL group of its own; reductions limited to what HCCL reduces on this chip."""
         return ProcessGroupCommunicator(
             "hccl", hccl_group, init_method, rank, world_size, self._current_device(),

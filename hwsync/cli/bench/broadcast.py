@@ -35,7 +35,7 @@ def _model(total: int) -> list[tuple[str, torch.Tensor]]:
 
 def _receiver(endpoint: str, rank: int, buffers: int, runs: int, timeout_s: float, backend: str) -> None:
     os.environ["HWSYNC_BACKEND"] = backend
-    from hwsync.disaggregated import CollectiveReceiver
+    from hwsync.disaggregated import CrossNodeReceiver
 
     sink: dict[str, torch.Tensor] = {}
 
@@ -45,7 +45,7 @@ def _receiver(endpoint: str, rank: int, buffers: int, runs: int, timeout_s: floa
                 sink[name] = torch.empty_like(t)
             sink[name].copy_(t)
 
-    with CollectiveReceiver(endpoint, rank=rank, num_buffers=buffers, timeout_s=timeout_s) as rx:
+    with CrossNodeReceiver(endpoint, rank=rank, num_buffers=buffers, timeout_s=timeout_s) as rx:
         for _ in range(runs):
             rx.receive(load)
 
@@ -53,10 +53,10 @@ def _receiver(endpoint: str, rank: int, buffers: int, runs: int, timeout_s: floa
 def _sender(endpoint: str, rank: int, senders: int, receivers: int, size: int, bucket: int, buffers: int,
             runs: int, timeout_s: float, backend: str) -> None:
     os.environ["HWSYNC_BACKEND"] = backend
-    from hwsync.disaggregated import CollectiveSender
+    from hwsync.disaggregated import CrossNodeSender
 
     model = _model(size)
-    with CollectiveSender(endpoint, rank=rank, num_senders=senders, num_receivers=receivers, group_host="127.0.0.1",
+    with CrossNodeSender(endpoint, rank=rank, num_senders=senders, num_receivers=receivers, group_host="127.0.0.1",
                           bucket_bytes=bucket, num_buffers=buffers, timeout_s=timeout_s) as tx:
         for v in range(runs):
             tx.send(model, version=v)
@@ -66,12 +66,12 @@ def measure(senders: int, receivers: int, size: int, bucket: int, buffers: int, 
             timeout_s: float, backend: str) -> dict[str, Any]:
     """Median GB/s over `repeat` syncs (after one warm-up) of one configuration."""
     os.environ["HWSYNC_BACKEND"] = backend
-    from hwsync.disaggregated import CollectiveSender
+    from hwsync.disaggregated import CrossNodeSender
 
     runs = repeat + 1
     ctx = mp.get_context("spawn")
     model = _model(size)
-    with CollectiveSender("tcp://127.0.0.1:0", num_senders=senders, num_receivers=receivers,
+    with CrossNodeSender("tcp://127.0.0.1:0", num_senders=senders, num_receivers=receivers,
                           group_host="127.0.0.1", bucket_bytes=bucket, num_buffers=buffers,
                           timeout_s=timeout_s) as tx:
         procs = [ctx.Process(target=_receiver, args=(tx.endpoint, r, buffers, runs, timeout_s, backend))

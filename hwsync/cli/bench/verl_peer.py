@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import zmq
 
+from hwsync.sizes import MiB
 from hwsync.cli.bench.stop_and_wait import await_reply, pack
 from hwsync.control import private_ipc_dir, remove_ipc_dir
 from hwsync.manifest import dtype_from_name
@@ -36,7 +37,6 @@ if importlib.util.find_spec("verl") is None:
     raise SystemExit("hwsync bench transfer --peer verl needs verl: pip install 'hwsync[verl]', or run it in "
                      ".venv-verl (ci/setup-verl.sh)")
 
-MIB = 1 << 20
 
 
 def load_verl_transfer(device_type: str, timeout_s: float) -> ModuleType:
@@ -145,7 +145,7 @@ def run_bucket(named: list[tuple[str, torch.Tensor]], spec: list, bucket_mb: int
 
 def sweep(largest_bytes: int, default_mb: int) -> list[int]:
     """verl's default, 1024 and 512 MiB, the smallest size holding the largest tensor, and the power of two below."""
-    fits = math.ceil(largest_bytes / MIB)
+    fits = math.ceil(largest_bytes / MiB)
     below = 1 << max(0, fits - 1).bit_length() - 1 if fits > 1 else 0
     sizes = {default_mb, 1024, 512, fits} | ({below} if below else set())
     return sorted((s for s in sizes if s >= below), reverse=True)
@@ -182,7 +182,7 @@ def print_peer(r: dict[str, Any]) -> None:
     v = r["verl"]
     print(f"\nverl {v['version']} BucketedWeightSender/Receiver ({'shared memory' if v['use_shm'] else 'device IPC'}), "
           f"run unmodified on the same state dict; largest tensor {v['largest_tensor']} "
-          f"{v['largest_tensor_bytes'] / MIB:.0f} MiB; median of syncs 2-{v['syncs']}")
+          f"{v['largest_tensor_bytes'] / MiB:.0f} MiB; median of syncs 2-{v['syncs']}")
     print(f"{'':44} {'GB/s':>8} {'s/sync':>8} {'hwsync is':>10}")
     print(f"{'hwsync':44} {r['hwsync_gbps']:>8.2f} {r['hwsync_s']:>8.3f}")
     for run in v["runs"]:

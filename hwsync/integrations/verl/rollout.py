@@ -2,7 +2,7 @@
 
 verl's CheckpointEngineWorker does `await server_adapter.update_weights(engine.receive_weights())`
 on its actor's event loop, so receive_weights is an async generator of (name, tensor). hwsync's
-CollectiveReceiver blocks, so it runs on one thread of its own (every call on it, from
+CrossNodeReceiver blocks, so it runs on one thread of its own (every call on it, from
 creating it to closing it, runs there), and each bucket's tensors cross to the event loop
 through a Handoff: the thread posts the bucket and waits until the adapter has asked for the
 item after the bucket's last one. verl's consumers copy each tensor before they advance (its
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from hwsync.disaggregated import CollectiveReceiver
-from hwsync.errors import SyncError, SyncTimeout
+from hwsync.disaggregated import CrossNodeReceiver
+from hwsync.errors import SyncError, SyncTimeoutError
 from hwsync.manifest import TensorSpec
 from hwsync.registry import get_backend
 from hwsync.stats import SyncStats
@@ -51,7 +51,7 @@ class Handoff:
         self._taken.clear()
         self._post(bucket)
         if not self._taken.wait(self._timeout_s):
-            raise SyncTimeout(f"verl's consumer of receive_weights (the rollout's server adapter) did not take a "
+            raise SyncTimeoutError(f"verl's consumer of receive_weights (the rollout's server adapter) did not take a "
                               f"bucket within {self._timeout_s:.0f}s; it is stuck, or raise engine_kwargs.hwsync."
                               "timeout_s")
         if self._closed:
@@ -86,17 +86,17 @@ class Handoff:
 
 
 class RolloutSide:
-    """One rollout worker's part: a CollectiveReceiver kept across steps, driven from its own thread."""
+    """One rollout worker's part: a CrossNodeReceiver kept across steps, driven from its own thread."""
 
     def __init__(self, options: Options) -> None:
         self.options = options
         self.place: RolloutPlace | None = None
-        self._receiver: CollectiveReceiver | None = None
+        self._receiver: CrossNodeReceiver | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: tuple[Future, Handoff] | None = None
 
     @property
-    def receiver(self) -> CollectiveReceiver | None:
+    def receiver(self) -> CrossNodeReceiver | None:
         """The hwsync receiver of the current topology, or None before init_process_group."""
         return self._receiver
 
@@ -123,7 +123,7 @@ class RolloutSide:
             if self._receiver is not None:
                 self._receiver.close()
             self._receiver = None
-            self._receiver = CollectiveReceiver(place.endpoint, rank=place.rank, num_buffers=self.options.num_buffers,
+            self._receiver = CrossNodeReceiver(place.endpoint, rank=place.rank, num_buffers=self.options.num_buffers,
                                                 timeout_s=self.options.timeout_s)
 
         self._run(reopen)

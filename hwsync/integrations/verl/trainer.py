@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from hwsync.disaggregated import CollectiveSender
+from hwsync.sizes import MiB
+from hwsync.disaggregated import CrossNodeSender
 from hwsync.errors import SourceError
 from hwsync.manifest import TensorSpec
 from hwsync.registry import get_backend
@@ -40,7 +41,6 @@ log = logging.getLogger("hwsync")
 END = "hwsync.verl:end-of-step"
 #: prefix of the metrics send_weights returns, next to verl's own checkpoint_engine/* figures
 PREFIX = "checkpoint_engine/hwsync_"
-MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,8 @@ class Options:
     def bucket_bytes(self, num_senders: int) -> int:
         """hwsync's bucket: the one set, else at most 64 MiB with S x buffers x bucket within verl's bucket_size."""
         if self.bucket_megabytes:
-            return int(self.bucket_megabytes * MIB)
-        return max(MIB, min(64 * MIB, self.bucket_size // (num_senders * self.num_buffers)))
+            return int(self.bucket_megabytes * MiB)
+        return max(MiB, min(64 * MiB, self.bucket_size // (num_senders * self.num_buffers)))
 
     def window_bytes(self, num_senders: int) -> int:
         """Most bytes of tensors the first step holds at once (verl's own bucket_size, or the buffers' span)."""
@@ -121,12 +121,12 @@ def end_marker() -> tuple[str, torch.Tensor]:
 
 
 class TrainerSide:
-    """One trainer rank's part: a CollectiveSender kept across steps while the topology stays the same."""
+    """One trainer rank's part: a CrossNodeSender kept across steps while the topology stays the same."""
 
     def __init__(self, options: Options) -> None:
         self.options = options
         self.place: TrainerPlace | None = None
-        self.sender: CollectiveSender | None = None
+        self.sender: CrossNodeSender | None = None
         self.manifest: list[TensorSpec] | None = None
         #: the fresh endpoint rank 0 last announced, and its CURVE secret key (never leaves this process)
         self._fresh: tuple[str, str] | None = None
@@ -149,7 +149,7 @@ class TrainerSide:
         self.close()
         if place.rank >= 0:
             try:
-                self.sender = CollectiveSender(
+                self.sender = CrossNodeSender(
                     place.endpoint, rank=place.rank, num_senders=place.num_senders,
                     num_receivers=place.num_receivers, group_host=self.options.host,
                     bucket_bytes=self.options.bucket_bytes(place.num_senders), num_buffers=self.options.num_buffers,
@@ -217,7 +217,7 @@ class TrainerSide:
         self.sender, self.place, self.manifest = None, None, None
 
 
-def metrics(stats: list[SyncStats], walk: Walk, sender: CollectiveSender, place: TrainerPlace) -> dict[str, float]:
+def metrics(stats: list[SyncStats], walk: Walk, sender: CrossNodeSender, place: TrainerPlace) -> dict[str, float]:
     """One step's figures for verl's logger: hwsync's SyncStats summed over the step's syncs, as floats."""
     out = {PREFIX + key: float(sum(getattr(s, key) for s in stats))
            for key in ("total_s", "plan_s", "onload_s", "pack_s", "wait_s", "load_s", "offload_s", "bytes", "buckets")}

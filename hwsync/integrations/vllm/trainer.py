@@ -31,19 +31,19 @@ import torch
 
 from hwsync.colocated import WeightSender
 from hwsync.devices import start_on_this_device
-from hwsync.errors import HwsyncError, ManifestError, ProtocolError, RemoteError, SyncError, SyncTimeout
+from hwsync.errors import HwsyncError, ManifestError, ProtocolError, RemoteError, SyncError, SyncTimeoutError
 from hwsync.integrations.lora import LoraAdapter
 from hwsync.integrations.vllm.sources import SyncParts, Weights, sync_parts
 from hwsync.manifest import TensorSpec
 from hwsync.planner import TrainerModel
 from hwsync.stats import SyncStats
+from hwsync.sizes import DEFAULT_BUCKET_BYTES, MiB
 from hwsync.timing import DEFAULT_TIMEOUT_S, RPC_GRACE_S
 
 #: the value for vLLM's `worker_extension_cls`
 EXTENSION = "hwsync.integrations.vllm.HwsyncWorkerExtension"
-#: bucket size when every tensor fits; bigger tensors raise it up to the cap (two buffers are kept)
-DEFAULT_BUCKET_BYTES = 32 * 2**20
-MAX_AUTO_BUCKET_BYTES = 512 * 2**20
+#: bigger tensors than DEFAULT_BUCKET_BYTES raise the bucket up to this cap (two buffers are kept)
+MAX_AUTO_BUCKET_BYTES = 512 * MiB
 
 
 def auto_bucket_bytes(manifest: list[TensorSpec], default: int = DEFAULT_BUCKET_BYTES,
@@ -53,7 +53,7 @@ def auto_bucket_bytes(manifest: list[TensorSpec], default: int = DEFAULT_BUCKET_
     largest = max((spec.nbytes for spec in manifest), default=0)
     if largest <= default:
         return default
-    return min(-(-largest // 2**20) * 2**20, cap)
+    return min(-(-largest // MiB) * MiB, cap)
 
 
 def settle(stats: SyncStats | None, send_exc: BaseException | None, results: Any,
@@ -112,7 +112,7 @@ def send_while(rpc: Callable[[], Any], sender: WeightSender, source: Iterable[tu
         send_exc = exc
     thread.join(timeout_s + RPC_GRACE_S)
     if thread.is_alive():
-        raise SyncTimeout(f"the engine's receiving RPC has not returned {RPC_GRACE_S:.0f}s after the sender "
+        raise SyncTimeoutError(f"the engine's receiving RPC has not returned {RPC_GRACE_S:.0f}s after the sender "
                           f"finished ({send_exc or 'successfully'}); the engine may be stuck in a load")
     return Outcome(stats, send_exc, outcome.get("results"), outcome.get("error"))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hwsync.timing import GROUP_TIMEOUT_S
 from hwsync.communicator import ProcessGroupCommunicator
 from hwsync.interfaces import Backend, Communicator, Device, Transport
 from hwsync_sim.device import SimDevice
@@ -27,7 +28,7 @@ class SimBackend(Backend):
         """The simulated devices."""
         return self._device
 
-    def communicator(self, init_method: str, rank: int, world_size: int, timeout_s: float = 300.0) -> Communicator:
+    def communicator(self, init_method: str, rank: int, world_size: int, timeout_s: float = GROUP_TIMEOUT_S) -> Communicator:
         """A simccl group of its own on the current sim device (one device per rank, as NCCL)."""
         device = torch.device(TYPE, runtime().current())
         return ProcessGroupCommunicator("simccl", make_simccl_group, init_method, rank, world_size, device,

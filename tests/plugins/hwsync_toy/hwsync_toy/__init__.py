@@ -1,5 +1,6 @@
 """A third-party backend: reuses the CPU device and shared memory under its own name."""
 
+from hwsync.timing import GROUP_TIMEOUT_S
 from hwsync.interfaces import Backend, Communicator, Device, Transport
 from hwsync.shm import ShmTransport
 from hwsync_cpu import CpuBackend, CpuDevice
@@ -20,7 +21,7 @@ class ToyBackend(Backend):
         """The host."""
         return ToyDevice()
 
-    def communicator(self, init_method: str, rank: int, world_size: int, timeout_s: float = 300.0) -> Communicator:
+    def communicator(self, init_method: str, rank: int, world_size: int, timeout_s: float = GROUP_TIMEOUT_S) -> Communicator:
         """gloo, as the cpu backend does."""
         return CpuBackend().communicator(init_method, rank, world_size, timeout_s)
 
