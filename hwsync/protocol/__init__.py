@@ -46,7 +46,8 @@ PROTOCOL_VERSION = 6
 __all__ = ["PROTOCOL_VERSION", "TO_HUB", "TO_RANK", "TO_RECEIVER", "TO_SENDER", "Abort", "Accept", "Alive", "BadFrame",
            "Bucket", "BucketSpec", "Commit", "Complete", "Count", "Done", "Entry", "Error", "Frame", "Go", "Gone", "Joined",
            "Map", "Offer", "Ping", "PlanAccept", "PlanFrame", "Pong", "Progress", "RankComplete", "RankReady", "Ready",
-           "Ref", "Refs", "Refused", "Release", "SegmentSpec", "Sent", "Setup", "Welcome", "decode", "encode", "frame_set", "peek"]
+           "Ref", "Refs", "Refused", "Release", "SegmentSpec", "Sent", "Setup", "Welcome", "decode", "encode", "frame_set", "peek",
+           "refused_reason"]
 
 
 def frame_set(*classes: type[Frame]) -> dict[str, type[Frame]]:
@@ -98,6 +99,14 @@ def peek(data: bytes | memoryview) -> dict[str, str | int | float | bool | bytes
     if not isinstance(raw, dict):
         return None
     return {k: v for k, v in raw.items() if type(k) is str and type(v) in _SCALARS}
+
+
+def refused_reason(data: bytes | memoryview) -> str | None:
+    """The reason of a Refused frame of any protocol version in `data`, or None if it is not one."""
+    raw = peek(data)
+    if raw is None or raw.get("t") != Refused.T or type(raw.get("reason")) is not str:
+        return None
+    return raw["reason"]
 
 
 def decode(data: bytes | memoryview, expected: dict[str, type[Frame]]) -> Frame:

@@ -132,9 +132,9 @@ def checker(tp: Any) -> Callable[[Any, str], Any]:
         def check_map(value: Any, what: str) -> dict[str, Any]:
             if not isinstance(value, dict):
                 raise BadFrame(f"{what}: expected a map, got {type(value).__name__}")
-            bad = next((k for k in value if type(k) is not str), None)
-            if bad is not None:  # a key of another type would be compared with, or looked up by, str keys
-                raise BadFrame(f"{what}: map keys must be str, got {short(bad)}")
+            bad = [k for k in value if type(k) is not str][:1]
+            if bad:  # a key of another type would be compared with, or looked up by, str keys
+                raise BadFrame(f"{what}: map keys must be str, got {short(bad[0])}")
             return value
 
         return check_map
