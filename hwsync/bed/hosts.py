@@ -79,8 +79,12 @@ class Bed:
         if reason:
             raise BedUnavailableError(reason)
         self.swept = names.sweep()  # earlier beds whose owner died: gone before we pick a subnet
+        try:
+            used = in_use()
+        except RuntimeError as exc:
+            raise BedUnavailableError(str(exc)) from exc
         self.subnet, self.skipped_subnets = pick_subnet(subnets if subnets is not None else default_candidates(),
-                                                        in_use(), hosts)
+                                                        used, hosts)
         self.id = names.new_bed_id()
         self.owner = os.getpid()
         self.hosts = hosts
@@ -88,7 +92,7 @@ class Bed:
         self._up = [True] * hosts
         self._procs: list[HostProcess] = []
         self._made: list[str] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # close() may run again inside a signal handler that interrupted it
         self.closed = False
         _register(self)
         try:
@@ -255,7 +259,7 @@ class Bed:
 
 # --- every exit path: atexit, SIGTERM/SIGHUP (SIGINT raises KeyboardInterrupt: the context's exit) --------
 _live: set[Bed] = set()
-_live_lock = threading.Lock()
+_live_lock = threading.RLock()  # taken again by _on_signal if the signal lands while it is held
 _hooked = False
 
 

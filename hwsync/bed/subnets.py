@@ -15,9 +15,10 @@ Net = ipaddress.IPv4Network
 
 def _ip_json(*args: str) -> list[dict]:
     out = subprocess.run(["ip", "-j", *args], capture_output=True, text=True, check=False)
-    if out.returncode != 0 or not out.stdout.strip():
-        return []
-    return json.loads(out.stdout)
+    if out.returncode != 0:
+        raise RuntimeError(f"`ip -j {' '.join(args)}` failed: {out.stderr.strip()} (a bed needs an iproute2 "
+                           "with JSON output, 4.13 or newer, to see which subnets are in use)")
+    return json.loads(out.stdout) if out.stdout.strip() else []
 
 
 def networks_of(netns: str | None = None) -> list[Net]:
@@ -48,7 +49,10 @@ def in_use() -> list[Net]:
     nets = networks_of(None)
     for name in bed_namespaces():
         if name.endswith("-h0"):  # every host of a bed shares its subnet: one host per bed is enough
-            nets.extend(n for n in networks_of(name) if not n.is_loopback)
+            try:
+                nets.extend(n for n in networks_of(name) if not n.is_loopback)
+            except RuntimeError:  # that bed was closed since it was listed
+                continue
     return nets
 
 
