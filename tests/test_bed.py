@@ -163,12 +163,20 @@ def test_link_down_and_up(bed3):
 
 @pytest.mark.slow
 def test_rate_limit(bed3):
-    """A single stream gets near the configured rate (0.85-1.05x), and far more once the limit is lifted."""
+    """A single stream gets near the configured rate (0.85-1.05x), and far more once the limit is lifted.
+
+    The machine is shared: a stream starved of CPU for a moment gets less, so the lower bound holds for
+    the better of two tries; the upper bound (the limit itself) holds for every try.
+    """
     for rate in (200e6, 1e9):
         for host in (0, 1):
             bed3.set_rate(host, rate)
-        got = measure(bed3, 0, 1, seconds=2.0)["bps"]
-        assert 0.85 * rate <= got <= 1.05 * rate, f"{got / 1e9:.3f} Gbit/s at a {rate / 1e9} Gbit/s limit"
+        tries = [measure(bed3, 0, 1, seconds=2.0)["bps"]]
+        if tries[0] < 0.85 * rate:
+            tries.append(measure(bed3, 0, 1, seconds=2.0)["bps"])
+        shown = ", ".join(f"{t / 1e9:.3f}" for t in tries)
+        assert max(tries) <= 1.05 * rate, f"{shown} Gbit/s at a {rate / 1e9} Gbit/s limit: the limit leaks"
+        assert max(tries) >= 0.85 * rate, f"{shown} Gbit/s at a {rate / 1e9} Gbit/s limit: far below it"
     bed3.set_rate(0, None)
     bed3.set_rate(1, None)
     assert bed3.rate(0) is None

@@ -38,10 +38,11 @@ BRIDGE = "br0"
 #: tbf's queue, as time at the configured rate: TCP needs some queue to fill the link, a deep one only adds delay
 TBF_LATENCY_MS = 20.0
 #: tbf's bucket, as time at the configured rate (at least 64 KiB, one GSO packet, so big segments pass whole).
-#: Tokens beyond the bucket are lost while the qdisc waits to be run: on a busy 2-core machine a 0.5 ms bucket
-#: (5 ms queue) lost a third of the rate at 1 Gbit/s; 1-4 ms reach 0.95x, the ceiling of 1448 payload bytes
-#: in 1514 on the wire
-TBF_BURST_MS = 4.0
+#: Tokens beyond the bucket are lost while the qdisc waits to be run (its timer fires in a softirq, late on a
+#: busy machine): on a 2-core machine at load 5-9, a 0.5 ms bucket (5 ms queue) lost a third of the rate at
+#: 1 Gbit/s; 4-20 ms reach 0.95x, the ceiling of 1448 payload bytes in 1514 on the wire, 10-20 ms most steadily.
+#: The bucket is also the most a link sends above its rate after an idle spell (1.25 MB at 1 Gbit/s)
+TBF_BURST_MS = 10.0
 
 
 def tbf_args(rate_bps: float) -> list[str]:
