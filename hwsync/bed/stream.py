@@ -19,6 +19,9 @@ from typing import Any
 #: the port a sink listens on: every host has its own namespace, so a fixed port never collides
 PORT = 5201
 CHUNK = 1 << 20
+#: how long one connection attempt to a sink may take, and the pause between attempts while it starts
+CONNECT_ATTEMPT_S = 2.0  # TODO(timing.py)
+CONNECT_RETRY_S = 0.05  # TODO(timing.py)
 
 
 def sink(port: int = PORT, timeout_s: float = 30.0, warmup_s: float = 0.3) -> dict[str, Any]:
@@ -57,12 +60,12 @@ def source(address: str, port: int = PORT, seconds: float = 3.0, connect_timeout
     deadline = time.monotonic() + connect_timeout_s
     while True:
         try:
-            conn = socket.create_connection((address, port), timeout=2.0)
+            conn = socket.create_connection((address, port), timeout=CONNECT_ATTEMPT_S)
             break
         except (ConnectionRefusedError, socket.timeout, OSError):
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.05)
+            time.sleep(CONNECT_RETRY_S)
     view = memoryview(os.urandom(CHUNK))
     sent = 0
     with conn:
