@@ -65,6 +65,7 @@ class SharedSegment:
         self.name = name
         self.size = size
         self.owner = create
+        self._creator = os.getpid()  # a forked child inherits the object, not the ownership
         self.writable = writable or create
         path = os.path.join(SHM_DIR, name)
         flags = os.O_NOFOLLOW | os.O_CLOEXEC
@@ -111,6 +112,11 @@ class SharedSegment:
         sweep_dead_owners()
         return cls(name, size, create=False, writable=writable)
 
+    @property
+    def created_here(self) -> bool:
+        """Whether this process created the segment (a forked child holds its parent's, never its own)."""
+        return self.owner and self._creator == os.getpid()
+
     def mapping(self) -> mmap.mmap:
         """The raw mapping (for ctypes counters laid over it)."""
         return self._mmap
@@ -132,7 +138,7 @@ class SharedSegment:
         except BufferError:
             pass  # a caller still holds a view; the mapping goes when the view does
         self._mmap = None  # type: ignore[assignment]
-        if self.owner:
+        if self.created_here:  # a forked child closing its copy leaves the parent's segment (and tracker) alone
             self._unlink()
 
 

@@ -157,3 +157,24 @@ def test_a_dead_pid_and_a_zombie_are_swept_and_links_are_not_followed(tmp_path):
         zombie.wait()
         for name in (dead, of_zombie, link):
             Path(SHM_DIR, name).unlink(missing_ok=True)
+
+
+def test_a_forked_child_neither_names_nor_removes_its_parents_segments():
+    """A forked child inherits the parent's segment objects, not their ownership: it offers none of them (its offer
+    would name another pid's segment) and closing them, or exiting, leaves them to the parent."""
+    from hwsync.shared_params import SharedTensors, live_segments
+
+    shared = SharedTensors([("w", __import__("torch").ones(8))])
+    name = shared.segment_names[0]
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: no pytest machinery from here on
+            ok = not live_segments()
+            shared.close()
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child listed its parent's segment as its own"
+        assert Path(SHM_DIR, name).exists() and [s.name for s in live_segments()] == [name]
+    finally:
+        shared.close()
+    assert not Path(SHM_DIR, name).exists()
