@@ -7,11 +7,11 @@ same / dense / block / bitmap), the bytes travel like any tensor's, a receiver a
 baseline (`advance`) and keeps `header.digest` as the baseline's digest.
 """
 
-from hwsync.delta.codec import CHUNK_ELEMS, Delta, DeltaEncoder, advance, apply_into, apply_to_copy, encode, \
-    to_engine_dtype, verify
+from hwsync.delta.patch import advance, apply_into, apply_to_copy, verify
+from hwsync.delta.diff import CHUNK_ELEMS, SPAN_ELEMS, Delta, DeltaEncoder, encode, to_engine_dtype
 from hwsync.delta.digest import tensor_digest
 from hwsync.delta.header import BITMAP, BLOCK, BLOCKS, CODES, DENSE, SAME, DeltaHeader, payload_bytes, smallest_code
 
-__all__ = ["BITMAP", "BLOCK", "BLOCKS", "CHUNK_ELEMS", "CODES", "DENSE", "SAME", "Delta", "DeltaEncoder",
+__all__ = ["BITMAP", "BLOCK", "BLOCKS", "CHUNK_ELEMS", "CODES", "SPAN_ELEMS", "DENSE", "SAME", "Delta", "DeltaEncoder",
            "DeltaHeader", "advance", "apply_into", "apply_to_copy", "encode", "payload_bytes", "smallest_code",
            "tensor_digest", "to_engine_dtype", "verify"]
