@@ -39,7 +39,7 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
 
 def unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
     """The first `n` elements of a bool mask from its packed uint8 bits."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    shifts = torch.arange(8, dtype=torch.uint8).to(bits.device)  # arange is not on every device (the sim)
     return bits.unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(1).view(-1)[:n].bool()
 
 

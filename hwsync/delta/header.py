@@ -98,7 +98,8 @@ class DeltaHeader:
             raise ValueError(f"{name}: unknown delta code {code!r}: one of {', '.join(CODES)}")
         if dtype not in WIRE_DTYPES:
             raise ValueError(f"{name}: unknown dtype {dtype!r} in a delta header")
-        int_view(WIRE_DTYPES[dtype], name)
+        if WIRE_DTYPES[dtype].itemsize not in INT_VIEW:
+            raise ValueError(f"{name}: a delta cannot carry {dtype} ({WIRE_DTYPES[dtype].itemsize}-byte elements)")
         if any(type(v) is not int for v in (numel, count, digest)) or numel < 0 or not 0 <= digest < 1 << 64:
             raise ValueError(f"{name}: numel, count and digest of a delta header must be ints in range, got "
                              f"{numel!r}, {count!r}, {digest!r}")

@@ -21,7 +21,8 @@ def _section(payload: torch.Tensor, start: int, count: int, dtype: torch.dtype) 
 def positions_from_blocks(counts: torch.Tensor, offsets: torch.Tensor, total: int,
                           first_block: int = 0) -> torch.Tensor:
     """Flat positions of the block code: each block's start repeated `count` times plus the uint16 offsets."""
-    starts = (torch.arange(counts.numel(), dtype=torch.int64, device=counts.device) + first_block) * BLOCK
+    # built on the host and moved: small, and arange is not implemented on every device (not on the sim)
+    starts = ((torch.arange(counts.numel(), dtype=torch.int64) + first_block) * BLOCK).to(counts.device)
     rep = torch.repeat_interleave(starts, counts.to(torch.int64), output_size=total)
     return rep.add_(offsets.to(torch.int64).bitwise_and_(0xFFFF))
 

@@ -1,0 +1,345 @@
+"""The delta codec (hwsync.delta), unit by unit: exact on bit patterns, the smallest code, checked results.
+
+Every round trip runs twice: with the compiled host kernel (numba, where installed) and with torch ops
+only (what a GPU or NPU baseline uses); both must give the same bytes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from hwsync.delta import BITMAP, BLOCK, BLOCKS, DENSE, SAME, DeltaEncoder, DeltaHeader, advance, apply_into, \
+    apply_to_copy, encode, native, payload_bytes, smallest_code, tensor_digest, to_engine_dtype, verify
+
+INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.bool]
+SMALL = {"chunk_elems": 1 << 16, "span_elems": 1 << 17}  # several chunks and spans on small tensors
+
+
+@pytest.fixture(params=["numba", "torch"])
+def engine(request, monkeypatch):
+    """The host engine under test: the compiled kernel, or torch ops alone (native switched off)."""
+    if request.param == "numba":
+        if native.kernel() is None:
+            pytest.skip("numba is not installed here (pip install numba): only the torch path runs")
+    else:
+        monkeypatch.setattr(native, "_get", lambda: None)
+    return request.param
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(INTS[t.element_size()])
+
+
+def _random(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(n, generator=gen) < 0.5
+    if not dtype.is_floating_point:
+        return torch.randint(-100 if dtype == torch.int8 else 0, 100, (n,), generator=gen).to(dtype)
+    return (torch.randn(n, generator=gen) * 10).to(dtype)
+
+
+def _changed(base: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
+    """`base` with about `density` of its elements' bit patterns changed (a low bit flipped)."""
+    new = base.clone()
+    mask = torch.rand(base.shape, generator=gen) < density
+    flat = _bits(new)
+    flat[mask.view(-1)] ^= 1
+    return new
+
+
+def _round_trip(new: torch.Tensor, base: torch.Tensor, **encoder) -> DeltaHeader:
+    """Encode with and without the baseline's digest, apply three ways, check everything; the header."""
+    enc = DeltaEncoder(**encoder)
+    first = None
+    for base_digest in (tensor_digest(base), None):
+        delta = enc.encode(new, base, base_digest=base_digest)
+        header = DeltaHeader.from_wire(delta.header.to_wire())
+        assert header == delta.header and delta.payload.numel() == header.nbytes
+        assert header.digest == tensor_digest(to_engine_dtype(new, base.dtype))
+        out = apply_to_copy(base, header, delta.payload)
+        assert torch.equal(_bits(out), _bits(to_engine_dtype(new, base.dtype))) and verify(out, header)
+        dest = base.clone()
+        apply_into(dest, header, delta.payload)
+        assert torch.equal(_bits(dest), _bits(out))
+        if first is None:
+            first = delta
+        else:  # the digest path does not change the bytes
+            assert torch.equal(first.payload, delta.payload) and first.header == delta.header
+    assert first is not None
+    return first.header
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("density", [0.0, 1e-4, 0.01, 0.1, 0.5, 1.0])
+def test_round_trip_is_exact_and_picks_the_smallest_code(engine, dtype, density):
+    gen = torch.Generator().manual_seed(hash((str(dtype), density)) % 2**31)
+    base = _random(300_001, dtype, gen)
+    new = _changed(base, density, gen)
+    header = _round_trip(new, base, **SMALL)
+    changed = int((_bits(new) != _bits(base)).sum())
+    size = dtype.itemsize
+    assert header.code == smallest_code(base.numel(), changed, size)
+    assert header.count == (base.numel() if header.code == DENSE else changed)
+    chosen = payload_bytes(header.code, base.numel(), header.count, size)
+    assert all(chosen <= payload_bytes(c, base.numel(), changed, size) for c in (DENSE, BLOCKS, BITMAP) if changed)
+
+
+def test_both_engines_give_the_same_bytes(monkeypatch):
+    if native.kernel() is None:
+        pytest.skip("numba is not installed here: there is one engine only")
+    gen = torch.Generator().manual_seed(1)
+    for density in (0.001, 0.02, 0.3):
+        base = _random(200_003, torch.bfloat16, gen)
+        new = _changed(base, density, gen)
+        master = new.float() + torch.randn(new.shape, generator=gen) * 1e-3
+        for trainer in (new, master):
+            compiled = DeltaEncoder(engine="numba").encode(trainer, base, base_digest=tensor_digest(base))
+            plain = DeltaEncoder(engine="torch").encode(trainer, base, base_digest=tensor_digest(base))
+            assert compiled.header == plain.header and torch.equal(compiled.payload, plain.payload)
+
+
+@pytest.mark.parametrize("target", [torch.bfloat16, torch.float16], ids=str)
+def test_fp32_masters_cast_exactly_as_the_loaders_copy(engine, target):
+    """vLLM's default loader stores `param.data.copy_(loaded_weight)`: the delta must hold the same bits."""
+    gen = torch.Generator().manual_seed(2)
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-45, 3.4e38, 65504.0,
+                            65520.0, 1e-7, 2.0 ** -24, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8])
+    nan_payloads = torch.tensor([0x7FC00001, 0x7F800001, 0xFFFFFFFF, 0x7FBFFFFF], dtype=torch.int64) \
+        .to(torch.int32).view(torch.float32)
+    master = torch.cat([torch.randn(200_000, generator=gen) * 3, special, nan_payloads])
+    loaded = torch.empty(master.shape, dtype=target)
+    loaded.copy_(master)  # what the engine's loader stores
+    assert torch.equal(_bits(to_engine_dtype(master, target)), _bits(loaded))
+    base = torch.empty(master.shape, dtype=target)
+    base.copy_(master * 0.999)
+    delta = DeltaEncoder(**SMALL).encode(master, base, base_digest=tensor_digest(base))
+    assert torch.equal(_bits(apply_to_copy(base, delta.header, delta.payload)), _bits(loaded))
+    assert delta.header.digest == tensor_digest(loaded)
+
+
+# (exponent bits, mantissa width) of each float format: a NaN has every exponent bit and a non-zero mantissa
+_NAN = {torch.bfloat16: (0x7F80, 7), torch.float16: (0x7C00, 10), torch.float32: (0x7F800000, 23),
+        torch.float64: (0x7FF0000000000000, 52)}
+
+
+@pytest.mark.parametrize("dtype", list(_NAN), ids=str)
+def test_nan_payloads_signed_zeros_infinities_and_subnormals_come_through(engine, dtype):
+    """Bit patterns that compare equal as floats (-0.0 == 0.0) or never (NaN) are still diffed exactly."""
+    ints, (exponent, mantissa) = INTS[dtype.itemsize], _NAN[dtype]
+    tiny = torch.finfo(dtype).tiny
+    base = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), tiny / 4, -tiny / 2] * 2000, dtype=dtype)
+    new = base.clone()
+    sign = -(1 << (8 * dtype.itemsize - 1))  # the sign bit, as the signed integer of that width
+    new.view(ints)[::3] ^= sign  # 0.0 <-> -0.0, inf <-> -inf, subnormals change sign
+    payloads = torch.arange(1, 4001, dtype=torch.int64) % ((1 << mantissa) - 1) + 1
+    new.view(ints)[1::3] = (payloads[: new[1::3].numel()] | exponent).to(ints)  # NaNs with distinct payloads
+    new.view(ints)[2::6] = (payloads[: new[2::6].numel()] | exponent | sign).to(ints)  # negative NaNs
+    assert _round_trip(new, base, **SMALL).count == int((_bits(new) != _bits(base)).sum())
+    back = _round_trip(base, new, **SMALL)  # and from NaNs back to numbers
+    assert back.count == int((_bits(new) != _bits(base)).sum())
+
+
+def test_an_unchanged_tensor_costs_no_payload(engine):
+    base = _random(100_000, torch.bfloat16, torch.Generator().manual_seed(3))
+    delta = encode(base.clone(), base, base_digest=tensor_digest(base))
+    assert delta.header.code == SAME and delta.payload.numel() == 0 and delta.header.nbytes == 0
+    assert delta.header.digest == tensor_digest(base)
+    dest = base.clone()
+    apply_into(dest, delta.header, delta.payload)
+    assert torch.equal(dest, base) and verify(dest, delta.header)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 65535, 65536, 65537, 2 * 65536 + 1])
+def test_block_boundaries_empty_and_scalar_tensors(engine, n):
+    gen = torch.Generator().manual_seed(n)
+    base = _random(n, torch.bfloat16, gen)
+    for where in ([0], [n - 1], [0, 65535 % max(n, 1), 65536 % max(n, 1), n - 1], list(range(0, n, 4096))):
+        new = base.clone()
+        for i in (w for w in where if 0 <= w < n):
+            _bits(new)[i] ^= 0x10
+        _round_trip(new, base, **SMALL)
+    scalar = torch.tensor(1.5, dtype=torch.bfloat16)
+    header = _round_trip(torch.tensor(2.5, dtype=torch.bfloat16), scalar)
+    assert header.code == DENSE and header.numel == 1
+    assert _round_trip(scalar.clone(), scalar).code == SAME
+
+
+def test_block_code_at_a_block_with_every_element_changed(engine):
+    """A block whose 65536 elements all changed (its count no longer fits a uint16) in a sparse tensor."""
+    base = _random(40 * BLOCK, torch.bfloat16, torch.Generator().manual_seed(4))
+    new = base.clone()
+    _bits(new)[BLOCK: 2 * BLOCK] ^= 1
+    assert _round_trip(new, base, **SMALL).code == BLOCKS
+
+
+def test_a_wrong_base_is_caught_by_the_digest(engine):
+    gen = torch.Generator().manual_seed(5)
+    older = _random(100_000, torch.bfloat16, gen)
+    base = _changed(older, 0.01, gen)
+    new = _changed(base, 0.01, gen)
+    delta = encode(new, base, base_digest=tensor_digest(base))
+    wrong = apply_to_copy(older, delta.header, delta.payload)  # the receiver held the version before
+    assert not verify(wrong, delta.header)
+    one_off = base.clone()
+    untouched = int(torch.nonzero(_bits(new) == _bits(base))[0])
+    _bits(one_off)[untouched] ^= 1  # a single element the delta does not touch
+    assert not verify(apply_to_copy(one_off, delta.header, delta.payload), delta.header)
+    assert verify(apply_to_copy(base, delta.header, delta.payload), delta.header)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8], ids=str)
+def test_a_flipped_byte_in_the_destination_is_caught(engine, dtype):
+    gen = torch.Generator().manual_seed(6)
+    base = _random(70_001, dtype, gen)
+    new = _changed(base, 0.01, gen)
+    delta = encode(new, base, base_digest=tensor_digest(base))
+    dest = base.clone()
+    apply_into(dest, delta.header, delta.payload)
+    raw = dest.view(-1).view(torch.uint8)
+    for at in torch.randint(0, raw.numel(), (50,), generator=gen).tolist() + [0, raw.numel() - 1]:
+        for bit in (0, 7):
+            raw[at] ^= 1 << bit
+            assert not verify(dest, delta.header), (at, bit)
+            raw[at] ^= 1 << bit
+    assert verify(dest, delta.header)
+
+
+def test_the_digest_sees_what_an_xor_hash_misses():
+    """Why not torch.hash_tensor: it XORs the elements, so a swap or two equal flips leave it unchanged."""
+    t = torch.randn(4096).bfloat16()
+    swapped = t.clone()
+    swapped[[10, 20]] = t[[20, 10]]
+    signs = t.clone()
+    signs.view(torch.int16)[[3, 7]] ^= -0x8000  # two sign flips
+    for other in (swapped, signs):
+        assert torch.equal(torch.hash_tensor(other.view(torch.int16)), torch.hash_tensor(t.view(torch.int16)))
+        assert tensor_digest(other) != tensor_digest(t)
+    rows = t.view(64, 64).flip(0).contiguous()
+    assert tensor_digest(rows) != tensor_digest(t)
+
+
+def test_advance_writes_only_the_changes(engine):
+    """The sender's baseline moves by scattering the changes: an element the delta does not name is not
+    rewritten (a full copy would have restored it)."""
+    gen = torch.Generator().manual_seed(7)
+    base = _random(100_000, torch.bfloat16, gen)
+    new = _changed(base, 0.001, gen)
+    delta = encode(new, base, base_digest=tensor_digest(base))
+    assert delta.header.code == BLOCKS
+    marker = int(torch.nonzero(_bits(new) == _bits(base))[0])
+    baseline = base.clone()
+    _bits(baseline)[marker] ^= 0x7
+    advance(baseline, delta.header, delta.payload)
+    expected = new.clone()
+    _bits(expected)[marker] ^= 0x7
+    assert torch.equal(_bits(baseline), _bits(expected))
+
+
+def test_dense_wins_early_and_carries_the_engine_dtype(engine):
+    gen = torch.Generator().manual_seed(8)
+    base = _random(300_000, torch.bfloat16, gen)
+    master = base.float() * 1.01
+    delta = DeltaEncoder(**SMALL).encode(master, base)
+    assert delta.header.code == DENSE and delta.changed is None  # the scan stopped once dense had won
+    assert delta.payload.numel() == base.numel() * 2
+    assert torch.equal(delta.payload.view(torch.int16), _bits(to_engine_dtype(master, torch.bfloat16)))
+    same = base.clone()
+    _bits(same)[:] ^= 1
+    delta = encode(same, base)
+    assert delta.header.code == DENSE and delta.payload.data_ptr() == same.data_ptr()  # no copy
+
+
+def test_destinations_that_are_views_or_unaligned_payloads(engine):
+    gen = torch.Generator().manual_seed(9)
+    base = _random(300 * 200, torch.float32, gen).view(300, 200)
+    new = _changed(base, 0.05, gen)
+    delta = encode(new, base)
+    dest = base.t().contiguous().t()  # same values, column-major: not contiguous
+    assert not dest.is_contiguous()
+    apply_into(dest, delta.header, delta.payload)
+    assert torch.equal(dest, new)
+    carrier = torch.zeros(delta.payload.numel() + 3, dtype=torch.uint8)
+    carrier[3:] = delta.payload  # as if it sat at an odd offset of a bucket
+    assert torch.equal(apply_to_copy(base, delta.header, carrier[3:]), new)
+
+
+def test_malformed_headers_and_mismatched_payloads_are_refused():
+    good = DeltaHeader(BLOCKS, "bfloat16", 100, 3, 5)
+    assert DeltaHeader.from_wire(good.to_wire()) == good
+    for wire in ([], ["zip", "bfloat16", 100, 3, 5], [BLOCKS, "complex128", 100, 3, 5], [BLOCKS, "bfloat16", -1, 0, 5],
+                 [BLOCKS, "bfloat16", 100, 101, 5], [SAME, "bfloat16", 100, 1, 5], [DENSE, "bfloat16", 100, 3, 5],
+                 [BLOCKS, "bfloat16", 100, 3, 1 << 64], [BLOCKS, "bfloat16", 100.0, 3, 5]):
+        with pytest.raises(ValueError):
+            DeltaHeader.from_wire(wire, name="w")
+    base = torch.zeros(100, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="layer.0: the delta is for 100 elements of float16"):
+        apply_into(base, DeltaHeader(DENSE, "float16", 100, 100, 0), torch.zeros(200, dtype=torch.uint8),
+                   name="layer.0")
+    with pytest.raises(ValueError, match="needs a flat uint8 payload of 200 bytes"):
+        apply_into(base, DeltaHeader(DENSE, "bfloat16", 100, 100, 0), torch.zeros(199, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="a changed shape needs a full sync"):
+        encode(torch.zeros(10), torch.zeros(11))
+
+
+def test_corrupt_payloads_are_refused_before_a_wrong_write(engine):
+    gen = torch.Generator().manual_seed(10)
+    base = _random(70_000, torch.bfloat16, gen)
+    delta = encode(_changed(base, 0.001, gen), base)
+    counts = delta.payload.clone()
+    counts[:4].view(torch.int32)[0] += 1
+    with pytest.raises(ValueError, match="add up to"):
+        apply_into(base.clone(), delta.header, counts)
+    bitmap = encode(_changed(base, 0.3, gen), base)
+    assert bitmap.header.code == BITMAP
+    tail = bitmap.payload.clone()
+    tail[(70_000 // 8)] |= 0x80  # a bit past the last element
+    with pytest.raises(ValueError, match="past the tensor"):
+        apply_into(base.clone(), bitmap.header, tail)
+
+
+def test_the_simulated_accelerator_runs_the_device_paths():
+    """Apply, digest and encode on a non-host device (the sim): torch ops only, the same bytes."""
+    if importlib.util.find_spec("hwsync_sim") is None:
+        pytest.skip("the sim backend is not installed: pip install -e tests/plugins/hwsync_sim")
+    from hwsync.registry import load_backend
+
+    device = load_backend("sim").device().torch_device()
+    gen = torch.Generator().manual_seed(11)
+    base = _random(150_001, torch.bfloat16, gen)
+    for density in (0.001, 0.3, 1.0):
+        new = _changed(base, density, gen)
+        delta = encode(new, base, base_digest=tensor_digest(base))
+        dest = base.to(device)
+        apply_into(dest, delta.header, delta.payload)
+        assert torch.equal(_bits(dest.cpu()), _bits(new)) and verify(dest, delta.header)
+        on_device = DeltaEncoder(**SMALL).encode(new.to(device), base.to(device), base_digest=tensor_digest(base))
+        assert on_device.header == delta.header and torch.equal(on_device.payload.cpu(), delta.payload)
+
+
+def _available_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+
+
+@pytest.mark.slow
+def test_positions_past_two_to_the_31():
+    """A tensor of more than 2**31 elements: positions are int64, the block code covers it."""
+    n = (1 << 31) + BLOCK + 5
+    if _available_bytes() < 3 * n:
+        pytest.skip(f"needs {3 * n / 1e9:.1f} GB of free memory for two {n / 1e9:.1f} GB tensors")
+    base = torch.zeros(n, dtype=torch.uint8)
+    new = base.clone()
+    where = torch.tensor([0, (1 << 31) - 1, 1 << 31, (1 << 31) + 1, n - 1])
+    new[where] = 7
+    delta = encode(new, base, base_digest=tensor_digest(base))
+    assert delta.header.code == BLOCKS and delta.header.count == 5
+    del new
+    advance(base, delta.header, delta.payload)
+    assert torch.equal(torch.nonzero(base).view(-1), where) and verify(base, delta.header)
