@@ -209,6 +209,18 @@ def test_a_flipped_byte_in_the_destination_is_caught(engine, dtype):
     assert verify(dest, delta.header)
 
 
+def test_the_compiled_digest_equals_the_torch_ops_digest(monkeypatch):
+    if native.kernel() is None:
+        pytest.skip("numba is not installed here: there is one digest path only")
+    gen = torch.Generator().manual_seed(12)
+    tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in (0, 1, 3, 5, 8, 65536 * 4,
+                                                                                       65536 * 4 + 3, 300_001)]
+    tensors += [torch.randn(1000, 333, generator=gen).bfloat16(), torch.tensor(2.5), torch.randn(77).double()]
+    compiled = [tensor_digest(t) for t in tensors]
+    monkeypatch.setattr(native, "_get", lambda: None)
+    assert compiled == [tensor_digest(t) for t in tensors]
+
+
 def test_the_digest_sees_what_an_xor_hash_misses():
     """Why not torch.hash_tensor: it XORs the elements, so a swap or two equal flips leave it unchanged."""
     t = torch.randn(4096).bfloat16()

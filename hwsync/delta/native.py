@@ -12,11 +12,11 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-_kernels: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+_kernels: tuple[Callable[..., Any], ...] | None = None
 _tried = False
 
 
-def _build() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+def _build() -> tuple[Callable[..., Any], ...] | None:
     try:
         import numba
         import numpy as np
@@ -100,10 +100,32 @@ def _build() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
                 c += bit
         return c
 
-    return scan, scatter_bits
+    @numba.njit(nogil=True, cache=True)
+    def digest_lanes(lanes: Any, keys: Any, rows: Any) -> int:
+        """The lane sum of digest.tensor_digest (mod 2**64, as int64): per row the column keys, then its row key.
+
+        A whole row is a slice with a fixed trip count, which LLVM vectorises (measured 14 GB/s here,
+        against 4 with the bound in the loop).
+        """
+        total = np.int64(0)
+        whole = lanes.size >> 16
+        for r in range(whole):
+            row = lanes[r << 16: (r + 1) << 16]
+            part = np.int64(0)
+            for j in range(0x10000):
+                part += row[j] * keys[j]
+            total += part * rows[r]
+        if lanes.size > whole << 16:
+            part = np.int64(0)
+            for j in range(lanes.size - (whole << 16)):
+                part += lanes[(whole << 16) + j] * keys[j]
+            total += part * rows[whole]
+        return total
+
+    return scan, scatter_bits, digest_lanes
 
 
-def _get() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+def _get() -> tuple[Callable[..., Any], ...] | None:
     global _kernels, _tried
     if not _tried:
         _tried = True
@@ -122,6 +144,12 @@ def scatter_bits() -> Callable[..., int] | None:
     """The compiled bitmap scatter, or None without numba (or with HWSYNC_DELTA_NUMBA=0)."""
     got = _get()
     return got[1] if got else None
+
+
+def digest_lanes() -> Callable[..., int] | None:
+    """The compiled lane sum of a host tensor's digest, or None without numba."""
+    got = _get()
+    return got[2] if got else None
 
 
 def words(x: Any) -> Any:
