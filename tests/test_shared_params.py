@@ -117,8 +117,8 @@ def test_the_trainer_cannot_change_what_a_receiver_still_reads(backend, mode):
 
 @pytest.mark.cpu_is_enough("shows the check above can fail; the host path is enough")
 def test_the_tear_check_can_fail_when_send_does_not_wait(backend, monkeypatch):
-    def finish_without_waiting(self, peers, sync, stats):
-        self._broadcast(peers, Done(sync=sync, buckets=stats.buckets, tensors=stats.tensors, bytes=stats.bytes))
+    def finish_without_waiting(self, receivers, stats):
+        receivers.broadcast(Done(sync=receivers.sync, buckets=stats.buckets, tensors=stats.tensors, bytes=stats.bytes))
 
     monkeypatch.setattr(_Sender, "_finish", finish_without_waiting)
     net = procs.model()
