@@ -21,6 +21,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -32,6 +33,7 @@ from typing import Protocol
 import zmq
 
 from hwsync.errors import ClosedError, SyncTimeoutError
+from hwsync.owners import IPC_DIR_NAME, own_entry, owner_prefix, sweep_dead_owners
 
 log = logging.getLogger("hwsync")
 from hwsync.timing import CLOSE_GRACE_S, LIVENESS_SLICE_S
@@ -71,18 +73,30 @@ class Endpoint:
 
 
 def private_ipc_dir() -> str:
-    """A fresh directory only this user can enter, for ipc:// socket files."""
-    path = tempfile.mkdtemp(prefix="hwsync-")
+    """A fresh directory only this user can enter, for ipc:// socket files, named after this process (owner_prefix)."""
+    sweep_dead_owners()
+    path = tempfile.mkdtemp(prefix=owner_prefix())
     os.chmod(path, 0o700)
     return path
 
 
-def remove_ipc_dir(address: str) -> None:
-    """Remove the private directory of an ipc:// address made by private_ipc_dir (never another)."""
-    if address.startswith("ipc://"):
-        directory = os.path.dirname(address[len("ipc://"):])
-        if os.path.basename(directory).startswith("hwsync-"):
-            shutil.rmtree(directory, ignore_errors=True)
+def remove_ipc_dir(address: str, owner_pid: int | None = None) -> None:
+    """Remove the private directory of an ipc:// address made by private_ipc_dir (of process `owner_pid`, if given).
+
+    Never another path: the directory must be one private_ipc_dir names (in the temp directory, an
+    owner prefix and mkdtemp's suffix), a real directory (not a link) of this user. A receiver calls
+    this with an address its caller gave, for a sender found dead.
+    """
+    if not address.startswith("ipc://"):
+        return
+    directory = os.path.dirname(address[len("ipc://"):])
+    match = IPC_DIR_NAME.fullmatch(os.path.basename(directory))
+    if match is None or (owner_pid is not None and int(match.group(1)) != owner_pid):
+        return
+    if os.path.realpath(os.path.dirname(directory)) != os.path.realpath(tempfile.gettempdir()):
+        return
+    if own_entry(directory, stat.S_ISDIR):
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def peer_alive(pid: int | None, host: str | None) -> bool:

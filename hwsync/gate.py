@@ -14,6 +14,7 @@ version is read raw, and refused with the reason when it carries the token.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import socket
@@ -22,6 +23,7 @@ from collections.abc import Callable
 import zmq
 
 from hwsync.protocol import PROTOCOL_VERSION, BadFrame, Frame, Refused, Welcome, decode, encode, peek
+from hwsync.protocol.fields import short
 from hwsync.protocol.limits import cut
 from hwsync.sockets import DropLog, peer_address
 
@@ -61,7 +63,7 @@ class Gate:
             self.drops.drop(identity, peer_address(parts[1]),
                             str(exc) if bound else f"{exc}, from a peer that never presented the token")
             return None
-        if frame.T in self._ready and getattr(frame, "token", None) != self._token:
+        if frame.T in self._ready and not _same(getattr(frame, "token", ""), self._token):
             self.drops.drop(identity, peer_address(parts[1]), "a ready frame with a wrong token")
             return None
         if frame.T in self._ready and getattr(frame, "proto", None) != PROTOCOL_VERSION:
@@ -70,9 +72,16 @@ class Gate:
         return identity, frame
 
     def _refuse_other_version(self, identity: bytes, data: memoryview) -> bool:
-        """Refuse a Ready of another protocol version that carries the token; False if it is not one."""
-        raw = peek(data)
-        if raw is None or raw.get("t") not in self._ready or raw.get("token") != self._token:
+        """Refuse a Ready of another protocol version that carries the token; False if it is not one.
+
+        The map is read raw (any version may be told why), so every value is type-checked before it
+        is looked up or compared: a stranger's `t` may be a map, its `token` a list.
+        """
+        raw = peek(data)  # scalars only: nothing in it is unhashable
+        if raw is None or type(raw.get("t")) is not str or raw["t"] not in self._ready:
+            return False
+        token = raw.get("token")
+        if type(token) is not str or not _same(token, self._token):
             return False
         if raw.get("proto") == PROTOCOL_VERSION:
             return False  # this version, merely malformed: dropped as such
@@ -81,8 +90,8 @@ class Gate:
 
     def _refuse_version(self, identity: bytes, proto: object, pid: object) -> None:
         peer, own = self._names
-        self.refuse(identity, f"the {peer} (pid {pid}) speaks hwsync protocol {proto!r} and this {own} speaks "
-                              f"{PROTOCOL_VERSION}; install the same hwsync version on both sides", fatal=True)
+        self.refuse(identity, f"the {peer} (pid {short(pid)}) speaks hwsync protocol {short(proto)} and this {own} "
+                              f"speaks {PROTOCOL_VERSION}; install the same hwsync version on both sides", fatal=True)
 
     def bind(self, identity: bytes) -> None:
         """Trust `identity` from now on, and answer Welcome (this process's pid and host) at once."""
@@ -105,6 +114,11 @@ class Gate:
         """The first fatal refusal since the last call (the rest are logged already), or None."""
         reasons, self.fatal = self.fatal, []
         return reasons[0] if reasons else None
+
+
+def _same(token: str, expected: str) -> bool:
+    """Whether a peer's token is the expected one, in time that does not depend on where they differ."""
+    return hmac.compare_digest(token.encode(), expected.encode())
 
 
 def reply_on(sock_of: Callable[[], zmq.Socket | None]) -> Reply:

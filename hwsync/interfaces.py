@@ -89,6 +89,23 @@ class Device(ABC):
     def unpin_host_memory(self, tensor: torch.Tensor) -> None:
         """Undo pin_host_memory (call only after it returned True)."""
 
+    def runtime_in_use(self) -> bool:
+        """Whether this process has started the device runtime, so device work may be in flight; never starts it.
+
+        False by default, which is right for the host: nothing is ever queued there. Transports wait
+        for the device only where this is True, so a process that moves host tensors only never
+        initialises an accelerator it does not use."""
+        return False
+
+    def staging_device(self) -> torch.device | None:
+        """Where a receiver copies host bytes for this process's engine; None keeps them on the host.
+
+        By default: None for the CPU and where the probe says the hardware is unusable here, else
+        the current device."""
+        if self.torch_type == "cpu" or not self.probe().usable:
+            return None
+        return self.torch_device()
+
     def torch_device(self, index: int | None = None) -> torch.device:
         """The torch.device for `index` (the current device when None)."""
         if self.torch_type == "cpu":

@@ -5,7 +5,7 @@ WeightSender send references instead of bytes: each receiver maps the segments o
 every tensor once, straight into its own memory (see hwsync.colocated.refs).
 
 - `SharedTensors(named)`: copies of (name, tensor) pairs, packed into a few large segments
-  (`hwsync-<pid>-params-<hex>` in /dev/shm, each tensor at a 256-byte aligned offset);
+  (`hwsync-<pid>-<start>-<pidns>-params-<hex>` in /dev/shm, each tensor at a 256-byte aligned offset);
 - `SharedParameters(module)` / `share_parameters(module)`: the module's parameters and buffers
   moved into such segments (`param.data` points there, so optimizer steps update them in place
   and nothing is copied per step). A module on an accelerator is offloaded into them, and
@@ -20,8 +20,6 @@ parameters' own, a receiver's) stays valid until unmapped, as for any unlinked f
 from __future__ import annotations
 
 import atexit
-import os
-import secrets
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -30,7 +28,7 @@ import torch
 
 from hwsync.interfaces import Device
 from hwsync.protocol.layout import ALIGNMENT, SegmentSpec
-from hwsync.shm import SEGMENT_PREFIX, SharedSegment
+from hwsync.shm import SharedSegment
 
 #: a new segment is started once the open one would pass this many bytes (a larger tensor gets one of its own)
 DEFAULT_SEGMENT_BYTES = 1 << 30
@@ -72,10 +70,9 @@ def find_shared(tensor: torch.Tensor) -> tuple[SegmentSpec, int] | None:
 
 
 def _new_segment(size: int) -> SharedSegment:
-    name = f"{SEGMENT_PREFIX}{os.getpid()}-params-{secrets.token_hex(8)}"
-    segment = SharedSegment(name, size, create=True)
+    segment = SharedSegment.create(size, kind="params")  # <owner>-params-<hex>: protocol.layout.SHARED_SEGMENT_NAME
     with _lock:
-        _live[name] = segment
+        _live[segment.name] = segment
     return segment
 
 

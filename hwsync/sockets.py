@@ -202,6 +202,10 @@ def peer_address(part: Any) -> str:
         return ""
 
 
+#: a drop's reason is cut to this many characters in the log (it names what a stranger sent)
+MAX_DROP_REASON_CHARS = 400
+
+
 class DropLog:
     """Logs dropped frames per peer: the first at once, then one line with a count every DROP_LOG_INTERVAL_S."""
 
@@ -226,6 +230,7 @@ class DropLog:
         entry[0] += 1
         if now - entry[1] >= DROP_LOG_INTERVAL_S:
             more = f" ({int(entry[0]) - 1} more dropped since the last report)" if entry[0] > 1 else ""
-            log.warning("hwsync: %s dropped a frame from peer %s%s: %s%s", self.where, identity.hex(),
-                        f" at {address}" if address else "", reason, more)
+            # reason: built from the peer's values through protocol.fields.short, cut again here as a bound
+            log.warning("hwsync: %s dropped a frame from peer %s%s: %s%s", self.where, identity.hex()[:64],
+                        f" at {address}" if address else "", reason[:MAX_DROP_REASON_CHARS], more)
             entry[0], entry[1] = 0, now

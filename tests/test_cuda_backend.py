@@ -21,9 +21,9 @@ from hwsync.errors import HwsyncError
 from hwsync.interfaces import ReceiveBuffers, SendBuffers
 from hwsync.registry import installed_names, load_backend
 from hwsync.shm import leftover_segments
-from hwsync_cuda import CudaBackend, CudaDevice, CudaShmTransport
+from hwsync.device_shm import DeviceShmReceiveBuffers, DeviceShmSendBuffers, DeviceShmTransport
+from hwsync_cuda import CudaBackend, CudaDevice
 from hwsync_cuda.ipc import CudaIpcReceiveBuffers, CudaIpcSendBuffers
-from hwsync_cuda.shm import CudaShmReceiveBuffers, CudaShmSendBuffers
 
 
 
@@ -38,7 +38,7 @@ def test_registered_under_hwsync_backends() -> None:
 def test_every_abstract_method_is_implemented() -> None:
     backend = CudaBackend()
     classes = [type(backend), type(backend.device()), *(type(t) for t in backend.transports().values()),
-               CudaIpcSendBuffers, CudaIpcReceiveBuffers, CudaShmSendBuffers, CudaShmReceiveBuffers]
+               CudaIpcSendBuffers, CudaIpcReceiveBuffers, DeviceShmSendBuffers, DeviceShmReceiveBuffers]
     for cls in classes:
         assert not inspect.isabstract(cls), f"{cls.__name__} leaves {sorted(cls.__abstractmethods__)} abstract"
     assert issubclass(CudaIpcSendBuffers, SendBuffers) and issubclass(CudaIpcReceiveBuffers, ReceiveBuffers)
@@ -55,6 +55,20 @@ def test_import_probe_and_availability_create_no_cuda_context() -> None:
         "avail = {n: t.available().usable for n, t in b.transports().items()}\n"
         "assert not torch.cuda.is_initialized(), 'probe initialised CUDA'\n"
         "print(p.usable, avail)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_shm_sender_of_host_tensors_never_initialises_cuda() -> None:
+    # hwsync.device_shm pins and waits only where CudaDevice.runtime_in_use(); a fresh interpreter, as above.
+    code = (
+        "import torch, hwsync_cuda\n"
+        "s = hwsync_cuda.CudaBackend().transports()['shm'].open_sender(1 << 16, 2)\n"
+        "s.buffer(0)[:8].copy_(torch.arange(8, dtype=torch.uint8))\n"
+        "s.publish(0, 8)\n"
+        "s.close()\n"
+        "assert not torch.cuda.is_initialized(), 'the shm sender initialised CUDA'\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -88,7 +102,7 @@ def test_communicator_without_nccl_is_a_clear_error() -> None:
 
 
 def test_shm_round_trip_in_host_memory() -> None:
-    transport = CudaShmTransport(stage_on_device=False)
+    transport = DeviceShmTransport(CudaDevice(), stage_on_device=False)
     sender = transport.open_sender(1 * MiB, 2)
     receiver = transport.open_receiver(sender.handles())
     try:
@@ -126,7 +140,8 @@ def test_device_memory_and_identity(gpu: CudaDevice) -> None:
 
 
 def test_shm_from_gpu_into_a_staged_gpu_view(gpu: CudaDevice) -> None:
-    transport = CudaShmTransport()
+    transport = CudaBackend().transports()["shm"]
+    assert isinstance(transport, DeviceShmTransport)
     sender = transport.open_sender(4 * MiB, 2)
     receiver = transport.open_receiver(sender.handles())
     try:

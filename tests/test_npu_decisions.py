@@ -28,7 +28,6 @@ from hwsync_npu.device import logical_index, parse_visible_devices, physical_ind
 from hwsync_npu.hccl import (HCCL_REDUCE_DTYPES_310P, HCCL_REDUCE_DTYPES_A2_A3, HCCL_REDUCE_DTYPES_ANY,
                              HCCL_REDUCE_DTYPES_TRAINING, hccl_reduce_dtypes)
 from hwsync_npu.ipc import NpuIpcTransport, ensure_msgpack_safe, share_record
-from hwsync_npu.shm import DeviceCopyShmTransport
 from hwsync_npu.versions import (cann_install_info_paths, cann_version_from_install_info, decide_ipc,
                                  driver_version_from_info, parse_version)
 
@@ -210,24 +209,4 @@ def test_pre_import_hook_leaves_a_cann_machine_alone(tmp_path, monkeypatch: pyte
     assert env["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "0" and preimport.NOTE_ENV in env
 
 
-# --- shm with device copies (cpu standing in for the npu) -------------------------------------
-
-def test_device_copy_shm_roundtrip() -> None:
-    transport = DeviceCopyShmTransport(lambda: torch.device("cpu"))
-    sender = transport.open_sender(4096, 2)
-    try:
-        handles = sender.handles()
-        assert handles["kind"] == "shm"
-        msgpack.packb(handles, use_bin_type=True)
-        receiver = transport.open_receiver(handles)
-        try:
-            payload = torch.arange(100, dtype=torch.uint8)
-            sender.buffer(1)[:100].copy_(payload)
-            sender.publish(1, 100)
-            view = receiver.view(1, 100)
-            assert torch.equal(view, payload)
-            assert view.data_ptr() != sender.buffer(1).data_ptr()  # a copy, not the sender's memory
-        finally:
-            receiver.close()
-    finally:
-        sender.close()
+# The shm transport (the core's hwsync.device_shm over NpuDevice) is tested in test_npu_host_register.py.

@@ -1,27 +1,34 @@
-"""Page-locking shared host memory for NPU copies (torch_npu's npurt), without an NPU.
+"""Page-locking shared host memory for NPU copies (torch_npu's npurt), and the shm transport over it, without an NPU.
 
 No CANN exists here, so torch_npu's runtime module is a recording fake of the two calls
 torch_npu 2.13.0 binds (`npurt().npuHostRegister(ptr, size, flags)` and
 `npuHostUnregister(ptr)`, returning an ACL error code; the names are checked against the
 real wheel by test_npu_api_conformance): these tests check hwsync's side (which memory is
-registered, with which flag, unregistered before it is unmapped, what a refusal or an older
-torch_npu leads to), not the driver's. The shm transport runs with "cpu" standing in for the
-NPU, over real POSIX shared memory.
+registered, with which flag, unregistered before it is unmapped and only after the device was
+synchronized, what a refusal or an older torch_npu leads to), not the driver's. The shm transport
+(the core's hwsync.device_shm over NpuDevice) runs with "cpu" standing in for the NPU's memory,
+over real POSIX shared memory. Why one design fits the NPU as it fits CUDA is read from the real
+wheel below (test_torch_npu_copies_asynchronously_only_into_registered_host_memory).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import zipfile
 from types import SimpleNamespace
 
+import msgpack
 import pytest
 import torch
 
+from hwsync.device_shm import DeviceShmTransport
 from hwsync.shm import SHM_DIR
+from hwsync_npu.backend import NpuBackend
 from hwsync_npu.device import NpuDevice
 from hwsync_npu.host_register import ACL_HOST_REG_MAPPED, open_host_register
-from hwsync_npu.shm import DeviceCopyShmTransport
+
+from npu_wheel import CACHE, VERSION, wheel_path
 
 
 class FakeNpuRuntime:
@@ -49,6 +56,23 @@ def _device_with(runtime: object) -> NpuDevice:
     device = NpuDevice()
     device._torch_npu = SimpleNamespace(npu=SimpleNamespace(npurt=lambda: runtime))  # type: ignore[assignment]
     return device
+
+
+class CpuStandInNpu(NpuDevice):
+    """An NpuDevice over a recording torch_npu stand-in, the CPU standing in for the NPU's memory.
+
+    `initialized`: whether this process has started torch_npu's NPU state (torch_npu.npu.is_initialized);
+    synchronize() is recorded in the runtime's calls, so the order of waits and unregistrations shows."""
+
+    def __init__(self, acl: FakeNpuRuntime, initialized: bool = True) -> None:
+        super().__init__()
+        self._torch_npu = SimpleNamespace(npu=SimpleNamespace(  # type: ignore[assignment]
+            npurt=lambda: acl, is_initialized=lambda: initialized,
+            synchronize=lambda: acl.calls.append(("synchronize",))))
+
+    def staging_device(self) -> torch.device:
+        """The CPU, standing in for the current NPU."""
+        return torch.device("cpu")
 
 
 def _page_aligned(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
@@ -100,9 +124,36 @@ def test_a_refusal_an_older_torch_npu_or_no_torch_npu_keeps_copies_pageable() ->
     buffer.close()
 
 
-def test_device_copy_shm_pins_every_segment_on_both_sides_and_unpins_before_unmapping() -> None:
+def test_the_npu_backend_offers_the_cores_device_shm_over_its_device() -> None:
+    backend = NpuBackend()
+    transport = backend.transports()["shm"]
+    assert type(transport) is DeviceShmTransport and transport.device is backend.device()
+
+
+def test_shm_round_trip_stages_a_copy() -> None:
+    transport = DeviceShmTransport(CpuStandInNpu(FakeNpuRuntime()))
+    sender = transport.open_sender(4096, 2)
+    try:
+        handles = sender.handles()
+        assert handles["kind"] == "shm"
+        msgpack.packb(handles, use_bin_type=True)
+        receiver = transport.open_receiver(handles)
+        try:
+            payload = torch.arange(100, dtype=torch.uint8)
+            sender.buffer(1)[:100].copy_(payload)
+            sender.publish(1, 100)
+            view = receiver.view(1, 100)
+            assert torch.equal(view, payload)
+            assert view.data_ptr() != sender.buffer(1).data_ptr()  # a copy, not the sender's memory
+        finally:
+            receiver.close()
+    finally:
+        sender.close()
+
+
+def test_shm_pins_every_segment_on_both_sides_and_unpins_after_a_wait_before_unmapping() -> None:
     acl = FakeNpuRuntime()
-    npu = _device_with(acl)
+    npu = CpuStandInNpu(acl)
     still_there: list[bool] = []
     unpin = npu.unpin_host_memory
 
@@ -112,7 +163,7 @@ def test_device_copy_shm_pins_every_segment_on_both_sides_and_unpins_before_unma
         unpin(tensor)
 
     npu.unpin_host_memory = checked_unpin  # type: ignore[method-assign]
-    transport = DeviceCopyShmTransport(lambda: torch.device("cpu"), host=npu)
+    transport = DeviceShmTransport(npu)
     sender = transport.open_sender(64 * 1024, 2)
     receiver = None
     try:
@@ -122,7 +173,10 @@ def test_device_copy_shm_pins_every_segment_on_both_sides_and_unpins_before_unma
         payload = torch.arange(200, dtype=torch.uint8)
         sender.buffer(0)[:200].copy_(payload)
         sender.publish(0, 200)
+        assert acl.calls[-1] == ("synchronize",)  # packed copies may still be queued: publish waits for them
         assert torch.equal(receiver.view(0, 200), payload)
+        receiver.release(0)
+        assert acl.calls[-1] == ("synchronize",)  # the staging copy may still read the segment
         receiver.close()
         assert len(acl.registered) == 2  # the receiver's registrations are gone, the sender's remain
         sender.close()
@@ -130,7 +184,44 @@ def test_device_copy_shm_pins_every_segment_on_both_sides_and_unpins_before_unma
         assert not any(os.path.exists(os.path.join(SHM_DIR, n)) for n in names)
         sender.close()  # twice is safe: nothing is unregistered again
         assert sum(1 for c in acl.calls if c[0] == "unregister") == 4
+        # each side waits for the device right before it unregisters (an async copy may still touch the pages)
+        firsts = [i for i, c in enumerate(acl.calls) if c[0] == "unregister" and acl.calls[i - 1][0] != "unregister"]
+        assert len(firsts) == 2 and all(acl.calls[i - 1] == ("synchronize",) for i in firsts)
     finally:
         if receiver is not None:
             receiver.close()
         sender.close()
+
+
+def test_a_sender_that_never_started_the_npu_pins_nothing_and_never_waits() -> None:
+    acl = FakeNpuRuntime()
+    sender = DeviceShmTransport(CpuStandInNpu(acl, initialized=False)).open_sender(4096, 2)
+    try:
+        sender.buffer(0)[:10].fill_(1)
+        sender.publish(0, 10)
+    finally:
+        sender.close()
+    assert acl.calls == []  # no npuHostRegister, no synchronize: host tensors only need neither
+
+
+def test_torch_npu_copies_asynchronously_only_into_registered_host_memory() -> None:
+    """The one shm design (pack with non_blocking device-to-host copies, wait at publish) holds on the NPU
+    because torch_npu treats registered host memory as CUDA treats cudaHostRegister'd memory.
+
+    torch_npu/csrc/core/npu/CachingHostAllocator.cpp (Ascend/pytorch), process_non_blocking_copy: after
+    a non_blocking copy is queued, aclrtPointerGetAttributes of the host pointer decides; memory the
+    runtime knows as host memory ("allocated by aclrtMallocHost or malloc and register") only has the
+    stream recorded, so the copy stays asynchronous; any other memory makes it synchronous. Checked
+    here in the 2.13.0 wheel: the declaration in its headers and both branches' log lines in its library."""
+    path = wheel_path()
+    if path is None:
+        pytest.skip(f"torch-npu {VERSION} wheel not in {CACHE} and could not be fetched (run ci/fetch-torch-npu.sh)")
+    with zipfile.ZipFile(path) as wheel:
+        header = wheel.read("torch_npu/include/torch_npu/csrc/core/npu/CachingHostAllocator.h").decode()
+        library = wheel.read("torch_npu/lib/libtorch_npu.so")
+    assert "void process_non_blocking_copy(" in header
+    assert "the host memory is allocated by aclrtMallocHost or malloc and register" in header
+    assert b"non_blocking copy without StreamSynchronize." in library  # the copy is queued, not waited for
+    assert b"The memory is registered." in library  # registered host pages: stays asynchronous
+    assert b"The copy of the kind needs to be converted to synchronous" in library  # pageable: made synchronous
+    assert b"aclrtPointerGetAttributes" in library

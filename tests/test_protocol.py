@@ -30,17 +30,22 @@ from hwsync.protocol import (
 )
 
 ENTRY = Entry("w", "float32", (2, 3), 0, 0, 24, 24)
-OFFER = Offer(sync=1, proto=3, backend="cpu", transport="shm", handles={"kind": "shm", "names": ["a"]},
+#: segment names as hwsync makes them: hwsync-<pid>-<start>-<pidns>-[params-]<16 hex> (pid 1 here, as in _example)
+OWNER = "hwsync-1-7788-4026531836-"
+BUFFERS = [f"{OWNER}{i:016x}" for i in range(2)]
+PARAMS = f"{OWNER}params-00000000000000ab"
+OFFER = Offer(sync=1, proto=3, backend="cpu", transport="shm", handles={"kind": "shm", "names": BUFFERS, "bytes": 4096},
               bucket_bytes=4096, num_buffers=2, version=7, pid=1, host="h",
               manifest=[TensorSpec("w", "float32", (2, 3))], tensors=1, total_bytes=24, first=0, doorbell=None,
               rank=0, segments=[])
-SEGMENT = SegmentSpec("hwsync-12-params-ab", 4096)
+SEGMENT = SegmentSpec(PARAMS, 4096)
 REF = Ref("w", "float32", (2, 3), 0, 256, 24)
+DOORBELL = {"name": f"{OWNER}{'f' * 16}", "bytes": 4096 + 2 * 65536, "receivers": 2, "slots": 2}
 
 
 def _example(cls):
     """One valid instance of any frame class, built from its field types."""
-    values = {"int": 1, "str": "x", "bool": True, "float": 1.0}
+    values = {"int": 1, "Count": 1, "str": "x", "bool": True, "float": 1.0}
     kwargs = {}
     for f in dataclasses.fields(cls):
         kind = str(f.type)
@@ -58,6 +63,8 @@ def _example(cls):
             kwargs[f.name] = 4096
         elif kind == "list[str]":
             kwargs[f.name] = ["tcp://h:1"]
+        elif f.name == "doorbell" and "Map" in kind:
+            kwargs[f.name] = DOORBELL
         elif kind.startswith(("Map", "dict")):
             kwargs[f.name] = {"k": [1, "v"]}
         else:
@@ -141,16 +148,17 @@ def test_ready_and_error_keep_their_fields():
 
 
 @pytest.mark.parametrize("segments,refs,match", [
-    ([["hwsync-12-params-ab", 4096]], [["w", "float32", [2, 3], 0, 4096 - 16, 24]], "multiples of 256"),
-    ([["hwsync-12-params-ab", 4096]], [["w", "float32", [2, 3], 0, 4096, 24]], "past the 4096 bytes"),
-    ([["hwsync-12-params-ab", 4096]], [["w", "float32", [2, 3], 1, 0, 24]], "segment #1 of 1"),
-    ([["hwsync-12-params-ab", 4096]], [["w", "float32", [2, 3], 0, 0, 25]], "do not fit float32"),
-    ([["hwsync-12-params-ab", 4096]], [["w", "float32", [2, 3], 0, -256, 24]], "non-negative int"),
-    ([["../etc/passwd", 4096]], [], "not an hwsync parameter segment"),
-    ([["hwsync-12-abc", 4096]], [], "not an hwsync parameter segment"),
-    ([["hwsync-12-params-ab/x", 4096]], [], "not an hwsync parameter segment"),
-    ([["hwsync-12-params-ab", -1]], [], "non-negative int"),
-    ([["hwsync-12-params-ab", 4096], ["hwsync-13-params-ab", 4096]], [], "several processes"),
+    ([[PARAMS, 4096]], [["w", "float32", [2, 3], 0, 4096 - 16, 24]], "multiples of 256"),
+    ([[PARAMS, 4096]], [["w", "float32", [2, 3], 0, 4096, 24]], "past the 4096 bytes"),
+    ([[PARAMS, 4096]], [["w", "float32", [2, 3], 1, 0, 24]], "segment #1 of 1"),
+    ([[PARAMS, 4096]], [["w", "float32", [2, 3], 0, 0, 25]], "do not fit float32"),
+    ([[PARAMS, 4096]], [["w", "float32", [2, 3], 0, -256, 24]], "non-negative int"),
+    ([["../etc/passwd", 4096]], [], "not the name of an hwsync shared segment"),
+    ([["hwsync-12-params-ab", 4096]], [], "not the name of an hwsync shared segment"),  # an older hwsync's form
+    ([[f"{OWNER}00000000000000ab", 4096]], [], "not the name of an hwsync shared segment"),  # a buffer's, not params
+    ([[PARAMS + "/x", 4096]], [], "not the name of an hwsync shared segment"),
+    ([[PARAMS, -1]], [], "non-negative int"),
+    ([[PARAMS, 4096], [PARAMS.replace("hwsync-1-", "hwsync-13-"), 4096]], [], "several processes"),
 ])
 def test_shared_tensor_references_are_checked(segments, refs, match):
     with pytest.raises(BadFrame, match=match):
@@ -160,4 +168,4 @@ def test_shared_tensor_references_are_checked(segments, refs, match):
 def test_refs_come_back_as_refs():
     frame = Refs(sync=3, segments=[SEGMENT], refs=[REF])
     back = decode(encode(frame), TO_RECEIVER)
-    assert back == frame and back.segments[0].pid == 12 and back.refs[0].shape == (2, 3)
+    assert back == frame and back.segments[0].pid == 1 and back.refs[0].shape == (2, 3)

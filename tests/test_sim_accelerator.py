@@ -181,6 +181,26 @@ def test_a_read_still_queued_when_its_buffer_is_released_and_refilled_sees_poiso
         sender.close()  # a same-process receiver maps nothing: no export was made for it, none leaks
 
 
+def test_shm_release_waits_for_the_staging_copy_that_still_reads_the_segment(sim):
+    """The shm transport (hwsync.device_shm) stages a bucket with a host-to-device copy from its pinned
+    segment, queued on the stream and reading the segment when it runs: release() must wait for it,
+    since the sender refills (the sim poisons) the segment once the receiver released it."""
+    transport = sim.transports()["shm"]
+    sender = transport.open_sender(256, 2)
+    receiver = transport.open_receiver(sender.handles())
+    try:
+        sender.buffer(0).copy_(torch.full((256,), 7, dtype=torch.uint8))
+        sender.publish(0, 256)
+        view = receiver.view(0, 256)  # queued, not yet run
+        assert view.device == sim.device().torch_device()
+        receiver.release(0)
+        sender.buffer(0)  # the sender starts refilling buffer 0
+        assert set(view.cpu().tolist()) == {7}, "the staging copy read the segment after release()"
+    finally:
+        receiver.close()
+        sender.close()
+
+
 # -- IPC: torch's reference counting --------------------------------------------------------------
 
 def _open_sender(sim):

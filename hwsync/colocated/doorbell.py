@@ -28,6 +28,8 @@ from typing import Any
 
 from hwsync.bucket import align_up
 from hwsync.control import timeout_error
+from hwsync.errors import ProtocolError
+from hwsync.protocol.layout import check_doorbell_handle
 from hwsync.shm import SharedSegment
 from hwsync.timing import DOORBELL_CHECK_S, DOORBELL_FIRST_CHECK_S, DOORBELL_MAX_SLEEP_S
 
@@ -37,6 +39,8 @@ _LINE = 64  # one cache line per counter, so writers never share a line
 _LENGTH = struct.Struct("<I")
 #: spins before the first sleep: a bucket is usually ready within this
 _SPINS = 2000
+#: the most receivers and descriptor slots a doorbell a receiver maps may claim (a sender's word: 64 MiB of slots)
+MAX_RECEIVERS, MAX_SLOTS = 4096, 1024
 
 
 def doorbell_supported() -> bool:
@@ -62,14 +66,23 @@ class Doorbell:
     @classmethod
     def create(cls, num_receivers: int, num_slots: int) -> "Doorbell":
         """A new doorbell segment (the sender owns and unlinks it)."""
-        size = _slots_offset(num_receivers) + num_slots * DESCRIPTOR_BYTES
-        return cls(SharedSegment.create(size), num_receivers, num_slots)
+        return cls(SharedSegment.create(layout_bytes(num_receivers, num_slots)), num_receivers, num_slots)
 
     @classmethod
-    def attach(cls, handle: dict[str, Any]) -> "Doorbell":
-        """Map a sender's doorbell from its handle."""
-        segment = SharedSegment(handle["name"], int(handle["bytes"]), create=False)
-        return cls(segment, int(handle["receivers"]), int(handle["slots"]))
+    def attach(cls, handle: dict[str, Any], owner_pid: int | None = None, rank: int = 0) -> "Doorbell":
+        """Map a sender's doorbell from its handle: a segment of process `owner_pid` (the sender; any, when None).
+
+        The receiver writes one thing there, its own `released[rank]` counter, so the segment is
+        mapped writable; the handle is checked first (protocol.layout.check_doorbell_handle: a
+        segment name, never a path) and so is its size, which must be the layout's exactly.
+        """
+        check_doorbell_handle(handle, owner_pid, rank)
+        receivers, slots = handle["receivers"], handle["slots"]
+        if receivers > MAX_RECEIVERS or slots > MAX_SLOTS or handle["bytes"] != layout_bytes(receivers, slots):
+            raise ProtocolError(f"doorbell {handle['name']}: {handle['bytes']} bytes do not hold {receivers} "
+                                f"receivers and {slots} slots (at most {MAX_RECEIVERS} and {MAX_SLOTS})")
+        segment = SharedSegment.open(handle["name"], handle["bytes"], owner_pid=owner_pid, writable=True)
+        return cls(segment, receivers, slots)
 
     def handle(self) -> dict[str, Any]:
         """What a receiver needs to map this doorbell."""
@@ -108,6 +121,8 @@ class Doorbell:
         """Receiver: the descriptor of posted bucket `seq`."""
         offset = self._slots_at + (seq % self.num_slots) * DESCRIPTOR_BYTES
         (length,) = _LENGTH.unpack_from(self._map, offset)
+        if length > DESCRIPTOR_BYTES - _LENGTH.size:  # the sender's word: never read past the slot
+            raise ProtocolError(f"bucket {seq}'s descriptor claims {length} bytes, over its {DESCRIPTOR_BYTES}-byte slot")
         return bytes(self._map[offset + _LENGTH.size : offset + _LENGTH.size + length])
 
     def release(self, rank: int, seq: int) -> None:
@@ -124,6 +139,11 @@ class Doorbell:
 
 def _slots_offset(num_receivers: int) -> int:
     return align_up(_LINE * (1 + num_receivers), 4096)
+
+
+def layout_bytes(num_receivers: int, num_slots: int) -> int:
+    """The size of a doorbell segment: the counters, then the descriptor slots."""
+    return _slots_offset(num_receivers) + num_slots * DESCRIPTOR_BYTES
 
 
 def spin_wait(ready: Callable[[], bool], check: Callable[[], None], *, timeout_s: float, what: str,

@@ -1,7 +1,8 @@
 """The receiver's side of a one-copy sync: tensors read in place from the sender's shared parameter segments.
 
 A Refs frame names whole tensors by (segment, offset, dtype, shape). Each segment is mapped
-once and kept across syncs (pinned for device copies where the backend can), and unmapped
+read-only (only ever a parameter segment of the sender's own pid, by name in /dev/shm: hwsync.shm's
+SharedSegment.open), once, and kept across syncs (pinned for device copies where the backend can), and unmapped
 when the sender's offer no longer lists it, when the receiver fails, and at close. Tensors go
 straight `into` the caller's destinations (one memmove on the host, one host-to-device copy on
 an accelerator) or to `load` as views of the shared memory, valid during that call only. The
@@ -32,6 +33,7 @@ from hwsync.errors import ProtocolError
 from hwsync.interfaces import Device
 from hwsync.manifest import dtype_from_name
 from hwsync.protocol import Refs, SegmentSpec
+from hwsync.protocol.layout import SHARED_SEGMENT_NAME
 from hwsync.shm import SHM_DIR, SharedSegment
 from hwsync.stats import SyncStats
 
@@ -94,9 +96,11 @@ class SharedReader:
             return mapped
         if mapped is not None:
             self._unmap(spec.name)
-        try:
-            mapped = SharedSegment(spec.name, spec.size, create=False)
-        except (OSError, ValueError) as exc:
+        try:  # read-only: this side only ever reads the trainer's parameters
+            mapped = SharedSegment.open(spec.name, spec.size, owner_pid=sender_pid, pattern=SHARED_SEGMENT_NAME)
+        except (ValueError, ProtocolError) as exc:  # a name or file no sender of ours makes: refused
+            raise ProtocolError(f"refused the sender's shared segment {spec.name} ({spec.size} bytes): {exc}") from None
+        except OSError as exc:
             raise ProtocolError(f"cannot map the sender's shared segment {spec.name} ({spec.size} bytes): {exc}; "
                                 "sender and receiver must share /dev/shm (same host, same IPC namespace)") from None
         self._mapped[spec.name] = mapped
@@ -199,7 +203,7 @@ class SharedReader:
             log.warning("hwsync: waiting for device copies before unmapping shared segments failed: %s", exc)
         for name in list(self._mapped):
             self._unmap(name)
-            if dead_sender is not None and name.startswith(f"hwsync-{dead_sender}-params-"):
+            if dead_sender is not None and SegmentSpec(name, 0).pid == dead_sender:
                 try:
                     os.unlink(os.path.join(SHM_DIR, name))
                     log.warning("hwsync: removed shared segment %s of the dead sender %d", name, dead_sender)

@@ -37,16 +37,17 @@ from hwsync.protocol.colocated import Abort, Accept, Bucket, Complete, Done, Err
     Refused, Release, Welcome
 from hwsync.protocol.disaggregated import Alive, Commit, Go, Joined, Ping, PlanAccept, PlanFrame, Pong, Progress, \
     RankComplete, RankReady, Sent, Setup
-from hwsync.protocol.fields import BadFrame, Frame, Map, short, value_to_wire
+from hwsync.protocol.fields import BadFrame, Count, Frame, Map, short, value_to_wire
 from hwsync.protocol.layout import BucketSpec, Entry, Ref, SegmentSpec
 
 #: bump when frames change incompatibly; a receiver refuses any other version
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 __all__ = ["PROTOCOL_VERSION", "TO_HUB", "TO_RANK", "TO_RECEIVER", "TO_SENDER", "Abort", "Accept", "Alive", "BadFrame",
-           "Bucket", "BucketSpec", "Commit", "Complete", "Done", "Entry", "Error", "Frame", "Go", "Gone", "Joined",
+           "Bucket", "BucketSpec", "Commit", "Complete", "Count", "Done", "Entry", "Error", "Frame", "Go", "Gone", "Joined",
            "Map", "Offer", "Ping", "PlanAccept", "PlanFrame", "Pong", "Progress", "RankComplete", "RankReady", "Ready",
-           "Ref", "Refs", "Refused", "Release", "SegmentSpec", "Sent", "Setup", "Welcome", "decode", "encode", "frame_set", "peek"]
+           "Ref", "Refs", "Refused", "Release", "SegmentSpec", "Sent", "Setup", "Welcome", "decode", "encode", "frame_set", "peek",
+           "refused_reason"]
 
 
 def frame_set(*classes: type[Frame]) -> dict[str, type[Frame]]:
@@ -78,17 +79,34 @@ def _unpack(data: bytes | memoryview) -> Any:
         raise BadFrame(f"not a msgpack frame ({type(exc).__name__}: {short(exc)})") from None
 
 
-def peek(data: bytes | memoryview) -> dict[Any, Any] | None:
-    """The raw map in `data` without checking it against any definition, or None.
+#: the values peek keeps: scalars, which a caller may compare or look up without a TypeError
+_SCALARS = (str, int, float, bool, bytes, type(None))
+
+
+def peek(data: bytes | memoryview) -> dict[str, str | int | float | bool | bytes | None] | None:
+    """The scalar fields of the raw map in `data`, unchecked against any definition; None if it is no map.
 
     Only for what must be read across protocol versions: a Ready's `proto` and `token` (to refuse
-    another version with the reason) and a Refused frame's `reason`.
+    another version with the reason) and a Refused frame's `reason`. Fields whose key is not a
+    str or whose value is a container are left out, so nothing a peer sends can make a caller's
+    `raw.get("t") in table` raise (a map as the type is unhashable); a caller still checks each
+    value's type before using it as more than a key.
     """
     try:
         raw = _unpack(data)
     except BadFrame:
         return None
-    return raw if isinstance(raw, dict) else None
+    if not isinstance(raw, dict):
+        return None
+    return {k: v for k, v in raw.items() if type(k) is str and type(v) in _SCALARS}
+
+
+def refused_reason(data: bytes | memoryview) -> str | None:
+    """The reason of a Refused frame of any protocol version in `data`, or None if it is not one."""
+    raw = peek(data)
+    if raw is None or raw.get("t") != Refused.T or type(raw.get("reason")) is not str:
+        return None
+    return raw["reason"]
 
 
 def decode(data: bytes | memoryview, expected: dict[str, type[Frame]]) -> Frame:
@@ -100,13 +118,18 @@ def decode(data: bytes | memoryview, expected: dict[str, type[Frame]]) -> Frame:
     cls = expected.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise BadFrame(f"frame type {short(tag)} is not one this socket accepts ({', '.join(sorted(expected))})")
-    values = {}
-    for name, check in cls._checks:
-        if name not in raw:
-            raise BadFrame(f"{tag} frame lacks field {name!r}")
-        values[name] = check(raw.pop(name), f"{tag}.{name}")
-    if raw:
-        raise BadFrame(f"{tag} frame has unknown fields {sorted(map(str, raw))[:5]}")
-    frame = cls(**values)
-    frame.validate()
+    sync = raw.get("sync")
+    try:
+        values = {}
+        for name, check in cls._checks:
+            if name not in raw:
+                raise BadFrame(f"{tag} frame lacks field {name!r}")
+            values[name] = check(raw.pop(name), f"{tag}.{name}")
+        if raw:
+            raise BadFrame(f"{tag} frame has unknown fields {', '.join(short(k) for k in list(raw)[:5])}")
+        frame = cls(**values)
+        frame.validate()
+    except BadFrame as exc:
+        exc.sync = sync if type(sync) is int and 0 <= sync < 1 << 63 else None
+        raise
     return frame

@@ -17,8 +17,9 @@
 from __future__ import annotations
 
 from hwsync.manifest import TensorSpec
-from hwsync.protocol.fields import BadFrame, Frame, Map, frame
-from hwsync.protocol.layout import Entry, Ref, SegmentSpec, entries_within, refs_within
+from hwsync.protocol.fields import BadFrame, Count, Frame, Map, frame
+from hwsync.protocol.layout import Entry, Ref, SegmentSpec, check_doorbell_handle, check_shm_handles, entries_within, \
+    refs_within
 
 @frame("ready")
 class Ready(Frame):
@@ -26,7 +27,7 @@ class Ready(Frame):
 
     token: str
     proto: int
-    pid: int
+    pid: Count
     host: str
     state: Map
     doorbell: bool
@@ -42,7 +43,7 @@ class Ready(Frame):
 class Welcome(Frame):
     """The sender took a receiver's Ready (sent at once): the receiver can watch this process from now on."""
 
-    pid: int
+    pid: Count
     host: str
 
 
@@ -65,23 +66,23 @@ class Gone(Frame):
 class Accept(Frame):
     """The receiver checked the offer (protocol, transport, manifest) and mapped the buffers."""
 
-    sync: int
+    sync: Count
 
 
 @frame("release")
 class Release(Frame):
     """The receiver is done with bucket `seq` in buffer `buf` (and every bucket before it)."""
 
-    sync: int
-    buf: int
-    seq: int
+    sync: Count
+    buf: Count
+    seq: Count
 
 
 @frame("complete")
 class Complete(Frame):
     """The receiver loaded the whole sync; `stats` are its own figures."""
 
-    sync: int
+    sync: Count
     stats: Map
 
 
@@ -89,7 +90,7 @@ class Complete(Frame):
 class Error(Frame):
     """A side failed; `kind` is "protocol", "load", "collective" or "local"; `message` says why."""
 
-    sync: int | None
+    sync: Count | None
     kind: str
     message: str
 
@@ -98,35 +99,53 @@ class Error(Frame):
 class Offer(Frame):
     """One sync's geometry, buffers and announced tensors, for receiver `rank`."""
 
-    sync: int
+    sync: Count
     proto: int
     backend: str
     transport: str
     handles: Map
-    bucket_bytes: int
-    num_buffers: int
+    bucket_bytes: Count
+    num_buffers: Count
     version: int
-    pid: int
+    pid: Count
     host: str
     manifest: list[TensorSpec] | None
-    tensors: int | None
-    total_bytes: int | None
-    first: int
+    tensors: Count | None
+    total_bytes: Count | None
+    first: Count
     doorbell: Map | None
-    rank: int
+    rank: Count
     #: the sender's shared parameter segments now: a receiver unmaps any other it had mapped from this sender
     segments: list[SegmentSpec]
+
+    def validate(self) -> None:
+        """Every segment the offer names is the sender's own (`pid`), by a name that can only be one in /dev/shm.
+
+        The core shm transport's handles (kind "shm"), the doorbell and the shared parameter segments
+        are checked here; other transports' handles are their own (CUDA / NPU IPC handles name no file).
+        """
+        for spec in self.segments:
+            if spec.pid != self.pid:
+                raise BadFrame(f"the sender (pid {self.pid}) names shared segment {spec.name} of process {spec.pid}; "
+                               "a sender only ever names segments it created")
+        if self.handles.get("kind") == "shm":
+            names, size = check_shm_handles(self.handles, self.pid)
+            if len(names) != self.num_buffers or size < self.bucket_bytes:
+                raise BadFrame(f"the offer's {self.num_buffers} buffers of {self.bucket_bytes} bytes do not match its "
+                               f"{len(names)} shm segments of {size} bytes")
+        if self.doorbell is not None:
+            check_doorbell_handle(self.doorbell, self.pid, self.rank)
 
 
 @frame("bucket")
 class Bucket(Frame):
     """Bucket `seq` (the `index`-th of this sync) is in buffer `buf`: `nbytes` used, laid out as `entries`."""
 
-    sync: int
-    index: int
-    seq: int
-    buf: int
-    nbytes: int
+    sync: Count
+    index: Count
+    seq: Count
+    buf: Count
+    nbytes: Count
     entries: list[Entry]
 
     def validate(self) -> None:
@@ -142,7 +161,7 @@ class Refs(Frame):
     may copy from it (or hand out views of it) until it sends Complete, and not after.
     """
 
-    sync: int
+    sync: Count
     segments: list[SegmentSpec]
     refs: list[Ref]
 
@@ -157,17 +176,17 @@ class Refs(Frame):
 class Done(Frame):
     """The sender posted every bucket of the sync."""
 
-    sync: int
-    buckets: int
-    tensors: int
-    bytes: int
+    sync: Count
+    buckets: Count
+    tensors: Count
+    bytes: Count
 
 
 @frame("abort")
 class Abort(Frame):
     """The sync failed on the sending side (or the hub); `message` says why."""
 
-    sync: int | None
+    sync: Count | None
     message: str
 
 

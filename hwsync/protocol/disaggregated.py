@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 from hwsync.manifest import TensorSpec
-from hwsync.protocol.fields import BadFrame, Frame, Map, frame
+from hwsync.protocol.fields import BadFrame, Count, Frame, Map, frame
 from hwsync.protocol.layout import BucketSpec
 
 @frame("ready")
@@ -29,9 +29,9 @@ class RankReady(Frame):
     proto: int
     backend: str
     role: str
-    rank: int
-    epoch: int | None
-    pid: int
+    rank: Count
+    epoch: Count | None
+    pid: Count
     host: str
     address: str | None
     state: Map
@@ -42,7 +42,7 @@ class Joined(Frame):
     """This rank has built its groups."""
 
     #: the hub's sync id (Hub.send and Link.send fill it in)
-    sync: int = 0
+    sync: Count = 0
 
 
 @frame("accept")
@@ -50,16 +50,16 @@ class PlanAccept(Frame):
     """A receiver checked the plan's manifest."""
 
     #: the hub's sync id (Hub.send and Link.send fill it in)
-    sync: int = 0
+    sync: Count = 0
 
 
 @frame("progress")
 class Progress(Frame):
     """A receiver loaded bucket `k`."""
 
-    k: int
+    k: Count
     #: the hub's sync id (Hub.send and Link.send fill it in)
-    sync: int = 0
+    sync: Count = 0
 
 
 @frame("sent")
@@ -67,7 +67,7 @@ class Sent(Frame):
     """A sender rank > 0 broadcast all its buckets."""
 
     #: the hub's sync id (Hub.send and Link.send fill it in)
-    sync: int = 0
+    sync: Count = 0
 
 
 @frame("complete")
@@ -77,47 +77,47 @@ class RankComplete(Frame):
     version: int
     stats: Map
     #: the hub's sync id (Hub.send and Link.send fill it in)
-    sync: int = 0
+    sync: Count = 0
 
 
 @frame("pong")
 class Pong(Frame):
     """The answer to ping `n`."""
 
-    n: int
+    n: Count
     #: the hub's sync id (Hub.send and Link.send fill it in)
-    sync: int = 0
+    sync: Count = 0
 
 
 @frame("setup")
 class Setup(Frame):
     """Build new groups: sender s's group rendezvous at `addresses[s]`, with `num_receivers` receivers."""
 
-    pid: int
+    pid: Count
     host: str
-    epoch: int
+    epoch: Count
     addresses: list[str]
-    num_receivers: int
+    num_receivers: Count
     #: the hub's sync id (Hub.send and Link.send fill it in)
-    sync: int = 0
+    sync: Count = 0
 
 
 @frame("plan")
 class PlanFrame(Frame):
     """The sync's plan: which bytes go in which bucket and which sender broadcasts it."""
 
-    pid: int
+    pid: Count
     host: str
-    epoch: int
+    epoch: Count
     version: int
-    bucket_bytes: int
-    num_senders: int
+    bucket_bytes: Count
+    num_senders: Count
     manifest: list[TensorSpec]
     buckets: list[BucketSpec]
     #: the receivers' reported state, for a callable source on every sender rank
     state: Map
     #: the hub's sync id (Hub.send and Link.send fill it in)
-    sync: int = 0
+    sync: Count = 0
 
     def validate(self) -> None:
         """Owners are sender ranks and buckets fit the bucket size."""
@@ -132,7 +132,7 @@ class Go(Frame):
     """Every receiver accepted the plan: start broadcasting."""
 
     #: the hub's sync id (Hub.send and Link.send fill it in)
-    sync: int = 0
+    sync: Count = 0
 
 
 @frame("commit")
@@ -141,16 +141,16 @@ class Commit(Frame):
 
     version: int
     #: the hub's sync id (Hub.send and Link.send fill it in)
-    sync: int = 0
+    sync: Count = 0
 
 
 @frame("ping")
 class Ping(Frame):
     """Answer with Pong(n): the hub is finding out who is still alive."""
 
-    n: int
+    n: Count
     #: the hub's sync id (Hub.send and Link.send fill it in)
-    sync: int = 0
+    sync: Count = 0
 
 
 @frame("alive")
@@ -158,4 +158,4 @@ class Alive(Frame):
     """The hub is alive (sent while a sync is quiet)."""
 
     #: the hub's sync id (Hub.send and Link.send fill it in)
-    sync: int = 0
+    sync: Count = 0

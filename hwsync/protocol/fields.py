@@ -1,28 +1,44 @@
 """The machinery of frame definitions: a frame is a frozen dataclass whose annotations are checked on decode.
 
 `frame(tag)` turns a class into a frame: a frozen dataclass with wire tag `tag`, whose fields
-get a compiled check each (int, float, str, bool, bytes, Any, maps, lists, optional values, and
-layout types with a `from_wire` such as Entry). A check either returns the value (converted,
-for layout types) or raises BadFrame naming the field.
+get a compiled check each (int, Count, float, str, bool, bytes, Any, maps, lists, optional
+values, and layout types with a `from_wire` such as Entry). A check either returns the value
+(converted, for layout types) or raises BadFrame naming the field.
+
+What a peer sends is never trusted before its check: no value is used as a key, compared, or
+put in a message before its type is known, and messages about a peer's values go through
+`short`, which never raises and never grows with what the peer sent.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import reprlib
 import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from hwsync.errors import ProtocolError
 
 #: a msgpack map with string keys whose values the protocol does not constrain (stats, state, handles)
 Map = dict[str, Any]
+#: a non-negative int below 2**63 (counts, sizes, indices, ids, pids): what C and torch take without overflow
+Count = Annotated[int, "count"]
+#: the range of a plain int field (msgpack carries -2**63 .. 2**64-1; the upper half fits no C int64)
+INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class BadFrame(ProtocolError):
-    """A frame that does not match its definition (or no definition at all)."""
+    """A frame that does not match its definition (or no definition at all).
+
+    `sync` is the frame's sync id where it had a valid one, so a receiver can refuse a malformed
+    offer with an error frame its sender matches to the sync (None otherwise).
+    """
+
+    sync: int | None = None
 
 
 # -- field checks ----------------------------------------------------------------------------------
@@ -35,22 +51,43 @@ def value_to_wire(value: Any) -> Any:
     return value
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 60, 60
+_SHORT.maxlist = _SHORT.maxdict = _SHORT.maxtuple = _SHORT.maxset = 4
+
+
 def short(value: Any) -> str:
-    """A repr cut to 80 characters, for messages about what a peer sent."""
-    text = repr(value)
+    """A repr of at most 80 characters, for messages about what a peer sent; never raises.
+
+    reprlib stops at depth 3 and a few items, so a peer's deeply nested or huge value costs
+    nothing to describe (a plain repr of 1000 nested lists raises RecursionError).
+    """
+    try:
+        if isinstance(value, (str, bytes)) and len(value) > 80:
+            value = value[:80]  # before repr: a 64 MiB string is not copied to say it is wrong
+        text = _SHORT.repr(value)
+    except Exception:  # noqa: BLE001 - a value that cannot be described is still described
+        text = f"<a {type(value).__name__}>"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def short_text(text: str, limit: int = 200) -> str:
+    """`text` (a message built from a peer's values) cut to `limit` characters."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def wire_count(value: Any, what: str) -> int:
-    """`value` if it is a non-negative int, else BadFrame naming `what`."""
-    if type(value) is not int or value < 0:
-        raise BadFrame(f"{what}: expected a non-negative int, got {short(value)}")
+    """`value` if it is an int in 0 .. 2**63-1, else BadFrame naming `what`."""
+    if type(value) is not int:  # bool is an int to Python, not to the protocol
+        raise BadFrame(f"{what}: expected int, got {type(value).__name__}")
+    if not 0 <= value <= INT_MAX:
+        raise BadFrame(f"{what}: expected a non-negative int below 2**63, got {short(value)}")
     return value
 
 
 def wire_shape(value: Any, what: str) -> tuple[int, ...]:
-    """A shape from a list of non-negative ints, else BadFrame naming `what`."""
-    if not isinstance(value, list) or any(type(d) is not int or d < 0 for d in value):
+    """A shape from a list of non-negative ints (below 2**63), else BadFrame naming `what`."""
+    if not isinstance(value, list) or any(type(d) is not int or not 0 <= d <= INT_MAX for d in value):
         raise BadFrame(f"{what}: a shape must be a list of non-negative ints, got {short(value)}")
     return tuple(value)
 
@@ -59,6 +96,10 @@ def _scalar(kind: type) -> Callable[[Any, str], Any]:
     def check(value: Any, what: str) -> Any:
         # bool is an int to Python but not to the protocol; an int is a fine float
         if type(value) is kind or (kind is float and type(value) is int):
+            if kind is int and not INT_MIN <= value <= INT_MAX:
+                raise BadFrame(f"{what}: {short(value)} is outside the 64-bit signed range")
+            if kind is float and not math.isfinite(value):
+                raise BadFrame(f"{what}: expected a finite number, got {short(value)}")
             return value
         raise BadFrame(f"{what}: expected {kind.__name__}, got {type(value).__name__}")
 
@@ -70,6 +111,8 @@ def checker(tp: Any) -> Callable[[Any, str], Any]:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any:
         return lambda value, what: value
+    if tp == Count:
+        return wire_count
     if tp in (int, float, str, bool, bytes):
         return _scalar(tp)
     if origin in (types.UnionType, typing.Union) and type(None) in args:
@@ -89,6 +132,9 @@ def checker(tp: Any) -> Callable[[Any, str], Any]:
         def check_map(value: Any, what: str) -> dict[str, Any]:
             if not isinstance(value, dict):
                 raise BadFrame(f"{what}: expected a map, got {type(value).__name__}")
+            bad = [k for k in value if type(k) is not str][:1]
+            if bad:  # a key of another type would be compared with, or looked up by, str keys
+                raise BadFrame(f"{what}: map keys must be str, got {short(bad[0])}")
             return value
 
         return check_map
@@ -98,8 +144,8 @@ def checker(tp: Any) -> Callable[[Any, str], Any]:
                 return tp.from_wire(value)
             except BadFrame:
                 raise
-            except Exception as exc:
-                raise BadFrame(f"{what}: {short(value)} is not a {tp.__name__} ({exc})") from None
+            except Exception as exc:  # noqa: BLE001 - whatever a from_wire raised on a peer's value
+                raise BadFrame(f"{what}: {short(value)} is not a {tp.__name__} ({short_text(str(exc))})") from None
 
         return check_wire
     raise TypeError(f"the protocol cannot check fields of type {tp!r}")
@@ -125,7 +171,7 @@ def frame(tag: str) -> Callable[[type], type]:
     def wrap(cls: type) -> type:
         cls = dataclass(frozen=True)(cls)
         cls.T = tag
-        hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls, include_extras=True)  # keeps Count
         cls._checks = tuple((f.name, checker(hints[f.name])) for f in dataclasses.fields(cls))
         return cls
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hwsync.manifest import WIRE_DTYPES, dtype_from_name
+from hwsync.owners import OWNER
 from hwsync.protocol.fields import BadFrame, short, wire_count, wire_shape
 
 @dataclass(frozen=True)
@@ -47,14 +48,14 @@ class Entry:
         name, dtype, shape, offset, chunk_offset, chunk_bytes, total = item
         if not isinstance(name, str) or not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
             raise BadFrame(f"bucket entry {short(item)}: bad name or dtype")
-        shape = wire_shape(shape, f"bucket entry {name!r}")
+        shape = wire_shape(shape, f"bucket entry {short(name)}")
         for value in (offset, chunk_offset, chunk_bytes, total):
-            wire_count(value, f"bucket entry {name!r}")
+            wire_count(value, f"bucket entry {short(name)}")
         numel = 1
         for dim in shape:
             numel *= dim
         if total != numel * dtype_from_name(dtype).itemsize or chunk_offset + chunk_bytes > total:
-            raise BadFrame(f"bucket entry {name!r}: {total} total bytes, chunk {chunk_offset}+{chunk_bytes}, "
+            raise BadFrame(f"bucket entry {short(name)}: {total} total bytes, chunk {chunk_offset}+{chunk_bytes}, "
                            f"do not fit {dtype} of shape {list(shape)}")
         return cls(name, dtype, shape, offset, chunk_offset, chunk_bytes, total)
 
@@ -86,12 +87,62 @@ def entries_within(entries: Iterable[Entry], nbytes: int) -> None:
     """Raise BadFrame for an entry that ends past the bucket's `nbytes`."""
     for e in entries:
         if e.offset + e.chunk_bytes > nbytes:
-            raise BadFrame(f"bucket entry {e.name!r} ends at byte {e.offset + e.chunk_bytes}, past the bucket's "
+            raise BadFrame(f"bucket entry {short(e.name)} ends at byte {e.offset + e.chunk_bytes}, past the bucket's "
                            f"{nbytes} bytes")
 
 
-#: names of shared parameter segments: hwsync-<creating pid>-params-<hex>; nothing else is ever mapped from a Refs frame
-SHARED_SEGMENT_NAME = re.compile(r"hwsync-([0-9]{1,10})-params-[0-9a-f]{1,32}")
+# Names begin with their owner, hwsync-<pid>-<start>-<pidns>- (hwsync.owners.OWNER: the creating process, its
+# start time and pid namespace), so that what a dead process left is told apart from what a live one holds.
+#: names of transport buffers and doorbells: <owner>-<16 hex>
+BUFFER_SEGMENT_NAME = re.compile(OWNER + r"[0-9a-f]{16}")
+#: names of shared parameter segments: <owner>-params-<16 hex>; nothing else is ever mapped from a Refs frame
+SHARED_SEGMENT_NAME = re.compile(OWNER + r"params-[0-9a-f]{16}")
+
+
+def segment_name(name: Any, pattern: re.Pattern[str], pid: int | None, what: str) -> str:
+    """`name` if it is a segment name of `pattern` made by process `pid` (any, when None); BadFrame otherwise.
+
+    A name that passes has no separator and no dot: it can only ever name a file in /dev/shm.
+    """
+    if not isinstance(name, str):
+        raise BadFrame(f"{what}: a segment name must be a str, got {type(name).__name__}")
+    match = pattern.fullmatch(name)
+    if match is None:
+        raise BadFrame(f"{what}: {short(name)} is not the name of an hwsync shared segment ({_FORMS[pattern]})")
+    if pid is not None and int(match.group(1)) != pid:
+        raise BadFrame(f"{what}: segment {name} is process {match.group(1)}'s, not the sender's (pid {pid}); a sender "
+                       "only ever names segments it created")
+    return name
+
+
+_FORMS = {BUFFER_SEGMENT_NAME: "hwsync-<pid>-<start>-<pidns>-<16 hex digits>",
+          SHARED_SEGMENT_NAME: "hwsync-<pid>-<start>-<pidns>-params-<16 hex digits>"}
+
+
+def check_shm_handles(handles: dict[str, Any], pid: int | None) -> tuple[list[str], int]:
+    """(names, bytes) of the core shm transport's handles, every name a buffer segment of process `pid`; else BadFrame."""
+    if not isinstance(handles, dict) or set(handles) != {"kind", "names", "bytes"} or handles["kind"] != "shm":
+        raise BadFrame(f"shm handles must be {{kind: 'shm', names, bytes}}, got {short(handles)}")
+    names, size = handles["names"], wire_count(handles["bytes"], "the shm buffers' size")
+    if not isinstance(names, list) or not names:
+        raise BadFrame(f"shm handles: names must be a non-empty list, got {short(names)}")
+    return [segment_name(n, BUFFER_SEGMENT_NAME, pid, "shm buffer") for n in names], size
+
+
+#: the fields of a doorbell handle (hwsync.colocated.doorbell.Doorbell.handle)
+DOORBELL_FIELDS = ("name", "bytes", "receivers", "slots")
+
+
+def check_doorbell_handle(handle: dict[str, Any], pid: int | None, rank: int) -> None:
+    """BadFrame unless `handle` is a doorbell of process `pid` with a counter for receiver `rank`."""
+    if not isinstance(handle, dict) or set(handle) != set(DOORBELL_FIELDS):
+        raise BadFrame(f"a doorbell handle has the fields {list(DOORBELL_FIELDS)}, got {short(handle)}")
+    segment_name(handle["name"], BUFFER_SEGMENT_NAME, pid, "doorbell")
+    for key in DOORBELL_FIELDS[1:]:
+        wire_count(handle[key], f"doorbell {key}")
+    if rank >= handle["receivers"] or not handle["slots"]:
+        raise BadFrame(f"a doorbell of {handle['receivers']} receivers and {handle['slots']} slots has no room for "
+                       f"receiver {rank}")
 
 
 @dataclass(frozen=True)
@@ -117,10 +168,8 @@ class SegmentSpec:
         """Inverse of to_wire; the name must be a shared parameter segment's (no path, no other file)."""
         if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str):
             raise BadFrame(f"a shared segment must be [name, size], got {short(item)}")
-        if not SHARED_SEGMENT_NAME.fullmatch(item[0]):
-            raise BadFrame(f"shared segment name {short(item[0])} is not an hwsync parameter segment's "
-                           "(hwsync-<pid>-params-<hex>)")
-        return cls(item[0], wire_count(item[1], f"size of shared segment {item[0]!r}"))
+        name = segment_name(item[0], SHARED_SEGMENT_NAME, None, "shared parameter segment")
+        return cls(name, wire_count(item[1], f"size of shared segment {name}"))
 
 
 @dataclass(frozen=True)
@@ -146,13 +195,13 @@ class Ref:
         name, dtype, shape, segment, offset, nbytes = item
         if not isinstance(name, str) or not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
             raise BadFrame(f"shared tensor reference {short(item)}: bad name or dtype")
-        shape = wire_shape(shape, f"shared tensor {name!r}")
+        shape = wire_shape(shape, f"shared tensor {short(name)}")
         for value in (segment, offset, nbytes):
-            wire_count(value, f"shared tensor {name!r}")
+            wire_count(value, f"shared tensor {short(name)}")
         if nbytes != math.prod(shape) * dtype_from_name(dtype).itemsize:
-            raise BadFrame(f"shared tensor {name!r}: {nbytes} bytes do not fit {dtype} of shape {list(shape)}")
+            raise BadFrame(f"shared tensor {short(name)}: {nbytes} bytes do not fit {dtype} of shape {list(shape)}")
         if offset % ALIGNMENT:
-            raise BadFrame(f"shared tensor {name!r} at byte {offset}: offsets are multiples of {ALIGNMENT}")
+            raise BadFrame(f"shared tensor {short(name)} at byte {offset}: offsets are multiples of {ALIGNMENT}")
         return cls(name, dtype, shape, segment, offset, nbytes)
 
 
@@ -164,7 +213,7 @@ def refs_within(refs: Iterable[Ref], segments: list[SegmentSpec]) -> None:
     """Raise BadFrame for a reference to a segment not in `segments`, or reaching past its segment's end."""
     for r in refs:
         if r.segment >= len(segments):
-            raise BadFrame(f"shared tensor {r.name!r} points to segment #{r.segment} of {len(segments)}")
+            raise BadFrame(f"shared tensor {short(r.name)} points to segment #{r.segment} of {len(segments)}")
         if r.offset + r.nbytes > segments[r.segment].size:
-            raise BadFrame(f"shared tensor {r.name!r} ends at byte {r.offset + r.nbytes}, past the "
+            raise BadFrame(f"shared tensor {short(r.name)} ends at byte {r.offset + r.nbytes}, past the "
                            f"{segments[r.segment].size} bytes of {segments[r.segment].name}")

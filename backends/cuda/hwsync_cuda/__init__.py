@@ -1,4 +1,5 @@
-"""hwsync's CUDA backend: NVIDIA GPUs through torch.cuda, NCCL collectives, CUDA IPC and shm.
+"""hwsync's CUDA backend: NVIDIA GPUs through torch.cuda, NCCL collectives, CUDA IPC, and the
+core's device shared memory (hwsync.device_shm) over CudaDevice.
 
 Importing this package imports nothing else, torch included: the names below load on first
 use (`hwsync_cuda.CudaBackend`). The entry point names `hwsync_cuda.backend:CudaBackend`
@@ -16,7 +17,6 @@ _LAZY = {
     "CudaBackend": "hwsync_cuda.backend",
     "CudaDevice": "hwsync_cuda.device",
     "CudaIpcTransport": "hwsync_cuda.ipc",
-    "CudaShmTransport": "hwsync_cuda.shm",
     "NCCL_REDUCE_DTYPES": "hwsync_cuda.nccl",
     "device_uuid": "hwsync_cuda.device",
     "local_index_of_uuid": "hwsync_cuda.device",

@@ -1,4 +1,4 @@
-"""CudaBackend: NVIDIA GPUs as the Device, NCCL Communicators, CUDA IPC or shared memory.
+"""CudaBackend: NVIDIA GPUs as the Device, NCCL Communicators, CUDA IPC or shared memory (hwsync.device_shm).
 
 Instantiating it never touches CUDA; only `communicator()` and the transports' buffers do.
 """
@@ -9,12 +9,12 @@ import torch
 
 from hwsync.timing import GROUP_TIMEOUT_S
 from hwsync.communicator import ProcessGroupCommunicator
+from hwsync.device_shm import DeviceShmTransport
 from hwsync.errors import HwsyncError
 from hwsync.interfaces import Backend, Communicator, Device, Transport
 from hwsync_cuda.device import CudaDevice
 from hwsync_cuda.ipc import CudaIpcTransport
 from hwsync_cuda.nccl import NCCL_REDUCE_DTYPES, nccl_group, nccl_missing_reason
-from hwsync_cuda.shm import CudaShmTransport
 
 
 class CudaBackend(Backend):
@@ -27,7 +27,7 @@ class CudaBackend(Backend):
         # Preferred first: IPC moves buckets GPU to GPU; shm goes through host memory.
         self._transports: dict[str, Transport] = {
             "cuda_ipc": CudaIpcTransport(self._device),
-            "shm": CudaShmTransport(),
+            "shm": DeviceShmTransport(self._device),  # the core's, with this device's pinning and waits
         }
 
     def device(self) -> Device:

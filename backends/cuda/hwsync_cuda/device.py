@@ -202,6 +202,16 @@ class CudaDevice(Device):
         """cudaHostUnregister what pin_host_memory registered."""
         torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
 
+    def runtime_in_use(self) -> bool:
+        """Whether this process has initialised CUDA (only then can GPU work be in flight); never initialises it."""
+        return torch.cuda.is_initialized()
+
+    def staging_device(self) -> torch.device | None:
+        """The current GPU where torch sees one (asking creates no context), else None: the host view."""
+        if not torch.cuda.is_available():
+            return None
+        return torch.device("cuda", torch.cuda.current_device())
+
     def mem_get_info(self, index: int | None = None) -> tuple[int, int]:
         """(free, total) from cudaMemGetInfo, which counts other processes' use too."""
         free, total = torch.cuda.mem_get_info(self._index(index))

@@ -13,7 +13,6 @@ _LAZY = {
     "NpuBackend": "hwsync_npu.backend",
     "NpuDevice": "hwsync_npu.device",
     "NpuIpcTransport": "hwsync_npu.ipc",
-    "DeviceCopyShmTransport": "hwsync_npu.shm",
 }
 
 __all__ = sorted(_LAZY)

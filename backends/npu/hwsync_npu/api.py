@@ -26,6 +26,7 @@ PYTHON_ATTRIBUTES: tuple[str, ...] = (
     "torch_npu.npu.current_device",
     "torch_npu.npu.set_device",
     "torch_npu.npu.synchronize",
+    "torch_npu.npu.is_initialized",
     "torch_npu.npu.mem_get_info",
     "torch_npu.npu.memory_allocated",
     "torch_npu.npu.memory_reserved",

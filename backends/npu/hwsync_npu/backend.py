@@ -6,11 +6,11 @@ import torch
 
 from hwsync.timing import GROUP_TIMEOUT_S
 from hwsync.communicator import ProcessGroupCommunicator
+from hwsync.device_shm import DeviceShmTransport
 from hwsync.interfaces import Backend, Communicator, Device, Transport
 from hwsync_npu.device import NpuDevice
 from hwsync_npu.hccl import hccl_group, hccl_reduce_dtypes
 from hwsync_npu.ipc import NpuIpcTransport
-from hwsync_npu.shm import DeviceCopyShmTransport
 
 
 class NpuBackend(Backend):
@@ -23,7 +23,7 @@ class NpuBackend(Backend):
         # NPU IPC first where the driver and CANN allow it; shared memory is always there.
         self._transports: dict[str, Transport] = {
             "npu_ipc": NpuIpcTransport(self._current_device),
-            "shm": DeviceCopyShmTransport(self._current_device, host=self._device),
+            "shm": DeviceShmTransport(self._device),  # the core's, with this device's pinning and waits
         }
 
     def _current_device(self) -> torch.device:
@@ -41,5 +41,5 @@ class NpuBackend(Backend):
         )
 
     def transports(self) -> dict[str, Transport]:
-        """npu_ipc (where supported), then shm with device copies."""
+        """npu_ipc (where supported), then shm with device copies (hwsync.device_shm)."""
         return dict(self._transports)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import mmap
 import os
 import socket
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -167,6 +168,15 @@ class NpuDevice(Device):
     def synchronize(self) -> None:
         """Wait for all work queued on the current NPU."""
         self._npu().synchronize()
+
+    def runtime_in_use(self) -> bool:
+        """Whether this process has initialised torch_npu's NPU state (only then can NPU work be in flight);
+        imports nothing and initialises nothing."""
+        module = self._torch_npu if self._torch_npu is not None else sys.modules.get("torch_npu")
+        try:
+            return module is not None and bool(module.npu.is_initialized())
+        except Exception:  # a half-imported or stand-in torch_npu: nothing can have been queued through it
+            return False
 
     def mem_get_info(self, index: int | None = None) -> tuple[int, int]:
         """(free, total) from the driver (torch_npu's mem_get_info)."""

@@ -1,6 +1,6 @@
 """The one way hwsync writes into a running vLLM model; the worker extension and the native engine both use it.
 
-One sync, in order:
+One sync (`LayerwiseLoad`, whose methods WeightReceiver.receive calls), in order:
 1. the announced manifest is checked against the checkpoint's headers and the engine's own
    loader (loader_check.py) before anything changes: a refused sync leaves every weight as it was;
 2. at the first bucket, the prepared kernels of MoE layers that transform their weights are
@@ -24,7 +24,6 @@ vLLM is imported lazily: importing this module needs no vLLM.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +35,12 @@ from hwsync.errors import ManifestError
 from hwsync.integrations.vllm.adapters import AdapterDelivery, AdapterSpec, EngineAdapters
 from hwsync.integrations.vllm.checkpoint import checkpoint_manifest
 from hwsync.integrations.vllm.fingerprint import Fingerprint
-from hwsync.integrations.vllm.kernels import prepare_tied_heads, reset_moe_kernels, restore_unbuilt_kernels, \
-    tied_heads
+from hwsync.integrations.vllm.kernels import (
+    prepare_tied_heads,
+    reset_moe_kernels,
+    restore_unbuilt_kernels,
+    tied_heads,
+)
 from hwsync.integrations.vllm.loader_check import check_announced
 from hwsync.manifest import TensorSpec
 from hwsync.planner import EngineState
@@ -139,48 +142,96 @@ class LayerwiseReload:
             self.started = False
 
 
-CheckFn = Callable[[list[TensorSpec]], frozenset[str]]
+class ManifestChecks:
+    """What a worker accepts, kept across syncs: each model's checkpoint manifest and the verdicts on announced ones."""
+
+    def __init__(self) -> None:
+        #: the checkpoint manifest of each model a sync wrote into (the model, or a draft model)
+        self._expected: dict[str, list[TensorSpec]] = {}
+        #: accepted manifests and the names not to hand over: a trainer announces the same one every step
+        self._accepted: dict[tuple[Any, ...], frozenset[str]] = {}
+
+    def expected(self, target: Target) -> list[TensorSpec]:
+        """The checkpoint's tensors, read once: what load_weights accepts for the engine's lifetime."""
+        config = target.model_config
+        model = str(config.model)
+        if model not in self._expected:
+            load_config = getattr(target.vllm_config, "load_config", None)
+            self._expected[model] = checkpoint_manifest(model, getattr(config, "revision", None),
+                                                        getattr(load_config, "download_dir", None))
+        return self._expected[model]
+
+    def skipped(self, target: Target, announced: list[TensorSpec], allow_partial: bool) -> frozenset[str]:
+        """Check `announced` against the checkpoint and the engine's own loader (raises ManifestError if
+        refused); return the names the loader accepts but that are not to be handed over."""
+        key = (str(target.model_config.model), id(target.model), allow_partial, tuple(announced))
+        if key not in self._accepted:  # refusals are not kept: they raise every time
+            if len(self._accepted) >= 8:  # a few manifests in use at once at most (e.g. base and partial)
+                self._accepted.clear()
+            self._accepted[key] = check_announced(target.model, target.model_config, target.vllm_config,
+                                                  self.expected(target), announced, allow_partial=allow_partial)
+        return self._accepted[key]
 
 
-def load_sync(receiver: WeightReceiver, target: Target, check: CheckFn, *, state: dict[str, Any],
-              adapter: AdapterDelivery | None = None, on_base: Callable[[], None] | None = None) -> SyncStats:
-    """Receive one sync into `target`: `check` first (it returns names not to hand over), loaded
-    layerwise, finalized on every exit path; `adapter` takes the sync's trailing adapter tensors;
-    `on_base` is called when the first base weights are about to change."""
-    skip: frozenset[str] | None = None
-    reload = LayerwiseReload(target)
-    loaded_base = False
+class LayerwiseLoad:
+    """One sync into a target. WeightReceiver.receive calls its methods in order: `accept` with the
+    announced manifest, `load` with each bucket, `done` after the last; `run` finalizes the reload
+    on every exit path."""
 
-    def accept(announced: list[TensorSpec]) -> None:
-        nonlocal skip
-        base = adapter.accept(announced) if adapter is not None else announced
-        skip = check(base) if base or adapter is None else frozenset()  # an adapter-only sync loads no base
+    def __init__(self, target: Target, checks: ManifestChecks, *, allow_partial: bool,
+                 adapter: AdapterDelivery | None) -> None:
+        self.target = target
+        self.checks = checks
+        self.allow_partial = allow_partial
+        #: takes the sync's trailing adapter tensors, if it carries an adapter
+        self.adapter = adapter
+        self.reload = LayerwiseReload(target)
+        #: names not to hand over, set once the manifest is accepted (None: no manifest yet)
+        self._skip: frozenset[str] | None = None
+        #: whether base weights went to the model: until the sync completes, the base is a mix of old and new
+        self.loaded_base = False
 
-    def load(tensors: list[tuple[str, torch.Tensor]]) -> None:
-        nonlocal loaded_base
-        if skip is None:
+    def run(self, receiver: WeightReceiver, state: dict[str, Any]) -> SyncStats:
+        """Receive one sync through `receiver` (reporting `state` to the sender) into the target."""
+        try:
+            return receiver.receive(self.load, check_manifest=self.accept, on_done=self.done, state=state)
+        finally:
+            # on failure too: restores the layers no bucket reached and unwraps the loaders, so the
+            # engine stays runnable (receiver.incomplete says its weights are a mix)
+            self.reload.finalize()
+
+    def accept(self, announced: list[TensorSpec]) -> None:
+        """Check the announced manifest (the adapter's part, then the base's) before any bucket arrives."""
+        base = announced if self.adapter is None else self.adapter.accept(announced)
+        if base or self.adapter is None:
+            self._skip = self.checks.skipped(self.target, base, self.allow_partial)
+        else:  # an adapter-only sync loads no base
+            self._skip = frozenset()
+
+    def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """One bucket: the adapter's tensors copied aside, the base's handed to the model's loader."""
+        if self._skip is None:
             # without a manifest a bad tensor would be found only after earlier layers changed
             raise ManifestError("the sender announced no manifest; pass manifest=manifest_from_module(model) "
                                 "(or manifest_from_tensors(...)) to WeightSender.send")
-        if adapter is not None:
-            tensors = adapter.take(tensors)
-        if tensors:
-            if not loaded_base and on_base is not None:
-                on_base()
-            loaded_base = True
-            reload.load([(n, t) for n, t in tensors if n not in skip] if skip else tensors)
+        if self.adapter is not None:
+            tensors = self.adapter.take(tensors)
+        if not tensors:
+            return
+        self.loaded_base = True
+        if self._skip:
+            tensors = [(n, t) for n, t in tensors if n not in self._skip]
+        self.reload.load(tensors)
 
-    def done() -> None:
-        reload.finalize()  # the base is whole before the adapter joins it
-        if adapter is not None:
-            adapter.install()
+    def done(self) -> None:
+        """After the last bucket: the base is finalized whole before the adapter joins it."""
+        self.reload.finalize()
+        if self.adapter is not None:
+            self.adapter.install()
 
-    try:
-        return receiver.receive(load, check_manifest=accept, state=state, on_done=done)
-    finally:
-        # on failure too: restores the layers no bucket reached and unwraps the loaders, so the
-        # engine stays runnable (receiver.incomplete says its weights are a mix)
-        reload.finalize()
+
+#: what WorkerSync.state reports for a model whose base a sync left half-loaded
+_BROKEN_BASE = "a sync broke while loading base weights: the model holds a mix of old and new"
 
 
 class WorkerSync:
@@ -194,10 +245,8 @@ class WorkerSync:
         self.version: int | None = None
         #: the vLLM weight version of the last complete sync, when the trainer said it (native API)
         self.weight_version: str | None = None
-        #: the checkpoint manifest of each model a sync wrote into (the model, or a draft model)
-        self._expected: dict[str, list[TensorSpec]] = {}
-        #: accepted manifests and the names not to hand over: a trainer announces the same one every step
-        self._accepted: dict[tuple[Any, ...], frozenset[str]] = {}
+        #: each model's checkpoint manifest and the verdicts on the manifests its trainer announced
+        self.manifests = ManifestChecks()
         #: LoRA adapters delivered by hwsync, by name
         self.adapters = EngineAdapters()
         #: per model: the fingerprint of its base after the last complete sync that loaded base weights
@@ -215,16 +264,6 @@ class WorkerSync:
         self.close()
         self.receiver, self.endpoint = WeightReceiver(endpoint, timeout_s=timeout_s), endpoint
         return self.receiver
-
-    def expected(self, target: Target) -> list[TensorSpec]:
-        """The checkpoint's tensors, read once: what load_weights accepts for the engine's lifetime."""
-        config = target.model_config
-        model = str(config.model)
-        if model not in self._expected:
-            load_config = getattr(target.vllm_config, "load_config", None)
-            self._expected[model] = checkpoint_manifest(model, getattr(config, "revision", None),
-                                                        getattr(load_config, "download_dir", None))
-        return self._expected[model]
 
     def base_check(self, target: Target) -> tuple[bool, bool | None, str]:
         """(has_base, base_intact, what was seen): the model's weights compared with its last complete sync."""
@@ -281,34 +320,18 @@ class WorkerSync:
         once, ~15 ms for a 125M model on 2 CPU cores); a sync that does not plan drops the fingerprint,
         so a later planned sync finds none and sends the base."""
         receiver = self.connect(endpoint, timeout_s)
-
-        def check(announced: list[TensorSpec]) -> frozenset[str]:
-            key = (str(target.model_config.model), id(target.model), allow_partial, tuple(announced))
-            if key not in self._accepted:  # refusals are not kept: they raise every time
-                if len(self._accepted) >= 8:  # a few manifests in use at once at most (e.g. base and partial)
-                    self._accepted.clear()
-                self._accepted[key] = check_announced(target.model, target.model_config, target.vllm_config,
-                                                      self.expected(target), announced, allow_partial=allow_partial)
-            return self._accepted[key]
-
-        delivery = None if adapter is None else AdapterDelivery(self.adapters, target.model, target.vllm_config,
-                                                                 adapter)
-        model, loading_base = id(target.model), []
-
-        def base_changes() -> None:  # from here until the sync completes, the base is a mix
-            loading_base.append(True)
-            self._broken[model] = "a sync broke while loading base weights: the model holds a mix of old and new"
-
-        stats = load_sync(receiver, target, check, state=self.state(target, check_base=plans), adapter=delivery,
-                          on_base=base_changes)
-        if loading_base:  # what this sync left is the reference from now on
-            self._broken.pop(model, None)
-            if plans:
-                self._fingerprints[model] = Fingerprint.take(target.model)
-                self._unplanned.discard(model)
-            else:  # the old fingerprint no longer describes the base, and none is kept for syncs that do not plan
-                self._fingerprints.pop(model, None)
-                self._unplanned.add(model)
+        delivery = None
+        if adapter is not None:
+            delivery = AdapterDelivery(self.adapters, target.model, target.vllm_config, adapter)
+        sync = LayerwiseLoad(target, self.manifests, allow_partial=allow_partial, adapter=delivery)
+        try:
+            stats = sync.run(receiver, self.state(target, check_base=plans))
+        except BaseException:
+            if sync.loaded_base:  # the base is a mix of old and new until a complete sync: base_check says so
+                self._broken[id(target.model)] = _BROKEN_BASE
+            raise
+        if sync.loaded_base:
+            self._new_base(target, plans)
         if adapter is not None:
             self.adapters.held[adapter.name].version = stats.version
         self.version, self.weight_version = stats.version, weight_version
@@ -317,6 +340,17 @@ class WorkerSync:
         if adapter is not None:
             out["adapter"] = {"name": adapter.name, "id": adapter.lora_id}
         return out
+
+    def _new_base(self, target: Target, plans: bool) -> None:
+        """A complete sync loaded base weights: what it left is the reference from now on."""
+        model = id(target.model)
+        self._broken.pop(model, None)
+        if plans:
+            self._fingerprints[model] = Fingerprint.take(target.model)
+            self._unplanned.discard(model)
+        else:  # the old fingerprint no longer describes the base, and none is kept for syncs that do not plan
+            self._fingerprints.pop(model, None)
+            self._unplanned.add(model)
 
     def close(self) -> None:
         """Drop the receiver (its socket and buffer mappings); the next receive reconnects."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
@@ -125,8 +126,8 @@ class HwsyncTrainerEngine(TrainerWeightTransferEngine[HwsyncTrainerInitInfo]):
         update = asdict(HwsyncUpdateInfo(weight_version=weight_version, adapter=parts.adapter,
                                          plans=parts.plans))
         self.client.start_weight_update()
-        outcome = send_while(lambda: self.client.update_weights(update), self.sender, parts.source, version=number,
-                             manifest=parts.manifest, timeout_s=float(self.init_info.timeout_s))
+        outcome = send_while(partial(self.client.update_weights, update), self.sender, parts.source,
+                             version=number, manifest=parts.manifest, timeout_s=float(self.init_info.timeout_s))
         if outcome.rpc_exc is None:  # vLLM's workers closed nothing after a failed update; after this one, close
             self.client.finish_weight_update(weight_version if outcome.send_exc is None else None)
         reset_prefix_cache(self.client)  # also after a failure: a sync that broke midway changed some layers

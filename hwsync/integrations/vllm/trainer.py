@@ -25,6 +25,7 @@ import json
 import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -92,19 +93,28 @@ def lora_request(adapter: LoraAdapter) -> Any:
     return LoRARequest(adapter.name, adapter.lora_id, adapter.path)
 
 
+class _EngineCall:
+    """The engine's receiving RPC, run on a thread of its own: it blocks until the sync is loaded."""
+
+    def __init__(self, rpc: Callable[[], Any]) -> None:
+        self.rpc = rpc
+        self.results: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        """Call the RPC; keep its results, or its error, for the sending thread."""
+        try:
+            self.results = self.rpc()
+        except BaseException as exc:
+            self.error = exc
+
+
 def send_while(rpc: Callable[[], Any], sender: WeightSender, source: Iterable[tuple[str, torch.Tensor]] | TrainerModel,
                *, version: int, manifest: list[TensorSpec] | None, timeout_s: float) -> Outcome:
     """Run the engine's receiving RPC on a thread (it blocks until the sync is loaded) while this thread sends."""
-    outcome: dict[str, Any] = {}
-
-    def receive() -> None:
-        try:
-            outcome["results"] = rpc()
-        except BaseException as exc:
-            outcome["error"] = exc
-
+    call = _EngineCall(rpc)
     # an in-process engine's worker may run the RPC on this thread: it must be on the sender's device
-    thread = start_on_this_device(receive, "hwsync-vllm-rpc", sender.backend.device())
+    thread = start_on_this_device(call.run, "hwsync-vllm-rpc", sender.backend.device())
     stats = send_exc = None
     try:
         stats = sender.send(source, version=version, manifest=manifest)
@@ -114,7 +124,7 @@ def send_while(rpc: Callable[[], Any], sender: WeightSender, source: Iterable[tu
     if thread.is_alive():
         raise SyncTimeoutError(f"the engine's receiving RPC has not returned {RPC_GRACE_S:.0f}s after the sender "
                           f"finished ({send_exc or 'successfully'}); the engine may be stuck in a load")
-    return Outcome(stats, send_exc, outcome.get("results"), outcome.get("error"))
+    return Outcome(stats, send_exc, call.results, call.error)
 
 
 class _EngineSync:
@@ -144,15 +154,6 @@ class _EngineSync:
         assert self.sender is not None
         return (self.sender.endpoint, self.timeout_s, self.allow_partial, parts.adapter, parts.plans)
 
-    def _drive(self, rpc: Callable[[], Any], reset_prefix_cache: Callable[[], Any], parts: SyncParts,
-               version: int) -> SyncStats:
-        """Run the engine's receive RPC on a thread (it blocks) while this thread sends."""
-        outcome = send_while(rpc, self._session(parts.specs), parts.source, version=version,
-                             manifest=parts.manifest, timeout_s=self.timeout_s)
-        reset_prefix_cache()  # also after a failure: a sync that broke midway changed some layers
-        self.engine_stats = outcome.results or []
-        return outcome.result()
-
     def close(self) -> None:
         """Close the sender (buffers, socket); the engine's receivers reconnect to the next one."""
         if self.sender is not None:
@@ -165,12 +166,35 @@ class _EngineSync:
         self.close()
 
 
+class _BlockingEngineSync(_EngineSync):
+    """An engine whose RPCs block the calling thread (`vllm.LLM`, the HTTP server): each flavour says how
+    it calls the workers' hwsync_receive and resets the prefix cache; one sync is the same for both."""
+
+    def _drive(self, parts: SyncParts, version: int) -> SyncStats:
+        """Run the engine's receive RPC on a thread (it blocks) while this thread sends."""
+        sender = self._session(parts.specs)
+        rpc = partial(self._receive_rpc, self._receive_args(parts))
+        outcome = send_while(rpc, sender, parts.source, version=version, manifest=parts.manifest,
+                             timeout_s=self.timeout_s)
+        self._reset_prefix_cache()  # also after a failure: a sync that broke midway changed some layers
+        self.engine_stats = outcome.results or []
+        return outcome.result()
+
+    def _receive_rpc(self, args: tuple[Any, ...]) -> Any:
+        """Every worker's hwsync_receive(*args); blocks until each has loaded the sync; one result per worker."""
+        raise NotImplementedError
+
+    def _reset_prefix_cache(self) -> None:
+        """Drop the engine's cached KV blocks: they were computed with the old weights."""
+        raise NotImplementedError
+
+
 def _missing_extension(exc: BaseException) -> HwsyncError:
     return HwsyncError(f"the vLLM engine does not answer hwsync's RPC ({type(exc).__name__}: {exc}); start it with "
                        f"worker_extension_cls={EXTENSION!r}")
 
 
-class VllmWeightSync(_EngineSync):
+class VllmWeightSync(_BlockingEngineSync):
     """Trainer side for an in-process `vllm.LLM`."""
 
     def __init__(self, llm: Any, *, sender: WeightSender | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -189,9 +213,13 @@ class VllmWeightSync(_EngineSync):
     def sync(self, weights: Weights | TrainerModel, *, version: int,
              manifest: list[TensorSpec] | None = None) -> SyncStats:
         """Push `weights` (module, state dict, pairs, vLLM WeightSource, or a TrainerModel to plan) as `version`."""
-        parts = sync_parts(weights, manifest)
-        return self._drive(lambda: self.llm.collective_rpc("hwsync_receive", args=self._receive_args(parts)),
-                           self.llm.reset_prefix_cache, parts, version)
+        return self._drive(sync_parts(weights, manifest), version)
+
+    def _receive_rpc(self, args: tuple[Any, ...]) -> Any:
+        return self.llm.collective_rpc("hwsync_receive", args=args)
+
+    def _reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
 
 
 class AsyncVllmWeightSync(_EngineSync):
@@ -233,7 +261,7 @@ class AsyncVllmWeightSync(_EngineSync):
         return settle(stats, send_exc, results, rpc_exc)
 
 
-class HttpVllmWeightSync(_EngineSync):
+class HttpVllmWeightSync(_BlockingEngineSync):
     """Trainer side for `vllm serve` started with VLLM_SERVER_DEV_MODE=1 (its /collective_rpc route)."""
 
     def __init__(self, base_url: str, *, sender: WeightSender | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -256,10 +284,12 @@ class HttpVllmWeightSync(_EngineSync):
     def sync(self, weights: Weights | TrainerModel, *, version: int,
              manifest: list[TensorSpec] | None = None) -> SyncStats:
         """Push `weights` (or a TrainerModel to plan) as `version` over the server's /collective_rpc."""
-        parts = sync_parts(weights, manifest)
-        self._session(parts.specs)
+        return self._drive(sync_parts(weights, manifest), version)
+
+    def _receive_rpc(self, args: tuple[Any, ...]) -> Any:
         # the route passes arguments as strings; hwsync_receive converts them back (the adapter from JSON)
-        body = {"method": "hwsync_receive",
-                "args": [json.dumps(a) if isinstance(a, dict) else str(a) for a in self._receive_args(parts)]}
-        return self._drive(lambda: self._post("/collective_rpc", body, self.timeout_s + RPC_GRACE_S)["results"],
-                           lambda: self._post("/reset_prefix_cache", None, self.timeout_s), parts, version)
+        body = {"method": "hwsync_receive", "args": [json.dumps(a) if isinstance(a, dict) else str(a) for a in args]}
+        return self._post("/collective_rpc", body, self.timeout_s + RPC_GRACE_S)["results"]
+
+    def _reset_prefix_cache(self) -> None:
+        self._post("/reset_prefix_cache", None, self.timeout_s)

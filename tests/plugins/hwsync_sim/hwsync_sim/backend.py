@@ -1,4 +1,4 @@
-"""SimBackend: the simulated accelerator's Device, simccl Communicators, sim_ipc and shm."""
+"""SimBackend: the simulated accelerator's Device, simccl Communicators, sim_ipc and shm (hwsync.device_shm)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ class SimBackend(Backend):
     def __init__(self) -> None:
         self._device = SimDevice()
         # Preferred first, as CUDA's: IPC moves buckets device to device; shm goes through host memory.
-        self._transports: dict[str, Transport] = {"sim_ipc": SimIpcTransport(self._device), "shm": SimShmTransport()}
+        self._transports: dict[str, Transport] = {
+            "sim_ipc": SimIpcTransport(self._device),
+            "shm": SimShmTransport(self._device),  # the core's device shm, with the sim's poisoning
+        }
 
     def device(self) -> Device:
         """The simulated devices."""

@@ -12,7 +12,7 @@ import os
 import torch
 
 from hwsync.interfaces import Device, ProbeResult
-from hwsync_sim.runtime import ENV_VISIBLE, TYPE, NodeConfig, SimError, runtime
+from hwsync_sim.runtime import ENV_VISIBLE, TYPE, NodeConfig, SimError, initialized, runtime
 
 
 class SimDevice(Device):
@@ -64,6 +64,14 @@ class SimDevice(Device):
         """Forget a pinned range (cudaHostUnregister)."""
         rt = runtime()
         rt.pinned = [r for r in rt.pinned if r[0] != tensor.data_ptr()]
+
+    def runtime_in_use(self) -> bool:
+        """Whether this process has used the sim (only then can device work be in flight); never starts it."""
+        return initialized()
+
+    def staging_device(self) -> torch.device | None:
+        """This thread's current sim device, always (the sim is usable wherever it parses; starts the runtime)."""
+        return self.torch_device()
 
     def _index(self, index: int | None) -> int:
         return runtime().current() if index is None else index

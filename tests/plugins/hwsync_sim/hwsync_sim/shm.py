@@ -1,57 +1,33 @@
-"""shm on the sim: the core's shared-memory transport with device copies around it.
+"""shm on the sim: the core's device shared-memory transport (hwsync.device_shm) over SimDevice.
 
-Built like hwsync_cuda's CudaShmTransport, so the same kinds of bugs show here: the sender packs
-device tensors into host segments and publish() synchronizes the device (device-to-host copies
-may still be in flight); the receiver copies each bucket into a device staging buffer of its own
-(on the device current when it opened the transport) and hands out that device view; release()
-synchronizes the device. Handles are the core's, so a cpu receiver meets a sim sender.
-As in sim_ipc, a segment the receivers released is poisoned when the sender starts refilling it.
-As CUDA's, both sides pin the segments they map (SimDevice.pin_host_memory), so the sender's
-non_blocking device-to-host packing and the receiver's staging copies run later on the stream,
-and a missing wait before publish, release or unpinning shows as wrong bytes.
+The copies, the pinning and the waits are the core's, exactly as on CUDA and the NPU: the sender
+packs sim tensors into host segments it pinned (SimDevice.pin_host_memory), so the packer's
+non_blocking device-to-host copies are queued on the stream and land only when they run; the
+receiver pins the segments it maps and stages each bucket on its current sim device with a
+queued host-to-device copy that reads the segment when it runs. A missing wait in publish() or
+release() therefore shows as wrong bytes: tests/test_ipc_on_devices.py fails when publish() skips
+its wait, tests/test_sim_accelerator.py when release() does.
+
+The one thing added here is the sim's strictness: as in sim_ipc, a segment the receivers
+released is poisoned when the sender starts refilling it, so a reader still queued on it reads
+garbage every time instead of, now and then, the next bucket.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hwsync.interfaces import Handles, ReceiveBuffers, SendBuffers
-from hwsync.shm import ShmReceiveBuffers, ShmSendBuffers, ShmTransport
-from hwsync_sim.runtime import POISON, TYPE, initialized, runtime
+from hwsync.device_shm import DeviceShmSendBuffers, DeviceShmTransport
+from hwsync.interfaces import Device, SendBuffers
+from hwsync_sim.runtime import POISON
 
 
-def _pin(segments: list) -> list[torch.Tensor]:
-    from hwsync_sim.device import SimDevice
+class SimShmSendBuffers(DeviceShmSendBuffers):
+    """The core's device shm sender; a segment published before is poisoned as refilling starts."""
 
-    device = SimDevice()
-    return [s.tensor for s in segments if device.pin_host_memory(s.tensor)]
-
-
-def _unpin(pinned: list[torch.Tensor]) -> None:
-    """Wait for the device (queued copies still read or write the pages), then forget the pinned ranges."""
-    from hwsync_sim.device import SimDevice
-
-    if pinned:
-        _synchronize_current()
-        for t in pinned:
-            SimDevice().unpin_host_memory(t)
-        pinned.clear()
-
-
-def _synchronize_current() -> None:
-    # Only a process that used the sim can have device work in flight.
-    if initialized():
-        rt = runtime()
-        rt.synchronize(rt.current())
-
-
-class SimShmSendBuffers(ShmSendBuffers):
-    """Host segments; publishing waits for the device-to-host copies that filled them."""
-
-    def __init__(self, bucket_bytes: int, num_buffers: int) -> None:
-        super().__init__(bucket_bytes, num_buffers)
+    def __init__(self, device: Device, bucket_bytes: int, num_buffers: int) -> None:
         self._published: set[int] = set()
-        self._pinned = _pin(self.segments) if initialized() else []
+        super().__init__(device, bucket_bytes, num_buffers)
 
     def buffer(self, index: int) -> torch.Tensor:
         """Segment `index` to pack into; a released one is poisoned as refilling starts."""
@@ -62,56 +38,22 @@ class SimShmSendBuffers(ShmSendBuffers):
         return segment
 
     def publish(self, index: int, nbytes: int) -> None:
-        """Wait for queued device work, then the segment holds finished bytes."""
-        _synchronize_current()
+        """The core's publish (waits for the device), then remember the segment as handed out."""
+        super().publish(index, nbytes)
         self._published.add(index)
 
-    def close(self) -> None:
-        """Unpin (after the device is done with the pages), then unmap and unlink the segments."""
-        _unpin(self._pinned)
-        super().close()
 
+class SimShmTransport(DeviceShmTransport):
+    """The core's device shm transport on the sim, with published segments poisoned on refill."""
 
-class SimShmReceiveBuffers(ShmReceiveBuffers):
-    """Host segments, each copied into a device staging buffer of this process."""
+    def __init__(self, device: Device | None = None, stage_on_device: bool = True) -> None:
+        """`device`: the sim's Device (a fresh SimDevice when None)."""
+        if device is None:
+            from hwsync_sim.device import SimDevice
 
-    def __init__(self, handles: Handles) -> None:
-        super().__init__(handles)
-        self.bucket_bytes = int(handles["bytes"])
-        self.device = torch.device(TYPE, runtime().current())
-        self._staging: dict[int, torch.Tensor] = {}
-        self._pinned = _pin(self.segments)
-
-    def view(self, index: int, nbytes: int) -> torch.Tensor:
-        """The bucket's bytes on this process's device (staged)."""
-        host = super().view(index, nbytes)
-        staging = self._staging.get(index)
-        if staging is None:
-            staging = self._staging[index] = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device)
-        staging[:nbytes].copy_(host, non_blocking=True)  # from pinned pages: read when the copy runs
-        return staging[:nbytes]
-
-    def release(self, index: int) -> None:
-        """Wait for this process's reads of the bucket to finish."""
-        _synchronize_current()
-
-    def close(self) -> None:
-        """Unpin, unmap the segments and drop the staging buffers."""
-        _unpin(self._pinned)
-        self._staging = {}
-        super().close()
-
-
-class SimShmTransport(ShmTransport):
-    """POSIX shared memory between processes on one node, with sim device copies on both sides."""
-
-    # as CUDA's: each bucket costs two device synchronizations, so the core's small into= buckets do not pay
-    into_geometry = None
+            device = SimDevice()
+        super().__init__(device, stage_on_device)
 
     def open_sender(self, bucket_bytes: int, num_buffers: int) -> SendBuffers:
-        """Create `num_buffers` host segments of `bucket_bytes`."""
-        return SimShmSendBuffers(bucket_bytes, num_buffers)
-
-    def open_receiver(self, handles: Handles) -> ReceiveBuffers:
-        """Map the announced segments; stage buckets on this process's current sim device."""
-        return SimShmReceiveBuffers(handles)
+        """Create `num_buffers` host segments of `bucket_bytes`, poisoned when refilled."""
+        return SimShmSendBuffers(self.device, bucket_bytes, num_buffers)

@@ -1,0 +1,73 @@
+"""Entry point of a process started inside a bed host: `python child.py WORKDIR` (run by path, see spawn.py).
+
+It runs the target named in WORKDIR/args.json and writes WORKDIR/result.json: {"ok": true, "value": …}
+or {"ok": false, "error": "Type: message", "traceback": …}. It is run by path, not with `-m`, so a
+target that needs no torch does not pay for importing the hwsync package (which imports torch).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import importlib.util
+import json
+import os
+import signal
+import sys
+import traceback
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when the process that started it dies (even by SIGKILL, which runs no cleanup)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before prctl took effect
+        os._exit(1)
+
+
+def load_target(spec: str):
+    """The function named by "package.module:function" or "/path/to/file.py:function"."""
+    where, _, func = spec.rpartition(":")
+    if not where or not func:
+        raise ValueError(f"target {spec!r} must be 'module:function' or '/path/file.py:function'")
+    if where.endswith(".py"):
+        name = "_hwbed_" + os.path.basename(where)[:-3]
+        mod_spec = importlib.util.spec_from_file_location(name, where)
+        if mod_spec is None or mod_spec.loader is None:
+            raise ImportError(f"cannot load {where} (target {spec!r})")
+        module = importlib.util.module_from_spec(mod_spec)
+        sys.modules[name] = module
+        mod_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    return getattr(module, func)
+
+
+def main(workdir: str) -> int:
+    """Run the target of `workdir`, write its result; the exit status says whether it returned."""
+    with open(os.path.join(workdir, "args.json")) as f:
+        spec = json.load(f)
+    if spec.get("parent"):
+        die_with_parent(spec["parent"])
+    sys.path[:0] = spec.get("sys_path", [])
+    try:
+        value = load_target(spec["target"])(*spec.get("args", []), **spec.get("kwargs", {}))
+        result = {"ok": True, "value": value}
+        text = json.dumps(result)  # a value JSON cannot carry is the target's error, reported as such
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        text = json.dumps(result)
+    tmp = os.path.join(workdir, "result.json.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, os.path.join(workdir, "result.json"))  # the parent never reads half a result
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    # run by path, sys.path[0] is this folder: its modules must not shadow top-level names
+    sys.path.pop(0)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.exit(main(sys.argv[1]))
