@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import zmq
 
-from hwsync.bucket import BucketReader, IntoFn, LoadFn
+from hwsync.bucket import BucketReader, IntoFn, LoadFn, StartFn
 from hwsync.colocated.doorbell import Doorbell, doorbell_supported, spin_wait
 from hwsync.colocated.receiver_control import ReceiverControl
 from hwsync.colocated.refs import SharedReader
@@ -46,10 +46,6 @@ from hwsync.stats import SyncStats
 from hwsync.timing import CLOSE_LINGER_S, DEFAULT_TIMEOUT_S, ERROR_LINGER_S
 
 log = logging.getLogger("hwsync")
-
-#: on_start(version, manifest): called once the sender's offer is checked, before the first byte moves
-StartFn = Callable[[int, "list[TensorSpec] | None"], None]
-
 
 class WeightReceiver:
     """The same-host path's receiver: connects to a WeightSender's endpoint and receives syncs into `load` or `into`."""
