@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 pytest.importorskip("hwsync_sim", reason="the sim backend is not installed: pip install -e tests/plugins/hwsync_sim")
 
 import hwsync.colocated.receiver  # noqa: E402
-from hwsync import HwsyncError, ProtocolError, RemoteError, SyncError, WeightReceiver, WeightSender  # noqa: E402
+from hwsync import HwsyncError, SyncError, WeightReceiver, WeightSender  # noqa: E402
+from hwsync.errors import ProtocolError, RemoteError  # noqa: E402
 from hwsync.registry import load_backend  # noqa: E402
 from hwsync_sim.peers import Peer  # noqa: E402
 
