@@ -45,9 +45,9 @@ def _align(n: int) -> int:
 
 
 def live_segments() -> list[SegmentSpec]:
-    """This process's shared parameter segments now."""
+    """This process's shared parameter segments now (not those a forked child inherited: they are its parent's)."""
     with _lock:
-        return [SegmentSpec(s.name, s.size) for s in _live.values()]
+        return [SegmentSpec(s.name, s.size) for s in _live.values() if s.created_here]
 
 
 def find_shared(tensor: torch.Tensor) -> tuple[SegmentSpec, int] | None:
@@ -65,6 +65,8 @@ def find_shared(tensor: torch.Tensor) -> tuple[SegmentSpec, int] | None:
     end = start + tensor.numel() * tensor.element_size()
     with _lock:
         for segment in _live.values():
+            if not segment.created_here:
+                continue  # a forked child's inherited mapping: the parent's segment, not this sender's to name
             base = segment.tensor.data_ptr()
             if base <= start and end <= base + segment.size and (start - base) % ALIGNMENT == 0:
                 return SegmentSpec(segment.name, segment.size), start - base

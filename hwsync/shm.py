@@ -65,10 +65,14 @@ class SharedSegment:
         self.name = name
         self.size = size
         self.owner = create
+        self._creator = os.getpid()  # a forked child inherits the object, not the ownership
         self.writable = writable or create
         path = os.path.join(SHM_DIR, name)
-        flags = os.O_NOFOLLOW | os.O_CLOEXEC
-        flags |= os.O_RDWR | os.O_CREAT | os.O_EXCL if create else os.O_RDWR if writable else os.O_RDONLY
+        if create:
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
+        else:
+            flags = os.O_RDWR if writable else os.O_RDONLY
+        flags |= os.O_NOFOLLOW | os.O_CLOEXEC  # a link in /dev/shm is refused (ELOOP), never followed
         try:
             fd = os.open(path, flags, 0o600)
         except OSError as exc:
@@ -106,10 +110,16 @@ class SharedSegment:
     def open(cls, name: str, size: int, *, owner_pid: int | None, pattern: re.Pattern[str] = BUFFER_SEGMENT_NAME,
              writable: bool = False) -> "SharedSegment":
         """Map a segment a peer named: a name of `pattern` made by process `owner_pid` (any, when None), read-only
-        unless `writable`; ValueError (a ProtocolError: BadFrame) naming what is wrong otherwise."""
+        unless `writable`. A name of another form or process raises BadFrame, a link or a file that is not a
+        segment ValueError, a missing one FileNotFoundError, each naming the segment."""
         segment_name(name, pattern, owner_pid, "a peer's shared segment")
         sweep_dead_owners()
         return cls(name, size, create=False, writable=writable)
+
+    @property
+    def created_here(self) -> bool:
+        """Whether this process created the segment (a forked child holds its parent's, never its own)."""
+        return self.owner and self._creator == os.getpid()
 
     def mapping(self) -> mmap.mmap:
         """The raw mapping (for ctypes counters laid over it)."""
@@ -132,7 +142,7 @@ class SharedSegment:
         except BufferError:
             pass  # a caller still holds a view; the mapping goes when the view does
         self._mmap = None  # type: ignore[assignment]
-        if self.owner:
+        if self.created_here:  # a forked child closing its copy leaves the parent's segment (and tracker) alone
             self._unlink()
 
 

@@ -155,7 +155,8 @@ def _random_value(rng: random.Random, depth: int = 0) -> Any:
         return msgpack.ExtType(rng.randrange(8), rng.randbytes(rng.randrange(12)))
     if kind in (6, 7):
         return [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
-    return {rng.choice(["t", "name", "k", 1, b"b", None]): _random_value(rng, depth + 1) for _ in range(rng.randrange(4))}
+    keys = ["t", "name", "k", 1, b"b", None]
+    return {rng.choice(keys): _random_value(rng, depth + 1) for _ in range(rng.randrange(4))}
 
 
 def _random_cases(frames: dict[str, type[Frame]], rounds: int = 40) -> list[Case]:

@@ -122,7 +122,8 @@ class Doorbell:
         offset = self._slots_at + (seq % self.num_slots) * DESCRIPTOR_BYTES
         (length,) = _LENGTH.unpack_from(self._map, offset)
         if length > DESCRIPTOR_BYTES - _LENGTH.size:  # the sender's word: never read past the slot
-            raise ProtocolError(f"bucket {seq}'s descriptor claims {length} bytes, over its {DESCRIPTOR_BYTES}-byte slot")
+            raise ProtocolError(f"bucket {seq}'s descriptor claims {length} bytes, over its {DESCRIPTOR_BYTES}-byte "
+                                "slot")
         return bytes(self._map[offset + _LENGTH.size : offset + _LENGTH.size + length])
 
     def release(self, rank: int, seq: int) -> None:

@@ -44,10 +44,10 @@ from hwsync.protocol.layout import BucketSpec, Entry, Ref, SegmentSpec
 PROTOCOL_VERSION = 6
 
 __all__ = ["PROTOCOL_VERSION", "TO_HUB", "TO_RANK", "TO_RECEIVER", "TO_SENDER", "Abort", "Accept", "Alive", "BadFrame",
-           "Bucket", "BucketSpec", "Commit", "Complete", "Count", "Done", "Entry", "Error", "Frame", "Go", "Gone", "Joined",
-           "Map", "Offer", "Ping", "PlanAccept", "PlanFrame", "Pong", "Progress", "RankComplete", "RankReady", "Ready",
-           "Ref", "Refs", "Refused", "Release", "SegmentSpec", "Sent", "Setup", "Welcome", "decode", "encode", "frame_set", "peek",
-           "refused_reason"]
+           "Bucket", "BucketSpec", "Commit", "Complete", "Count", "Done", "Entry", "Error", "Frame", "Go", "Gone",
+           "Joined", "Map", "Offer", "Ping", "PlanAccept", "PlanFrame", "Pong", "Progress", "RankComplete", "RankReady",
+           "Ready", "Ref", "Refs", "Refused", "Release", "SegmentSpec", "Sent", "Setup", "Welcome", "decode", "encode",
+           "frame_set", "peek", "refused_reason"]
 
 
 def frame_set(*classes: type[Frame]) -> dict[str, type[Frame]]:

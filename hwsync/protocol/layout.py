@@ -120,7 +120,7 @@ _FORMS = {BUFFER_SEGMENT_NAME: "hwsync-<pid>-<start>-<pidns>-<16 hex digits>",
 
 
 def check_shm_handles(handles: dict[str, Any], pid: int | None) -> tuple[list[str], int]:
-    """(names, bytes) of the core shm transport's handles, every name a buffer segment of process `pid`; else BadFrame."""
+    """(names, bytes) of the core shm transport's handles, each a buffer segment of process `pid`; else BadFrame."""
     if not isinstance(handles, dict) or set(handles) != {"kind", "names", "bytes"} or handles["kind"] != "shm":
         raise BadFrame(f"shm handles must be {{kind: 'shm', names, bytes}}, got {short(handles)}")
     names, size = handles["names"], wire_count(handles["bytes"], "the shm buffers' size")

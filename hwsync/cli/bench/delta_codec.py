@@ -1,0 +1,182 @@
+"""`hwsync bench delta-codec`: the delta codec's diff, apply and digest against the memory-read floor.
+
+On a synthetic transformer-shaped bf16 state dict (transfer.py's shapes), for each density and for bf16
+trainer tensors and fp32 master weights cast to bf16: the diff (encode, as a sender runs it, with the
+baseline's digest kept), the apply (scatter into a destination), the receiver's digest of every tensor,
+and the payload each index code would take. The floor is the issue's: one read of the new tensors and of
+the baselines at the single-thread copy speed, measured in the same run next to each row; the wire
+floors are the payload over 1 and 10 Gbit/s. Best of --repeat runs; on a shared machine compare ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from hwsync.cli.bench.transfer import model_spec
+from hwsync.delta import CHUNK_ELEMS, DeltaEncoder, apply_into, payload_bytes, tensor_digest
+from hwsync.delta.header import BITMAP, BLOCKS, DENSE, SAME
+
+_LINKS_GBIT = (1, 10)
+
+
+def _best(fn: Callable[[], Any], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def copy_gbps(nbytes: int = 1 << 30, repeat: int = 3) -> float:
+    """Single-thread host `copy_` bandwidth over `nbytes`, best of `repeat`, in GB/s (threads restored)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        return nbytes / _best(lambda: dst.copy_(src), repeat) / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _perturb(base: torch.Tensor, density: float, master: bool, gen: torch.Generator) -> torch.Tensor:
+    """New weights: `density` of the bf16 elements one ulp away; as fp32 masters, with sub-ulp noise everywhere."""
+    bits = base.view(torch.int16)
+    changed = torch.rand(base.shape, generator=gen) < density
+    new_bits = torch.where(changed, bits + 1, bits)
+    if not master:
+        return new_bits.view(torch.bfloat16)
+    # fp32 whose bf16 rounding is new_bits: the bf16 pattern in the top half, 15 random bits below the
+    # rounding bit (below half an ulp, so round-to-nearest-even keeps the top half)
+    low = torch.randint(0, 1 << 15, base.shape, dtype=torch.int32, generator=gen)
+    return ((new_bits.to(torch.int32) << 16) | low).view(torch.float32)
+
+
+def _sizes(deltas: list[Any], numels: list[int]) -> dict[str, int]:
+    """Payload bytes of the whole set under each index code alone (and int32 positions), and as chosen."""
+    out = {"chosen": sum(d.payload.numel() for d in deltas), DENSE: 0, BLOCKS: 0, BITMAP: 0, "int32_positions": 0}
+    for d, n in zip(deltas, numels):
+        k = d.changed if d.changed is not None else n
+        out[DENSE] += 2 * n
+        out[BLOCKS] += payload_bytes(BLOCKS, n, k, 2) if k else 0
+        out[BITMAP] += payload_bytes(BITMAP, n, k, 2) if k else 0
+        out["int32_positions"] += 6 * k
+    return out
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every (mode, density) row; a dict of the figures."""
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    spec = model_spec(int(args.elems * 2), "bf16")
+    bases = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _, shape, _ in spec]
+    numels = [b.numel() for b in bases]
+    digests = [tensor_digest(b) for b in bases]
+    encoder = DeltaEncoder(args.chunk_elems or CHUNK_ELEMS, engine=args.engine)
+    dests = [b.clone() for b in bases]
+    rows = []
+    for mode in args.modes:
+        for density in args.densities:
+            news = [_perturb(b, density, mode == "fp32-master", gen) for b in bases]
+            new_bytes = sum(t.numel() * t.element_size() for t in news)
+            base_bytes = sum(b.numel() * 2 for b in bases)
+            deltas: list[Any] = []
+
+            def diff() -> None:
+                deltas[:] = [encoder.encode(n, b, base_digest=d) for n, b, d in zip(news, bases, digests)]
+
+            diff_s = _best(diff, args.repeat)
+            for dest, base in zip(dests, bases):
+                dest.copy_(base)
+
+            def apply() -> None:
+                for dest, d in zip(dests, deltas):
+                    apply_into(dest, d.header, d.payload)
+
+            apply_s = _best(apply, args.repeat)
+            for dest, d in zip(dests, deltas):  # the receiver's check, which also proves the apply exact
+                if tensor_digest(dest) != d.header.digest:
+                    raise RuntimeError("a destination's digest does not match after applying: the codec is wrong")
+            hash_s = _best(lambda: [tensor_digest(t) for t in dests], args.repeat)
+            gbps = copy_gbps(args.copy_mib << 20)  # next to the row: the machine's load changes
+            floor_s = (new_bytes + base_bytes) / (gbps * 1e9)
+            changed = sum(d.changed or 0 for d in deltas)
+            sizes = _sizes(deltas, numels)
+            codes = {c: sum(d.header.code == c for d in deltas) for c in (SAME, DENSE, BLOCKS, BITMAP)}
+            rows.append({
+                "mode": mode, "density": density, "measured_density": changed / sum(numels),
+                "new_bytes": new_bytes, "base_bytes": base_bytes, "copy_gbps": gbps, "floor_s": floor_s,
+                "diff_s": diff_s, "diff_vs_floor": diff_s / floor_s, "apply_s": apply_s,
+                "apply_vs_floor": apply_s / floor_s, "hash_all_s": hash_s,
+                "hash_gbps": base_bytes / hash_s / 1e9, "payload_bytes": sizes, "codes": codes,
+                "wire_floor_s": {f"{g}gbit": sizes["chosen"] * 8 / (g * 1e9) for g in _LINKS_GBIT},
+            })
+            del news, deltas
+    return {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": args.threads,
+            "elements": sum(numels), "tensors": len(bases), "chunk_elems": encoder.chunk_elems,
+            "engine": "numba" if encoder.uses_native(torch.device("cpu")) else "torch",
+            "repeat": args.repeat, "rows": rows}
+
+
+def add_bench_delta_codec_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `hwsync bench delta-codec`."""
+    parser.add_argument("--elems", type=float, default=300e6, help="bf16 elements in the state dict")
+    parser.add_argument("--densities", type=lambda s: [float(x) for x in s.split(",")],
+                        default=[0.001, 0.01, 0.05, 0.3], help="fractions of elements changed, comma-separated")
+    parser.add_argument("--modes", type=lambda s: s.split(","), default=["bf16", "fp32-master"],
+                        help="bf16 (trainer tensors in bf16) and/or fp32-master (fp32 cast to the bf16 baseline)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per figure; the best is kept")
+    parser.add_argument("--chunk-elems", type=int, default=None, help="the diff's chunk (default: the codec's)")
+    parser.add_argument("--engine", choices=["auto", "torch", "numba"], default="auto",
+                        help="the diff's host engine: the compiled kernel (numba, when installed) or torch ops")
+    parser.add_argument("--copy-mib", type=int, default=1024, help="MiB copied to measure the copy speed")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def run_bench_delta_codec(args: argparse.Namespace) -> int:
+    """Run the benchmark and print a table (or JSON); 0 on success."""
+    if any(m not in ("bf16", "fp32-master") for m in args.modes) or args.repeat < 1 or args.threads < 1:
+        raise SystemExit("--modes takes bf16,fp32-master; --repeat and --threads must be at least 1")
+    r = measure(args)
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    print(f"hwsync bench delta-codec: {r['cpus']} CPUs, torch {r['torch']}, {r['threads']} thread(s), "
+          f"{r['elements'] / 1e6:.0f}M bf16 elements in {r['tensors']} tensors, diff engine {r['engine']}, "
+          f"chunks of {r['chunk_elems']}, "
+          f"best of {r['repeat']}; floor = (new + baseline bytes) / single-thread copy speed")
+    print(f"{'mode':12} {'dens':>6} {'payload MB':>10} {'floor s':>8} {'diff s':>7} {'/floor':>6} {'apply s':>7} "
+          f"{'/floor':>6} {'hash s':>7} {'hash GB/s':>9} {'wire 1G s':>9} {'10G s':>6}  codes")
+    for x in r["rows"]:
+        codes = " ".join(f"{c}:{n}" for c, n in x["codes"].items() if n)
+        print(f"{x['mode']:12} {x['density']:6.2%} {x['payload_bytes']['chosen'] / 1e6:10.1f} {x['floor_s']:8.3f} "
+              f"{x['diff_s']:7.3f} {x['diff_vs_floor']:5.2f}x {x['apply_s']:7.3f} {x['apply_vs_floor']:5.2f}x "
+              f"{x['hash_all_s']:7.3f} {x['hash_gbps']:9.2f} {x['wire_floor_s']['1gbit']:9.3f} "
+              f"{x['wire_floor_s']['10gbit']:6.3f}  {codes}")
+    print("payload MB of the whole set under one index code (block: uint16 offsets + a count per 65536; "
+          "bitmap: a bit per element; int32 positions) and as chosen per tensor:")
+    for x in r["rows"]:
+        if x["mode"] == r["rows"][0]["mode"]:
+            print(f"  {x['density']:6.2%}: " + ", ".join(f"{k} {v / 1e6:.1f}" for k, v in x["payload_bytes"].items()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hwsync.cli.bench.delta_codec`."""
+    parser = argparse.ArgumentParser(prog="hwsync bench delta-codec", description=__doc__.splitlines()[0])
+    add_bench_delta_codec_arguments(parser)
+    return run_bench_delta_codec(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

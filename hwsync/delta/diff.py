@@ -1,0 +1,257 @@
+"""Encode what changed in one tensor since its baseline: exact on bit patterns, read once, in cached chunks.
+
+The diff runs where the baseline lives. Per chunk of the tensor (a few MiB, in cache) the new elements
+are cast to the engine's dtype if needed (fused into the same pass), XORed with the baseline's as
+integers and the change mask packed to a bit per element. Per span of chunks the set bits become sorted
+positions, the changed values are gathered, and the digest of the new tensor is updated from the changed
+words. Scanning stops as soon as dense has won.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from hwsync.delta import bits, digest as dg, native
+from hwsync.delta.header import BITMAP, BLOCKS, DENSE, SAME, DeltaHeader, blocks, int_view, pad8, payload_bytes, \
+    smallest_code
+from hwsync.manifest import dtype_name
+
+#: elements per chunk of the diff (a multiple of 65536): 2 Mi bf16 elements, 4 MiB per operand, stay in cache
+CHUNK_ELEMS = 1 << 21
+#: elements per span: its changes are listed in one go (fewer, larger ops), its values gathered while warm
+SPAN_ELEMS = 1 << 24
+
+
+def to_engine_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` in `dtype` as the engine's loader stores it (`param.data.copy_(loaded)`): the same op."""
+    if tensor.dtype == dtype:
+        return tensor
+    out = torch.empty(tensor.shape, dtype=dtype, device=tensor.device)
+    out.copy_(tensor)
+    return out
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One encoded tensor: header and payload (flat uint8; for dense, possibly a view of the new tensor).
+
+    `changed` is how many elements changed, or None when the scan stopped early because dense had won.
+    """
+
+    header: DeltaHeader
+    payload: torch.Tensor
+    changed: int | None
+
+
+def _dense_from(numel: int, itemsize: int) -> int:
+    """The fewest changes at which no sparse code is smaller than dense (payload sizes grow with changes)."""
+    lo, hi = 1, max(1, numel)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if min(payload_bytes(c, numel, mid, itemsize) for c in (BLOCKS, BITMAP)) >= numel * itemsize:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@dataclass
+class _Scan:
+    """What a scan found: changes, the digest's gain, per-block counts, offsets, values, packed bits if any."""
+
+    found: int = 0
+    gained: int = 0
+    counts: list[torch.Tensor] = field(default_factory=list)
+    offsets: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    packed: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+
+
+class _Scratch:
+    """Buffers of one device and dtype, kept across tensors and syncs (no page faults per chunk)."""
+
+    def __init__(self, elems: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.device = device
+        self.xor = torch.empty(elems, dtype=int_view(dtype), device=device)
+        self.mask = torch.empty(elems, dtype=torch.bool, device=device)
+        self.words = torch.empty(elems // 8, dtype=torch.int64, device=device)
+        self.cast = torch.empty(elems, dtype=dtype, device=device)
+        self.positions = torch.empty(elems, dtype=torch.int64, device=device)
+        self.packed = torch.empty(0, dtype=torch.uint8, device=device)
+
+    def bits_for(self, numel: int) -> torch.Tensor:
+        """A buffer for the change bits of a tensor of `numel` elements, whole int64 words."""
+        need = pad8((numel + 7) // 8)
+        if self.packed.numel() < need:
+            self.packed = torch.empty(need, dtype=torch.uint8, device=self.device)
+        return self.packed[:need]
+
+
+class DeltaEncoder:
+    """Diffs new tensors against baselines; holds the chunk buffers, so keep one per sending thread.
+
+    `engine`: "auto" runs the compiled host kernel (native.py) where numba is installed and the baseline
+    is on the host, else torch ops; "torch" or "numba" force one (the output is the same).
+    """
+
+    def __init__(self, chunk_elems: int = CHUNK_ELEMS, span_elems: int = SPAN_ELEMS, engine: str = "auto") -> None:
+        if chunk_elems <= 0 or chunk_elems % (1 << 16) or span_elems % chunk_elems:
+            raise ValueError(f"chunk_elems must be a positive multiple of 65536 and span_elems a multiple of it, "
+                             f"got {chunk_elems} and {span_elems}")
+        if engine not in ("auto", "torch", "numba"):
+            raise ValueError(f"engine must be auto, torch or numba, got {engine!r}")
+        if engine == "numba" and native.kernel() is None:
+            raise RuntimeError("engine='numba' needs numba installed (pip install numba), or HWSYNC_DELTA_NUMBA unset")
+        self.chunk_elems, self.span_elems, self.engine = chunk_elems, span_elems, engine
+        self._scratch: dict[tuple[torch.device, torch.dtype], _Scratch] = {}
+
+    def _buffers(self, dtype: torch.dtype, device: torch.device) -> _Scratch:
+        if (device, dtype) not in self._scratch:
+            self._scratch[(device, dtype)] = _Scratch(self.chunk_elems, dtype, device)
+        return self._scratch[(device, dtype)]
+
+    def uses_native(self, device: torch.device) -> bool:
+        """Whether a baseline on `device` is diffed by the compiled kernel."""
+        return self.engine != "torch" and device.type == "cpu" and native.kernel() is not None
+
+    def _chunks(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
+                s: _Scratch, span0: int, span1: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(start, new chunk, baseline chunk) as integers, the new one cast to the engine's dtype in cache."""
+        for start in range(span0, span1, self.chunk_elems):
+            stop = min(span1, start + self.chunk_elems)
+            if direct:
+                yield start, new_flat[start:stop].view(ints), base_i[start:stop]
+            else:
+                a = s.cast[: stop - start]
+                a.copy_(new_flat[start:stop])
+                yield start, a.view(ints), base_i[start:stop]
+
+    def _scan_native(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
+                     s: _Scratch, cap: int, digest: bool) -> _Scan | None:
+        n, size = base_i.numel(), base_i.element_size()
+        scan = native.kernel()
+        assert scan is not None
+        keys = dg.key_table("col", base_i.device, 1 << 16).numpy()
+        rows = dg.key_table("row", base_i.device, ((n * size + 3) // 4 >> 16) + 1).numpy()
+        pos, val = s.positions.numpy(), s.xor.numpy()
+        counts = torch.zeros(blocks(n), dtype=torch.int64)
+        out = _Scan(counts=[counts], packed=s.bits_for(n).zero_())
+        for start, a, b in self._chunks(new_flat, base_i, ints, direct, s, 0, n):
+            an, bn = a.numpy(), b.numpy()
+            k, gain = scan(an, bn, native.words(an), native.words(bn), start, pos, val, counts.numpy(),
+                           out.packed.numpy(), keys, rows, digest)
+            out.found += k
+            if out.found >= cap:
+                return None
+            if k:
+                out.gained += int(gain) % (1 << 64)
+                out.values.append(s.xor[:k].clone())
+                out.offsets.append(s.positions[:k].to(torch.int16))
+        return out
+
+    def _scan_torch(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
+                    s: _Scratch, cap: int, digest: bool) -> _Scan | None:
+        n, size = base_i.numel(), base_i.element_size()
+        out = _Scan(packed=s.bits_for(n))
+        for span0 in range(0, n, self.span_elems):
+            span1 = min(n, span0 + self.span_elems)
+            for start, a, b in self._chunks(new_flat, base_i, ints, direct, s, span0, span1):
+                self._pack_changes(a, b, out.packed[start // 8:], s)
+            pos = bits.set_positions(out.packed.view(torch.int64)[span0 // 64: (span1 + 63) // 64]).add_(span0)
+            out.found += pos.numel()
+            if out.found >= cap:
+                return None
+            out.counts.append(torch.bincount((pos - span0) >> 16, minlength=blocks(span1 - span0)))
+            if pos.numel():
+                if direct:
+                    vals = new_flat.view(ints).index_select(0, pos)
+                else:  # gathered in the trainer's dtype, then cast by the same op as the chunks
+                    vals = torch.empty(pos.numel(), dtype=s.cast.dtype, device=base_i.device)
+                    vals = vals.copy_(new_flat.index_select(0, pos.to(new_flat.device))).view(ints)
+                out.values.append(vals)
+                out.offsets.append(pos.to(torch.int16))  # the low 16 bits: the offset in the block
+                if digest:
+                    out.gained += dg.element_delta(pos, base_i.index_select(0, pos), vals)
+        return out
+
+    @staticmethod
+    def _pack_changes(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, s: _Scratch) -> None:
+        """Bits of where `a` and `b` differ as integers into `out` (the mask padded to whole words)."""
+        n = a.numel()
+        padded = (n + 63) // 64 * 64
+        x = torch.bitwise_xor(a, b, out=s.xor[:n])
+        s.mask[:n].copy_(x)  # int -> bool, non-zero where any bit differs: a vectorised cast (`!=` is not)
+        if padded > n:
+            s.mask[n:padded].zero_()
+        bits.pack_mask_into(s.mask[:padded], out, s.words)
+
+    def encode(self, new: torch.Tensor, base: torch.Tensor, *, base_digest: int | None = None,
+               name: str = "tensor") -> Delta:
+        """Encode `new` against `base` (the engine's dtype, which `new` is cast to) in the smallest code.
+
+        `base_digest` is `tensor_digest(base)`, kept with the baseline: given, the new digest is updated
+        from the changed elements only; without it the new tensor is hashed whole.
+        """
+        if new.numel() != base.numel():
+            raise ValueError(f"{name}: the new tensor has {new.numel()} elements, its baseline {base.numel()}: "
+                             "a changed shape needs a full sync")
+        dtype, n = base.dtype, base.numel()
+        size, ints, wire = dtype.itemsize, int_view(dtype, name), dtype_name(dtype)
+        base_i = base.contiguous().view(-1).view(ints)
+        new_flat = new.contiguous().view(-1)
+        direct = new.dtype == dtype and new.device == base.device
+        s = self._buffers(dtype, base.device)
+        cap = _dense_from(n, size)
+        scan = self._scan_native if self.uses_native(base.device) else self._scan_torch
+        found = scan(new_flat, base_i, ints, direct, s, cap, base_digest is not None)
+        if found is None:  # no sparse code can beat dense any more: the scan stopped
+            return self._dense(new, dtype, wire, n, None, None)
+        k = found.found
+        if base_digest is None:
+            new_digest = dg.tensor_digest(to_engine_dtype(new, dtype) if k else base)
+        else:
+            new_digest = (base_digest + found.gained) % (1 << 64)
+        code = smallest_code(n, k, size)
+        if code == SAME:
+            return Delta(DeltaHeader(SAME, wire, n, 0, new_digest),
+                         torch.empty(0, dtype=torch.uint8, device=base.device), 0)
+        if code == DENSE:
+            return self._dense(new, dtype, wire, n, new_digest, k)
+        payload = torch.empty(payload_bytes(code, n, k, size), dtype=torch.uint8, device=base.device)
+        counts = torch.cat(found.counts)
+        if code == BLOCKS:
+            nb = blocks(n)
+            payload[: 4 * nb].view(torch.int32).copy_(counts)
+            at = pad8(4 * nb)
+            payload[4 * nb: at].zero_()
+            torch.cat(found.offsets, out=payload[at: at + 2 * k].view(torch.int16))
+            payload[at + 2 * k: pad8(at + 2 * k)].zero_()
+            at = pad8(at + 2 * k)
+        else:
+            at = pad8((n + 7) // 8)
+            payload[:at].copy_(found.packed)  # the bits as the scan packed them, zero past the last element
+        torch.cat(found.values, out=payload[at:].view(ints))
+        return Delta(DeltaHeader(code, wire, n, k, new_digest), payload, k)
+
+    @staticmethod
+    def _dense(new: torch.Tensor, dtype: torch.dtype, wire: str, n: int, new_digest: int | None,
+               changed: int | None) -> Delta:
+        engine = to_engine_dtype(new, dtype).contiguous()
+        if new_digest is None:
+            new_digest = dg.tensor_digest(engine)
+        return Delta(DeltaHeader(DENSE, wire, n, n, new_digest), engine.view(-1).view(torch.uint8), changed)
+
+
+_local = threading.local()
+
+
+def encode(new: torch.Tensor, base: torch.Tensor, *, base_digest: int | None = None, name: str = "tensor") -> Delta:
+    """`DeltaEncoder.encode` with this thread's encoder."""
+    encoder = getattr(_local, "encoder", None)
+    if encoder is None:
+        encoder = _local.encoder = DeltaEncoder()
+    return encoder.encode(new, base, base_digest=base_digest, name=name)

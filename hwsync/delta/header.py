@@ -1,0 +1,108 @@
+"""The header of one encoded tensor and the layout of its payload: plain ints and strs, msgpack-safe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hwsync.manifest import WIRE_DTYPES
+
+#: elements per block of the block code: a changed element's offset in its block fits a uint16
+BLOCK = 1 << 16
+#: the tensor is unchanged: no payload
+SAME = "same"
+#: the payload is the whole new tensor
+DENSE = "dense"
+#: per block of 65536 elements an int32 count, per changed element its uint16 offset in the block, the values
+BLOCKS = "block"
+#: a bit per element (set where changed), then the values in element order
+BITMAP = "bitmap"
+CODES = (SAME, DENSE, BLOCKS, BITMAP)
+
+# the integer of each element width: diffs compare bit patterns, so NaN payloads, -0.0 and subnormals are exact
+INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def pad8(n: int) -> int:
+    """`n` rounded up to a multiple of 8: every payload section starts 8-byte aligned."""
+    return (n + 7) & ~7
+
+
+def blocks(numel: int) -> int:
+    """Blocks of the block code for a tensor of `numel` elements."""
+    return (numel + BLOCK - 1) // BLOCK
+
+
+def int_view(dtype: torch.dtype, name: str = "tensor") -> torch.dtype:
+    """The integer dtype of the same width, whose values are the bit patterns; an error names the tensor."""
+    view = INT_VIEW.get(dtype.itemsize)
+    if view is None:
+        raise TypeError(f"{name}: a delta compares elements as 1, 2, 4 or 8-byte integers; {dtype} has "
+                        f"{dtype.itemsize} bytes: send it whole")
+    return view
+
+
+def payload_bytes(code: str, numel: int, count: int, itemsize: int) -> int:
+    """Bytes of the payload of a tensor encoded with `code` (sections padded to 8 bytes)."""
+    if code == SAME:
+        return 0
+    if code == DENSE:
+        return numel * itemsize
+    if code == BLOCKS:
+        return pad8(4 * blocks(numel)) + pad8(2 * count) + itemsize * count
+    if code == BITMAP:
+        return pad8((numel + 7) // 8) + itemsize * count
+    raise ValueError(f"unknown delta code {code!r}: one of {', '.join(CODES)}")
+
+
+def smallest_code(numel: int, count: int, itemsize: int) -> str:
+    """The code with the fewest payload bytes for `count` changed elements (ties: the simpler one)."""
+    if count == 0:
+        return SAME
+    return min((DENSE, BITMAP, BLOCKS), key=lambda c: payload_bytes(c, numel, count, itemsize))
+
+
+@dataclass(frozen=True)
+class DeltaHeader:
+    """How one tensor is encoded: code, wire dtype name, elements, elements carried, digest of the result.
+
+    `count` is the number of values in the payload: 0 for same, `numel` for dense, the changed elements
+    otherwise. `digest` is `tensor_digest` of the new tensor (in the engine's dtype): a receiver checks it
+    on what it holds after applying.
+    """
+
+    code: str
+    dtype: str
+    numel: int
+    count: int
+    digest: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the payload that goes with this header."""
+        return payload_bytes(self.code, self.numel, self.count, WIRE_DTYPES[self.dtype].itemsize)
+
+    def to_wire(self) -> list[Any]:
+        """The header as a msgpack-safe list."""
+        return [self.code, self.dtype, self.numel, self.count, self.digest]
+
+    @classmethod
+    def from_wire(cls, obj: Any, name: str = "tensor") -> "DeltaHeader":
+        """Parse and check a header from the wire; a malformed one raises ValueError naming the tensor."""
+        if not isinstance(obj, (list, tuple)) or len(obj) != 5:
+            raise ValueError(f"{name}: a delta header is [code, dtype, numel, count, digest], got {obj!r}")
+        code, dtype, numel, count, digest = obj
+        if code not in CODES:
+            raise ValueError(f"{name}: unknown delta code {code!r}: one of {', '.join(CODES)}")
+        if dtype not in WIRE_DTYPES:
+            raise ValueError(f"{name}: unknown dtype {dtype!r} in a delta header")
+        int_view(WIRE_DTYPES[dtype], name)
+        if any(type(v) is not int for v in (numel, count, digest)) or numel < 0 or not 0 <= digest < 1 << 64:
+            raise ValueError(f"{name}: numel, count and digest of a delta header must be ints in range, got "
+                             f"{numel!r}, {count!r}, {digest!r}")
+        expected = {SAME: 0, DENSE: numel}.get(code)
+        if (expected is not None and count != expected) or not 0 <= count <= numel:
+            raise ValueError(f"{name}: a {code} delta of {numel} elements cannot carry {count} values")
+        return cls(code, dtype, numel, count, digest)

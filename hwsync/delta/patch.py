@@ -1,0 +1,120 @@
+"""Apply an encoded tensor where the destination lives, with torch ops that exist on every device."""
+
+from __future__ import annotations
+
+import torch
+
+from hwsync.delta import bits, digest as dg, native
+from hwsync.delta.header import BLOCK, BLOCKS, DENSE, SAME, DeltaHeader, blocks, int_view, pad8
+from hwsync.manifest import dtype_name
+
+_APPLY_BLOCKS = 64  # blocks (4 Mi elements) per scatter: bounds the index temporaries
+_APPLY_WORDS = 1 << 16  # bitmap words (4 Mi elements) per scatter
+def _section(payload: torch.Tensor, start: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """`count` elements of `dtype` at byte `start` of the payload (copied when not aligned for `dtype`)."""
+    raw = payload[start: start + count * dtype.itemsize]
+    if raw.data_ptr() % dtype.itemsize == 0 and raw.storage_offset() % dtype.itemsize == 0:
+        return raw.view(dtype)
+    return raw.clone().view(dtype)
+
+
+def positions_from_blocks(counts: torch.Tensor, offsets: torch.Tensor, total: int,
+                          first_block: int = 0) -> torch.Tensor:
+    """Flat positions of the block code: each block's start repeated `count` times plus the uint16 offsets."""
+    starts = (torch.arange(counts.numel(), dtype=torch.int64, device=counts.device) + first_block) * BLOCK
+    rep = torch.repeat_interleave(starts, counts.to(torch.int64), output_size=total)
+    return rep.add_(offsets.to(torch.int64).bitwise_and_(0xFFFF))
+
+
+def _check(dest: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, name: str) -> torch.dtype:
+    if dtype_name(dest.dtype) != header.dtype or dest.numel() != header.numel:
+        raise ValueError(f"{name}: the delta is for {header.numel} elements of {header.dtype}, the destination "
+                         f"holds {dest.numel()} of {dtype_name(dest.dtype)}: it is not this delta's base")
+    if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() != header.nbytes:
+        raise ValueError(f"{name}: a {header.code} delta of {header.count} values needs a flat uint8 payload of "
+                         f"{header.nbytes} bytes, got {payload.dtype} of shape {tuple(payload.shape)}")
+    return int_view(dest.dtype, name)
+
+
+def _scatter_bits(flat: torch.Tensor, words: torch.Tensor, values: torch.Tensor, k: int, name: str) -> None:
+    """Write `values` in order where the bitmap's bits are set, a few Mi elements at a time."""
+    done = 0
+    for w0 in range(0, words.numel(), _APPLY_WORDS):
+        pos = bits.set_positions(words[w0: w0 + _APPLY_WORDS]).add_(w0 * 64)
+        if done + pos.numel() > k:
+            raise ValueError(f"{name}: the delta's bitmap marks more than the {k} elements it carries")
+        flat.index_copy_(0, pos, values[done: done + pos.numel()])
+        done += pos.numel()
+    if done != k:
+        raise ValueError(f"{name}: the delta's bitmap marks {done} elements, its header says {k}")
+
+
+def apply_into(dest: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, *, name: str = "tensor") -> None:
+    """Write the changed elements into `dest` (the delta's base) in place, on whatever device it lives."""
+    ints = _check(dest, header, payload, name)
+    if header.code == SAME:
+        return
+    target = dest if dest.is_contiguous() else dest.contiguous()
+    flat = target.view(-1).view(ints)
+    n, k = header.numel, header.count
+    if header.code == DENSE:
+        flat.copy_(_section(payload, 0, n, ints))
+    elif header.code == BLOCKS:
+        nb = blocks(n)
+        counts_host = _section(payload, 0, nb, torch.int32).cpu()  # small: one int per 65536 elements
+        ends = counts_host.to(torch.int64).cumsum(0).tolist()
+        if ends[-1] != k:
+            raise ValueError(f"{name}: the block counts of the delta add up to {ends[-1]}, its header says {k}")
+        data = payload.to(flat.device)
+        counts = _section(data, 0, nb, torch.int32)
+        offsets = _section(data, pad8(4 * nb), k, torch.int16)
+        values = _section(data, pad8(4 * nb) + pad8(2 * k), k, ints)
+        last = n - (nb - 1) * BLOCK
+        tail = offsets[(ends[-2] if nb > 1 else 0):].to(torch.int64).bitwise_and_(0xFFFF)
+        if tail.numel() and int(tail.max()) >= last:  # checked here: on a GPU a bad index is a device assert
+            raise ValueError(f"{name}: the delta's last block has an offset past the tensor's {n} elements")
+        for b0 in range(0, nb, _APPLY_BLOCKS):
+            b1 = min(nb, b0 + _APPLY_BLOCKS)
+            c0, c1 = (ends[b0 - 1] if b0 else 0), ends[b1 - 1]
+            if c1 > c0:
+                pos = positions_from_blocks(counts[b0:b1], offsets[c0:c1], c1 - c0, b0)
+                flat.index_copy_(0, pos, values[c0:c1])
+    else:
+        data = payload.to(flat.device)
+        nwords = pad8((n + 7) // 8) // 8
+        words = _section(data, 0, nwords, torch.int64)
+        if n % 64 and bool(bits.unpack_bits(words[-1:].view(torch.uint8), 64)[n % 64:].any()):
+            raise ValueError(f"{name}: the delta's bitmap has bits set past the tensor's {n} elements")
+        values = _section(data, pad8((n + 7) // 8), k, ints)
+        scatter = native.scatter_bits() if flat.device.type == "cpu" else None
+        if scatter is not None:  # on the host, one compiled pass over the bits
+            done = scatter(words.view(torch.uint8).numpy(), values.numpy(), flat.numpy())
+            if done != k:
+                raise ValueError(f"{name}: the delta's bitmap marks {done} elements, its header says {k}")
+        else:
+            _scatter_bits(flat, words, values, k, name)
+    if target is not dest:
+        dest.copy_(target)
+
+
+def advance(baseline: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, *, name: str = "tensor") -> None:
+    """Move a sender's baseline to the new version after a committed sync: only the changes are written."""
+    apply_into(baseline, header, payload, name=name)
+
+
+def apply_to_copy(base: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, *,
+                  name: str = "tensor") -> torch.Tensor:
+    """A new tensor: `base` with the delta applied (`base` is left as it is)."""
+    ints = _check(base, header, payload, name)
+    if header.code == DENSE:
+        out = torch.empty(base.shape, dtype=base.dtype, device=base.device)
+        out.view(-1).view(ints).copy_(_section(payload, 0, header.numel, ints))
+        return out
+    out = base.clone(memory_format=torch.contiguous_format)
+    apply_into(out, header, payload, name=name)
+    return out
+
+
+def verify(tensor: torch.Tensor, header: DeltaHeader) -> bool:
+    """Whether `tensor` (a destination after applying) has the digest the sender computed for it."""
+    return dg.tensor_digest(tensor) == header.digest
