@@ -76,7 +76,7 @@ def _receiver_that_cannot_map(endpoint: str, q, hold) -> None:
         def transports() -> dict:
             found = dict(real())
             broken = copy.copy(found["sim_ipc"])
-            broken.open_receiver = lambda handles: (_ for _ in ()).throw(
+            broken.open_receiver = lambda handles, owner_pid=None: (_ for _ in ()).throw(
                 HwsyncError("sim_ipc: cannot open the sender's IPC handles (test stand-in)"))
             found["sim_ipc"] = broken
             return found

@@ -39,6 +39,7 @@ from hwsync.errors import ProtocolError, SyncError
 from hwsync.interfaces import Backend, Handles, ReceiveBuffers
 from hwsync.manifest import TensorSpec
 from hwsync.memory import local_memory
+from hwsync.owners import sweep_dead_owners
 from hwsync.protocol import PROTOCOL_VERSION, Accept, Bucket, Complete, Done, Frame, Offer, Ready, Refs, Release, \
     decode
 from hwsync.registry import get_backend
@@ -51,6 +52,7 @@ class WeightReceiver:
     """The same-host path's receiver: connects to a WeightSender's endpoint and receives syncs into `load` or `into`."""
 
     def __init__(self, endpoint: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, backend: Backend | None = None) -> None:
+        sweep_dead_owners()  # what killed hwsync processes of this host left behind (once per process)
         self.timeout_s = timeout_s
         self._backend = backend
         self._ctx = zmq.Context()
@@ -114,6 +116,9 @@ class WeightReceiver:
             offer = control.await_frame(Offer, None, "waiting for the sender's offer", stats)
             assert isinstance(offer, Offer)
             sync = control.last_sync = offer.sync
+            if control.sender[0] is not None and offer.pid != control.sender[0]:
+                raise ProtocolError(f"the offer names process {offer.pid} as its sender, but the sender that welcomed "
+                                    f"this receiver is process {control.sender[0]}; refused")
             control.sender = (offer.pid, offer.host)
             self._accept(offer, check_manifest, stats)
             if on_start is not None:
@@ -159,13 +164,13 @@ class WeightReceiver:
             )
         if offer.handles != self._handles:  # the geometry changed (or first sync): follow the sender
             self._close_buffers()
-            self._buffers = transports[offer.transport].open_receiver(offer.handles)
+            self._buffers = transports[offer.transport].open_receiver(offer.handles, owner_pid=offer.pid)
             self._handles = offer.handles
         bell = offer.doorbell
         if not bell or (self._doorbell is not None and self._doorbell.handle() != bell):
             self._close_doorbell()  # frames this time, or another doorbell: unmap the old one
         if bell and self._doorbell is None:
-            self._doorbell = Doorbell.attach(bell)
+            self._doorbell = Doorbell.attach(bell, owner_pid=offer.pid, rank=offer.rank)
         if self._shared is None:
             self._shared = SharedReader(self.backend.device())
         self._shared.retain(offer.segments)  # unmap what the sender no longer has
@@ -269,7 +274,7 @@ class WeightReceiver:
         sender = self._control.sender
         dead = sender[0] is not None and not peer_alive(*sender)
         if dead:  # the sender died without cleaning up: its private ipc directory is ours to remove
-            remove_ipc_dir(self._control.address)
+            remove_ipc_dir(self._control.address, owner_pid=sender[0])
         if self._shared is not None:  # unmapped, and a dead sender's segments unlinked: none stays alive
             self._shared.close(dead_sender=sender[0] if dead else None)
         self._close_buffers()

@@ -119,6 +119,8 @@ class ReceiverControl:
         """Tell the sender: withdraw our Ready when no offer came, else an error frame (unless it came from there)."""
         if self._sock is None:
             return
+        if sync is None and isinstance(exc, BadFrame) and exc.sync is not None:
+            sync = exc.sync  # a malformed offer: refused with the reason, as its sender can match it to the sync
         try:
             if sync is None and not self.refused:  # no offer came: withdraw our Ready so send() skips us
                 self.send(Gone())

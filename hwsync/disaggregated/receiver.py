@@ -31,6 +31,7 @@ from hwsync.disaggregated.worker import CollectiveWorker
 from hwsync.errors import SyncError
 from hwsync.interfaces import Backend, Communicator
 from hwsync.manifest import TensorSpec
+from hwsync.owners import sweep_dead_owners
 from hwsync.protocol import Commit, Go, Joined, PlanAccept, PlanFrame, Progress, RankComplete, Setup
 from hwsync.registry import get_backend
 from hwsync.sizes import DEFAULT_NUM_BUFFERS, MIN_NUM_BUFFERS
@@ -50,6 +51,7 @@ class CrossNodeReceiver:
         if num_buffers < MIN_NUM_BUFFERS:
             raise ValueError(f"num_buffers={num_buffers}: at least {MIN_NUM_BUFFERS} are needed to overlap "
                              "receiving with loading")
+        sweep_dead_owners()  # what killed hwsync processes of this host left behind (once per process)
         self.rank = rank
         self.num_buffers = num_buffers
         self.timeout_s = timeout_s
