@@ -1,48 +1,37 @@
-"""hwsync: move model weights from a trainer into running inference engines, on any backend."""
+"""hwsync: move model weights from a trainer into running inference engines, on any backend.
+
+What a user needs is here (one screen: `hwsync.__all__`):
+
+- the same-host path: `WeightSender` (trainer) and `WeightReceiver` (engine), through shared buffers;
+- the cross-node path: `CrossNodeSender` (trainer ranks) and `CrossNodeReceiver` (engine ranks), over
+  the backend's collective library; `LocalForwarder` hands a received sync on to the same-host path;
+- what a sync sends: (name, tensor) pairs, or a `TrainerModel` planned against the `EngineState` each
+  receiver reports (`SyncMode`: full, merged or unmerged LoRA); `TensorSpec` / `manifest_from_module`
+  announce tensors before any byte moves; `SharedParameters` keeps a module where receivers read it in place;
+- `SyncStats`, what every sync returns; errors: the common ones here, every one in `hwsync.errors`.
+
+Elsewhere, each for its own reader: backend authors `hwsync.backend`; the planner's internals
+`hwsync.planner`; per-rank memory reports and bucket sizing `hwsync.memory`; engines and trainers
+`hwsync.integrations`.
+"""
 
 # Before anything imports torch: a backend may need to fix the environment first (see _pretorch).
 from hwsync._pretorch import run_pre_torch_hooks as _run_pre_torch_hooks
 
 _run_pre_torch_hooks()
 
-from hwsync.errors import (
-    BackendError,
-    ClosedError,
-    HwsyncError,
-    ManifestError,
-    ProtocolError,
-    RemoteError,
-    SourceError,
-    SyncError,
-    SyncTimeoutError,
-)
-from hwsync.interfaces import Backend, Communicator, Device, ProbeResult, Transport
-from hwsync.manifest import TensorSpec, manifest_from_module, manifest_from_tensors
-from hwsync.memory import (
-    BalanceResult,
-    BucketChoice,
-    MemoryImbalanceError,
-    MemoryReport,
-    check_balance,
-    choose_bucket_bytes,
-    memory_report,
-)
-from hwsync.offload import OnloadStats, onload
-from hwsync.planner import EngineState, SendSet, SyncMode, SyncPlan, TrainerModel, plan_for_engines, plan_sync
-from hwsync.registry import get_backend, select_backend
-from hwsync.shared_params import SharedParameters, SharedTensors, share_parameters
-from hwsync.stats import SyncStats
-from hwsync.colocated import WeightReceiver, WeightSender  # noqa: I001 - the paths build on the core above
-from hwsync.disaggregated import CrossNodeReceiver, CrossNodeSender, LocalForwarder
+from hwsync.errors import ClosedError, HwsyncError, ManifestError, SyncError, SyncTimeoutError  # noqa: E402
+from hwsync.manifest import TensorSpec, manifest_from_module  # noqa: E402
+from hwsync.planner import EngineState, SyncMode, TrainerModel  # noqa: E402
+from hwsync.shared_params import SharedParameters  # noqa: E402
+from hwsync.stats import SyncStats  # noqa: E402
+from hwsync.colocated import WeightReceiver, WeightSender  # noqa: E402, I001 - the paths build on the core above
+from hwsync.disaggregated import CrossNodeReceiver, CrossNodeSender, LocalForwarder  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Backend", "BackendError", "ClosedError", "Communicator", "Device", "HwsyncError", "ManifestError", "ProbeResult",
-    "ProtocolError", "RemoteError", "SyncError", "SyncStats", "SyncTimeoutError", "TensorSpec", "Transport",
-    "WeightReceiver", "WeightSender", "get_backend", "manifest_from_module", "manifest_from_tensors",
-    "select_backend", "BalanceResult", "BucketChoice", "MemoryImbalanceError", "MemoryReport", "check_balance",
-    "choose_bucket_bytes", "memory_report", "OnloadStats", "onload", "EngineState", "SendSet", "SyncMode", "SyncPlan",
-    "TrainerModel", "plan_for_engines", "plan_sync", "SourceError", "CrossNodeReceiver", "CrossNodeSender",
-    "LocalForwarder", "SharedParameters", "SharedTensors", "share_parameters",
+    "WeightSender", "WeightReceiver", "CrossNodeSender", "CrossNodeReceiver", "LocalForwarder", "SyncStats",
+    "TrainerModel", "EngineState", "SyncMode", "TensorSpec", "manifest_from_module", "SharedParameters",
+    "HwsyncError", "SyncError", "SyncTimeoutError", "ClosedError", "ManifestError",
 ]

@@ -34,9 +34,9 @@ from hwsync.shm import ShmReceiveBuffers, ShmSendBuffers, ShmTransport
 log = logging.getLogger("hwsync")
 
 
-def pin_segments(device: Device, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def pin_segments(device: Device, tensors: list[torch.Tensor], *, read_only: bool) -> list[torch.Tensor]:
     """Page-lock each segment through `device`; those pinned (a refusal leaves that one pageable)."""
-    pinned = [tensor for tensor in tensors if device.pin_host_memory(tensor)]
+    pinned = [tensor for tensor in tensors if device.pin_host_memory(tensor, read_only=read_only)]
     wanted = sum(1 for tensor in tensors if tensor.numel())
     if len(pinned) < wanted:
         # one line for the lot: a limit on locked memory refuses every segment alike
@@ -66,7 +66,7 @@ class DeviceShmSendBuffers(ShmSendBuffers):
         super().__init__(bucket_bytes, num_buffers)
         try:
             if device.runtime_in_use():  # a sender of host tensors only never starts the runtime for this
-                self._pinned = pin_segments(device, [segment.tensor for segment in self.segments])
+                self._pinned = pin_segments(device, [segment.tensor for segment in self.segments], read_only=False)
         except BaseException:
             self.close()
             raise
@@ -85,18 +85,19 @@ class DeviceShmSendBuffers(ShmSendBuffers):
 class DeviceShmReceiveBuffers(ShmReceiveBuffers):
     """Host segments, each copied into a device staging buffer of this process where it has a staging device."""
 
-    def __init__(self, device: Device, handles: Handles, stage_on_device: bool = True) -> None:
+    def __init__(self, device: Device, handles: Handles, stage_on_device: bool = True,
+                 owner_pid: int | None = None) -> None:
         # set before the segments are mapped: a failure mapping them calls close()
         self.device = device
         self._pinned: list[torch.Tensor] = []
         self._staging: dict[int, torch.Tensor] = {}
-        super().__init__(handles)
+        super().__init__(handles, owner_pid)
         self.bucket_bytes = int(handles["bytes"])
         self.staging_device: torch.device | None = None
         try:
             self.staging_device = device.staging_device() if stage_on_device else None
             if self.staging_device is not None:
-                self._pinned = pin_segments(device, [segment.tensor for segment in self.segments])
+                self._pinned = pin_segments(device, [segment.tensor for segment in self.segments], read_only=True)
         except BaseException:
             self.close()
             raise
@@ -143,6 +144,7 @@ class DeviceShmTransport(ShmTransport):
         """Create `num_buffers` host segments of `bucket_bytes`."""
         return DeviceShmSendBuffers(self.device, bucket_bytes, num_buffers)
 
-    def open_receiver(self, handles: Handles) -> ReceiveBuffers:
-        """Map the announced segments; stage buckets on this process's device when it has one."""
-        return DeviceShmReceiveBuffers(self.device, handles, self.stage_on_device)
+    def open_receiver(self, handles: Handles, owner_pid: int | None = None) -> ReceiveBuffers:
+        """Map the announced segments (read-only, of process `owner_pid` when given); stage buckets on this
+        process's device when it has one."""
+        return DeviceShmReceiveBuffers(self.device, handles, self.stage_on_device, owner_pid)

@@ -82,8 +82,11 @@ class Device(ABC):
     def physical_id(self, index: int | None = None) -> str:
         """Stable identity of a device (uuid or physical index) valid across processes."""
 
-    def pin_host_memory(self, tensor: torch.Tensor) -> bool:
-        """Page-lock a host tensor's memory for fast device copies; False where the backend cannot (the default)."""
+    def pin_host_memory(self, tensor: torch.Tensor, *, read_only: bool = False) -> bool:
+        """Page-lock a host tensor's memory for fast device copies; False where the backend cannot (the default).
+
+        `read_only`: the pages are mapped read-only (a receiver's view of a sender's segment): the device only
+        reads them, and a runtime that needs to be told so (CUDA's cudaHostRegisterReadOnly) is told."""
         return False
 
     def unpin_host_memory(self, tensor: torch.Tensor) -> None:
@@ -207,8 +210,8 @@ class Transport(ABC):
         """Allocate the sender's buffers."""
 
     @abstractmethod
-    def open_receiver(self, handles: Handles) -> ReceiveBuffers:
-        """Attach to buffers a sender announced."""
+    def open_receiver(self, handles: Handles, owner_pid: int | None = None) -> ReceiveBuffers:
+        """Attach to buffers a sender announced; `owner_pid`, the sender's pid, where the buffers name its process."""
 
 
 class Backend(ABC):

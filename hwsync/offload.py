@@ -25,6 +25,7 @@ import torch
 
 from hwsync.errors import HwsyncError
 from hwsync.interfaces import Device
+from hwsync.stats import SyncStats
 
 
 @dataclass
@@ -169,3 +170,16 @@ def _restore(originals: list[tuple[torch.Tensor, torch.Tensor]], writeback: bool
         # copies also needs the queue drained before the allocator reuses their memory.
         api.synchronize()
     return moved
+
+
+@contextmanager
+def onload_during(params: torch.nn.Module | Iterable[torch.Tensor] | None, device: Device,
+                  stats: SyncStats) -> Iterator[None]:
+    """A sender's `onload=`: `params` on the device for the block (nothing when None), timings into `stats`."""
+    if params is None:
+        yield
+        return
+    with onload(params, backend_device=device) as moved:
+        yield
+    stats.onload_s, stats.offload_s = moved.onload_s, moved.offload_s
+    stats.notes["onload"] = moved.to_dict()

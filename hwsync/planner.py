@@ -15,6 +15,8 @@ that materialises weights on demand (FSDP2 `full_tensor()`) pays nothing for it.
 from __future__ import annotations
 
 import enum
+import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -23,13 +25,15 @@ import torch
 
 from hwsync.errors import DuplicateTensorError, PlanError
 from hwsync.manifest import TensorSpec
-from hwsync.source import named_tensor
+from hwsync.source import NamedTensors, TensorSource, named_tensor
+from hwsync.stats import SyncStats
+
+log = logging.getLogger("hwsync")
 
 #: A weight version or a base's identity: what the trainer counts or names it by.
 Version = Union[int, str]
-NamedTensors = Iterable[tuple[str, torch.Tensor]]
-#: (name, tensor) pairs, or a callable that returns them; a callable is re-callable every step.
-TensorSource = Union[NamedTensors, Callable[[], NamedTensors]]
+#: a part of a TrainerModel: (name, tensor) pairs, or a callable that returns them (re-callable every step)
+PartSource = Union[NamedTensors, Callable[[], NamedTensors]]
 
 
 class SyncMode(str, enum.Enum):
@@ -129,8 +133,8 @@ class TrainerModel:
     """
 
     mode: SyncMode
-    base: TensorSource | None = None
-    adapters: TensorSource | None = None
+    base: PartSource | None = None
+    adapters: PartSource | None = None
     base_version: Version | None = None
     base_manifest: list[TensorSpec] | None = None
     adapters_manifest: list[TensorSpec] | None = None
@@ -220,8 +224,8 @@ class SyncPlan:
     mode: SyncMode
     reason: str
     engine: EngineState | None
-    base: TensorSource | None = field(default=None, repr=False)
-    adapters: TensorSource | None = field(default=None, repr=False)
+    base: PartSource | None = field(default=None, repr=False)
+    adapters: PartSource | None = field(default=None, repr=False)
     _opened: set[int] = field(default_factory=set, repr=False)
     _manifests: tuple[list[TensorSpec] | None, list[TensorSpec] | None] = field(default=(None, None), repr=False)
 
@@ -271,7 +275,7 @@ class SyncPlan:
             if part == "adapters" and count == 0:
                 raise PlanError("unmerged LoRA sync yielded no adapter tensors; check the `adapters` source")
 
-    def _open(self, part: str, source: TensorSource | None) -> Iterator[Any]:
+    def _open(self, part: str, source: PartSource | None) -> Iterator[Any]:
         if source is None:
             raise PlanError(f"the plan sends {part} but no {part} source was given")
         if callable(source):
@@ -287,3 +291,20 @@ class SyncPlan:
                 )
             self._opened.add(id(source))
         return it
+
+
+def resolve_source(source: TensorSource | TrainerModel, states: Sequence[Mapping[str, Any]],
+                   manifest: list[TensorSpec] | None, stats: SyncStats) -> tuple[NamedTensors, list[TensorSpec] | None]:
+    """What one sync sends, for either sender: a TrainerModel is planned against every receiver's reported state
+    (its reason in stats.notes["plan"]), a callable is called with the first receiver's state, anything else is the
+    (name, tensor) pairs themselves; with the manifest that announces them (the caller's wins)."""
+    if isinstance(source, TrainerModel):
+        t0 = time.perf_counter()
+        plan = plan_for_engines([state.get("engine") for state in states] or [None], source)
+        stats.plan_s = time.perf_counter() - t0
+        stats.notes["plan"] = plan.to_dict()
+        log.info("hwsync plan: %s", plan.reason)
+        return plan.tensors(), plan.manifest() if manifest is None else manifest
+    if callable(source):
+        return source(dict(states[0]) if states else {}), manifest
+    return source, manifest

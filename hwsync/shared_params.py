@@ -6,10 +6,12 @@ every tensor once, straight into its own memory (see hwsync.colocated.refs).
 
 - `SharedTensors(named)`: copies of (name, tensor) pairs, packed into a few large segments
   (`hwsync-<pid>-<start>-<pidns>-params-<hex>` in /dev/shm, each tensor at a 256-byte aligned offset);
-- `SharedParameters(module)` / `share_parameters(module)`: the module's parameters and buffers
-  moved into such segments (`param.data` points there, so optimizer steps update them in place
-  and nothing is copied per step). A module on an accelerator is offloaded into them, and
-  `onload()` / `offload()` move it to the device and back (offload copies device values in).
+- `SharedParameters(module)`: the module's parameters and buffers moved into such segments
+  (`param.data` points there, so optimizer steps update them in place and nothing is copied per
+  step). A module on an accelerator is offloaded into them; `to_device()` before a training
+  step and `to_host()` after it move it to the device and back (to_host copies device values in).
+  (A sync's own onload is `send(onload=...)`: it reads device memory for the sync; here the sync
+  reads the shared host copy, and these move the module for training.)
 
 Segments are pinned (page-locked) where the backend's Device can (CUDA), plain shared memory
 on the CPU. This process owns them: they are registered with Python's resource tracker (gone
@@ -163,15 +165,15 @@ class SharedParameters:
     """A module whose parameters and buffers live in hwsync's shared host memory (see the module doc).
 
     On the CPU the module trains in place in shared memory. On an accelerator the constructor
-    offloads it into shared memory; `onload()` brings it to the device for the training step,
-    `offload()` copies the step's result back and frees the device memory, and a sync then
+    offloads it into shared memory; `to_device()` brings it to the device for the training step,
+    `to_host()` copies the step's result back and frees the device memory, and a sync then
     reads the shared copy: `sender.send(shared.items(), ...)` (or the module's state_dict
-    while offloaded). close() moves the tensors back into private memory.
+    while on the host). close() moves the tensors back into private memory.
     """
 
     def __init__(self, module: torch.nn.Module, *, device: torch.device | str | None = None,
                  include_buffers: bool = True, segment_bytes: int = DEFAULT_SEGMENT_BYTES, pin: bool = True) -> None:
-        """`device`: where onload() puts the tensors (default: the device they are on now)."""
+        """`device`: where to_device() puts the tensors (default: the device they are on now)."""
         from hwsync.registry import get_backend
 
         self.module = module
@@ -183,7 +185,7 @@ class SharedParameters:
         if len(devices) > 1:
             raise ValueError(f"the module's tensors are on several devices {sorted(map(str, devices))}; "
                              "move it to one device (or the CPU) before sharing it")
-        #: where onload() puts the tensors: the device they were on, or the CPU (then onload does nothing)
+        #: where to_device() puts the tensors: the device they were on, or the CPU (then to_device does nothing)
         self.home = torch.device(device) if device is not None else next(iter(devices)) if devices else torch.device("cpu")
         if self.home.type == self._device_api.torch_type and self.home.index is None:
             self.home = self._device_api.torch_device()
@@ -191,7 +193,7 @@ class SharedParameters:
         if any(d.type != "cpu" for d in devices | {self.home}):
             self._device_api.synchronize()
         self._owners = owners
-        self.onloaded = False
+        self.on_device = False
         self._rebind(lambda name, tensor: self.shared.tensors[name])
 
     def _rebind(self, new: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
@@ -203,32 +205,32 @@ class SharedParameters:
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, shared host tensor) of every parameter and buffer; the host copies must be current."""
-        if self.onloaded:
+        if self.on_device:
             raise RuntimeError("the parameters are on the device and the shared host copy is stale: call "
-                               "offload() before syncing from it")
+                               "to_host() before syncing from it")
         return self.shared.items()
 
-    def onload(self) -> None:
+    def to_device(self) -> None:
         """Copy the parameters to their device for training (nothing to do for a module trained on the CPU)."""
-        if self.home.type == "cpu" or self.onloaded:
+        if self.home.type == "cpu" or self.on_device:
             return
         self._rebind(lambda name, tensor: self.shared.tensors[name].to(self.home, non_blocking=True))
         self._device_api.synchronize()
-        self.onloaded = True
+        self.on_device = True
 
-    def offload(self) -> None:
+    def to_host(self) -> None:
         """Copy the device values into the shared host copy and point the parameters at it (frees device memory)."""
-        if not self.onloaded:
+        if not self.on_device:
             return
         for name, tensor in self._owners:
             self.shared.tensors[name].copy_(tensor.data, non_blocking=True)
         self._device_api.synchronize()
         self._rebind(lambda name, tensor: self.shared.tensors[name])
-        self.onloaded = False
+        self.on_device = False
 
     def close(self) -> None:
-        """Give the module private memory again (on the host, or its device if onloaded) and unlink the segments."""
-        if not self.onloaded:
+        """Give the module private memory again (on the host, or its device if there) and unlink the segments."""
+        if not self.on_device:
             self._rebind(lambda name, tensor: tensor.data.clone())
         self.shared.close()
 
@@ -237,11 +239,6 @@ class SharedParameters:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def share_parameters(module: torch.nn.Module, **kwargs: object) -> SharedParameters:
-    """Move `module`'s parameters and buffers into hwsync's shared host memory (see SharedParameters)."""
-    return SharedParameters(module, **kwargs)  # type: ignore[arg-type]
 
 
 @atexit.register

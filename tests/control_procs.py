@@ -52,9 +52,9 @@ def serve_collective(endpoint: str, q, rank: int = 0, timeout_s: float = 30.0, p
     """
     os.environ["HWSYNC_BACKEND"] = "cpu"
     if proto is not None:  # this process runs a "newer" hwsync
-        import hwsync.disaggregated.hub
+        import hwsync.disaggregated.link
 
-        hwsync.disaggregated.hub.PROTOCOL_VERSION = proto
+        hwsync.disaggregated.link.PROTOCOL_VERSION = proto
     backend = None
     if toy:
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "plugins", "hwsync_toy"))

@@ -68,10 +68,10 @@ def slow_receiver_main(endpoint: str) -> None:
 
 def sender_main() -> None:
     """A trainer whose parameters live in shared memory: sends them, then one packed tensor, then stalls."""
-    from hwsync import share_parameters
+    from hwsync import SharedParameters
 
     net = model()
-    shared = share_parameters(net)
+    shared = SharedParameters(net)
 
     def source():
         yield from net.state_dict().items()

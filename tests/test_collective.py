@@ -230,7 +230,7 @@ def test_released_buffers_come_back_at_the_next_sync_on_the_same_group(backend):
         epoch = cluster.tx.group_epoch
         for v in (1, 2):
             cluster.tx.release_buffers()
-            assert not cluster.tx._buffers  # freed until the next send
+            assert not cluster.tx._group._buffers  # freed until the next send
             cluster.tx.send(_tensors(v), version=v)
         assert cluster.tx.group_epoch == epoch
         reports = cluster.reports(3 * 2)

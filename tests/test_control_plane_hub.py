@@ -20,7 +20,8 @@ import msgpack
 import pytest
 import torch.multiprocessing as mp
 
-from hwsync import CrossNodeSender, ProtocolError
+from hwsync import CrossNodeSender
+from hwsync.errors import ProtocolError
 from hwsync.control import Endpoint
 from hwsync.protocol import PROTOCOL_VERSION, Error, Joined, PlanAccept, Pong, Progress, RankComplete, RankReady, Sent, encode
 from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES

@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hwsync import ClosedError, ProtocolError, RemoteError, WeightReceiver, WeightSender
+from hwsync import ClosedError, WeightReceiver, WeightSender
+from hwsync.errors import ProtocolError, RemoteError
 from hwsync.shm import ShmTransport
 
 import control_procs

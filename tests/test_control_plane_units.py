@@ -9,7 +9,9 @@ import pytest
 import torch
 import zmq
 
-from hwsync import HwsyncError, ProtocolError, WeightReceiver, WeightSender, manifest_from_tensors
+from hwsync import HwsyncError, WeightReceiver, WeightSender
+from hwsync.errors import ProtocolError
+from hwsync.manifest import manifest_from_tensors
 from hwsync.control import Endpoint
 from hwsync.protocol.limits import MAX_MESSAGE_CHARS, MAX_PEER_FRAME_BYTES, cut
 from hwsync.sockets import DropLog, require_curve

@@ -14,7 +14,8 @@ import re
 import pytest
 import torch
 
-from hwsync import RemoteError, WeightReceiver, WeightSender
+from hwsync import WeightReceiver, WeightSender
+from hwsync.errors import RemoteError
 from hwsync.shm import leftover_segments
 
 import transfer_procs as procs

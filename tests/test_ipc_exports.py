@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 pytest.importorskip("hwsync_sim", reason="the sim backend is not installed: pip install -e tests/plugins/hwsync_sim")
 
 import hwsync.colocated.receiver  # noqa: E402
-from hwsync import HwsyncError, ProtocolError, RemoteError, SyncError, WeightReceiver, WeightSender  # noqa: E402
+from hwsync import HwsyncError, SyncError, WeightReceiver, WeightSender  # noqa: E402
+from hwsync.errors import ProtocolError, RemoteError  # noqa: E402
 from hwsync.registry import load_backend  # noqa: E402
 from hwsync_sim.peers import Peer  # noqa: E402
 
@@ -75,7 +76,7 @@ def _receiver_that_cannot_map(endpoint: str, q, hold) -> None:
         def transports() -> dict:
             found = dict(real())
             broken = copy.copy(found["sim_ipc"])
-            broken.open_receiver = lambda handles: (_ for _ in ()).throw(
+            broken.open_receiver = lambda handles, owner_pid=None: (_ for _ in ()).throw(
                 HwsyncError("sim_ipc: cannot open the sender's IPC handles (test stand-in)"))
             found["sim_ipc"] = broken
             return found

@@ -283,7 +283,7 @@ def _receiver_decode():
 
 
 def _rank_decode():
-    from hwsync.disaggregated.hub import Link
+    from hwsync.disaggregated.link import Link
 
     link = types.SimpleNamespace(refused=False)
     return lambda data: Link._decode(link, data)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hwsync import SharedParameters, SyncTimeoutError, WeightSender, share_parameters
+from hwsync import SharedParameters, SyncTimeoutError, WeightSender
 from hwsync.colocated.sender import WeightSender as _Sender
 from hwsync.protocol import Done
 from hwsync.shared_params import find_shared, live_segments
@@ -47,7 +47,7 @@ def _step(net: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
 @pytest.mark.parametrize("mode", ["into", "load"])
 def test_a_module_trained_in_shared_memory_syncs_bit_exact_by_reference(backend, mode):
     net = procs.model()
-    with share_parameters(net) as shared, WeightSender(timeout_s=60) as sender:
+    with SharedParameters(net) as shared, WeightSender(timeout_s=60) as sender:
         opt = torch.optim.AdamW(net.parameters(), lr=0.05)
         ptrs = [p.data_ptr() for p in net.parameters()]
         p, q = start_receiver(sender.endpoint, syncs=3, mode=mode)
@@ -71,7 +71,7 @@ def test_a_module_trained_in_shared_memory_syncs_bit_exact_by_reference(backend,
 @pytest.mark.cpu_is_enough("which tensors go packed is host logic; the sim covers both paths in the test above")
 def test_shared_and_ordinary_tensors_mix_in_one_sync(backend):
     net = procs.model()
-    with share_parameters(net), WeightSender(bucket_bytes=1 << 14, timeout_s=60) as sender:
+    with SharedParameters(net), WeightSender(bucket_bytes=1 << 14, timeout_s=60) as sender:
         weight = net[0].weight.data
         source = {"ordinary.a": torch.randn(3000), **dict(list(net.state_dict().items())[:3]),
                   "transposed": weight.t(),  # lies in shared memory but is not contiguous: goes packed
@@ -108,7 +108,7 @@ def test_the_trainer_cannot_change_what_a_receiver_still_reads(backend, mode):
     if mode == "into" and backend.name == "cpu":
         pytest.skip("on the CPU an into copy is done when it returns: the load case covers the CPU")
     net = procs.model()
-    with share_parameters(net), WeightSender(timeout_s=60) as sender:
+    with SharedParameters(net), WeightSender(timeout_s=60) as sender:
         p, q = start_receiver(sender.endpoint, syncs=2, mode=mode, slow_s=0.3 if mode == "load" else 0.0)
         results = _stepping_trainer(sender, net, 2, q)
         p.join(30)
@@ -117,12 +117,12 @@ def test_the_trainer_cannot_change_what_a_receiver_still_reads(backend, mode):
 
 @pytest.mark.cpu_is_enough("shows the check above can fail; the host path is enough")
 def test_the_tear_check_can_fail_when_send_does_not_wait(backend, monkeypatch):
-    def finish_without_waiting(self, peers, sync, stats):
-        self._broadcast(peers, Done(sync=sync, buckets=stats.buckets, tensors=stats.tensors, bytes=stats.bytes))
+    def finish_without_waiting(self, receivers, stats):
+        receivers.broadcast(Done(sync=receivers.sync, buckets=stats.buckets, tensors=stats.tensors, bytes=stats.bytes))
 
     monkeypatch.setattr(_Sender, "_finish", finish_without_waiting)
     net = procs.model()
-    with share_parameters(net), WeightSender(timeout_s=60) as sender:
+    with SharedParameters(net), WeightSender(timeout_s=60) as sender:
         p, q = start_receiver(sender.endpoint, syncs=1, mode="load", slow_s=0.3)
         results = _stepping_trainer(sender, net, 1, q)
         p.join(30)
@@ -131,7 +131,7 @@ def test_the_tear_check_can_fail_when_send_does_not_wait(backend, monkeypatch):
 
 def test_a_receiver_killed_while_reading_references(backend):
     net = procs.model()
-    with share_parameters(net), WeightSender(timeout_s=20) as sender:
+    with SharedParameters(net), WeightSender(timeout_s=20) as sender:
         slow = subprocess.Popen([sys.executable, str(HERE / "shared_procs.py"), "slow_receiver", sender.endpoint],
                                 stdout=subprocess.PIPE, text=True)
         killer = threading.Thread(target=lambda: slow.stdout.readline().strip() == "loading" and slow.kill())
@@ -186,22 +186,22 @@ def test_segments_are_few_aligned_and_removed(backend):
     assert not set(names) & set(leftover_segments()) and not live_segments()
 
 
-def test_offloading_trainer_onloads_trains_and_offloads(backend):
+def test_offloading_trainer_moves_to_the_device_trains_and_moves_back(backend):
     device = backend.device().torch_device()
     net = procs.model()  # an offloading trainer's module starts on the host (FSDP/DeepSpeed CPU offload)
     with SharedParameters(net, device=device) as shared:
         assert next(net.parameters()).device.type == "cpu", "constructed offloaded, into shared memory"
         assert shared.home == device and (shared.shared.pinned == (device.type != "cpu"))
         before = digests(net.state_dict())
-        shared.onload()
+        shared.to_device()
         assert next(net.parameters()).device == device
         if device.type != "cpu":
-            with pytest.raises(RuntimeError, match="call offload"):
+            with pytest.raises(RuntimeError, match="call to_host"):
                 shared.items()
         with torch.no_grad():  # an update on the device, in place (the sim has no autograd)
             for t in net.parameters():
                 t.mul_(0.5).add_(1.0)
-        shared.offload()
+        shared.to_host()
         after = dict(shared.items())
         assert all(t.device.type == "cpu" for t in after.values()) and digests(after) != before
         assert digests(after) == digests(net.state_dict())

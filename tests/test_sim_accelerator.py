@@ -201,6 +201,22 @@ def test_shm_release_waits_for_the_staging_copy_that_still_reads_the_segment(sim
         sender.close()
 
 
+def test_a_receivers_read_only_segments_are_pinned_read_only(sim):
+    """The receiver maps the sender's segments read-only; CUDA registers such pages only with
+    cudaHostRegisterReadOnly, which the sim models: pinned writable they are refused (and every staging
+    copy would go the slow, pageable way), pinned read-only they are taken."""
+    transport = sim.transports()["shm"]
+    sender = transport.open_sender(4096, 2)
+    receiver = transport.open_receiver(sender.handles())
+    try:
+        segment = receiver.segments[0].tensor
+        assert not sim.device().pin_host_memory(segment), "read-only pages registered as writable"
+        assert len(receiver._pinned) == 2, "the receiver left its read-only segments pageable"
+    finally:
+        receiver.close()
+        sender.close()
+
+
 # -- IPC: torch's reference counting --------------------------------------------------------------
 
 def _open_sender(sim):

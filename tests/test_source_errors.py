@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from hwsync import SourceError
+from hwsync.errors import SourceError
 from hwsync.errors import PlanError
 from hwsync.planner import SyncMode, TrainerModel, plan_sync
 

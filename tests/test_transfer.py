@@ -19,7 +19,9 @@ import torch.multiprocessing as mp
 
 import hwsync.colocated.receiver
 from hwsync.protocol import PROTOCOL_VERSION
-from hwsync import ManifestError, ProtocolError, RemoteError, SyncTimeoutError, WeightSender, manifest_from_tensors
+from hwsync import ManifestError, SyncTimeoutError, WeightSender
+from hwsync.errors import ProtocolError, RemoteError
+from hwsync.manifest import manifest_from_tensors
 from hwsync.shm import leftover_segments
 
 import transfer_procs as procs

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hwsync import HwsyncError, ManifestError, RemoteError, TensorSpec
+from hwsync import HwsyncError, ManifestError, TensorSpec
+from hwsync.errors import RemoteError
 from hwsync.integrations.vllm.checkpoint import check_manifest, checkpoint_manifest
 from hwsync.integrations.vllm import EXTENSION, VllmWeightSync, settle, weights_and_manifest
 

@@ -60,7 +60,8 @@ def reference_outputs(model_dirs: list[str], timeout_s: float = 600.0) -> list[A
 
 def _trainer_main(model_dir: str, version: int, conn: Connection) -> None:
     torch.set_num_threads(1)
-    from hwsync import WeightSender, manifest_from_tensors
+    from hwsync import WeightSender
+    from hwsync.manifest import manifest_from_tensors
 
     tensors = checkpoint_tensors(model_dir)
     with WeightSender(timeout_s=60.0) as sender:

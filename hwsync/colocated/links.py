@@ -9,14 +9,11 @@ releases buckets in order, so "released up to n" is all either side needs to tra
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Protocol
 
 from hwsync.colocated.doorbell import Doorbell, spin_wait
+from hwsync.colocated.sender_control import SyncReceivers
 from hwsync.protocol import Bucket, Frame, Release, encode
-
-#: receive(what) -> (identity, frame): the sender's own wait for one control frame
-RecvFn = Callable[[str], tuple[bytes, Frame]]
 
 
 class BucketLink(Protocol):
@@ -35,44 +32,37 @@ class BucketLink(Protocol):
 class FrameLink:
     """One ZeroMQ frame per bucket out, one release frame per bucket back."""
 
-    def __init__(self, identities: list[bytes], first: int, broadcast: Callable[[Frame], None],
-                 recv: RecvFn, on_frame: Callable[[Frame], None], poll: Callable[[str], None]) -> None:
-        self._released = {identity: first for identity in identities}
-        self._broadcast = broadcast
-        self._recv = recv
-        self._on_frame = on_frame  # raises on an error frame
-        self._poll = poll  # poll(what): what is queued now goes to note(); raises on failures
+    def __init__(self, receivers: SyncReceivers, first: int) -> None:
+        self._receivers = receivers
+        self._released = {identity: first for identity in receivers.identities}
 
     def post(self, seq: int, frame: Bucket) -> None:
         """Send the bucket frame to every receiver."""
-        self._broadcast(frame)
+        self._receivers.broadcast(frame)
 
     def wait_released(self, seq: int, what: str) -> None:
         """Read release frames until every receiver is past `seq`."""
         while min(self._released.values()) <= seq:
-            self.note(*self._recv(what))
+            self._note(*self._receivers.recv(what))
 
-    def note(self, identity: bytes, frame: Frame) -> None:
-        """Take one frame of a receiver: raise on an error, count a release."""
-        self._on_frame(frame)
+    def _note(self, identity: bytes, frame: Frame) -> None:
+        """Count a receiver's release."""
         if isinstance(frame, Release) and identity in self._released:
             self._released[identity] = max(self._released[identity], frame.seq + 1)
 
     def check(self, what: str) -> None:
         """Read what is queued without waiting (releases are counted), raising on failures."""
-        self._poll(what)
+        for identity, frame in self._receivers.poll(what):
+            self._note(identity, frame)
 
 
 class DoorbellLink:
     """Descriptors and counters in the doorbell segment; ZeroMQ is only polled for failures."""
 
-    def __init__(self, doorbell: Doorbell, ranks: int, poll: Callable[[str], None], timeout_s: float,
-                 endpoint: str) -> None:
+    def __init__(self, doorbell: Doorbell, receivers: SyncReceivers) -> None:
         self._bell = doorbell
-        self._ranks = ranks
-        self._poll = poll  # poll(what) raises on an error frame or a vanished receiver
-        self._timeout_s = timeout_s
-        self._endpoint = endpoint
+        self._receivers = receivers
+        self._ranks = len(receivers.peers)
 
     def post(self, seq: int, frame: Bucket) -> None:
         """Write the descriptor and ring."""
@@ -80,13 +70,13 @@ class DoorbellLink:
 
     def wait_released(self, seq: int, what: str) -> None:
         """Spin on the receivers' counters until all are past `seq`."""
-        bell, ranks = self._bell, self._ranks
-        spin_wait(lambda: bell.min_released(ranks) > seq, lambda: self._poll(what), timeout_s=self._timeout_s, what=what,
-                  endpoint=self._endpoint)
+        control = self._receivers.control
+        spin_wait(lambda: self._bell.min_released(self._ranks) > seq, lambda: self.check(what),
+                  timeout_s=control.timeout_s, what=what, endpoint=control.address)
 
     def check(self, what: str) -> None:
         """Poll ZeroMQ for failures (the counters need no reading until a buffer is wanted)."""
-        self._poll(what)
+        self._receivers.poll(what)
 
 
 def timed_wait(link: BucketLink, seq: int, what: str) -> float:

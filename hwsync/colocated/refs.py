@@ -104,7 +104,7 @@ class SharedReader:
             raise ProtocolError(f"cannot map the sender's shared segment {spec.name} ({spec.size} bytes): {exc}; "
                                 "sender and receiver must share /dev/shm (same host, same IPC namespace)") from None
         self._mapped[spec.name] = mapped
-        if self.device.torch_type != "cpu" and self.device.pin_host_memory(mapped.tensor):
+        if self.device.torch_type != "cpu" and self.device.pin_host_memory(mapped.tensor, read_only=True):
             self._pinned[spec.name] = mapped.tensor  # host-to-device copies from it run at full speed
         return mapped
 

@@ -19,8 +19,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
 
 import torch
 import zmq
@@ -28,32 +27,30 @@ import zmq
 from hwsync.bucket import ALIGN
 from hwsync.colocated.buffer_pool import BufferPool
 from hwsync.colocated.doorbell import Doorbell, doorbell_supported
-from hwsync.colocated.links import BucketLink, DoorbellLink, FrameLink
 from hwsync.colocated.geometry import bucket_geometry
-from hwsync.colocated.peers import Peer, PeerTable
+from hwsync.colocated.links import BucketLink, DoorbellLink, FrameLink
+from hwsync.colocated.peers import Peer
+from hwsync.colocated.sender_control import SenderControl, SyncReceivers
 from hwsync.colocated.stream import BucketStream
-from hwsync.control import Endpoint, Lifetime, new_token, private_ipc_dir, raise_if_exited, receive_frame, \
-    remove_ipc_dir
-from hwsync.errors import ClosedError, ProtocolError, RemoteError
-from hwsync.gate import reply_on
+from hwsync.control import Lifetime, new_token, private_ipc_dir, remove_ipc_dir
 from hwsync.interfaces import Backend, SendBuffers, Transport
 from hwsync.manifest import TensorSpec
-from hwsync.offload import onload as onload_params
-from hwsync.planner import TrainerModel, plan_for_engines
-from hwsync.protocol import PROTOCOL_VERSION, Abort, Accept, Complete, Done, Error, Frame, Offer, encode
-from hwsync.protocol.limits import MAX_SENDER_FRAME_BYTES, check_size, cut
+from hwsync.offload import onload_during
+from hwsync.planner import TrainerModel, resolve_source
+from hwsync.protocol import PROTOCOL_VERSION, Accept, Complete, Done, Offer, encode
+from hwsync.protocol.limits import MAX_SENDER_FRAME_BYTES, check_size
 from hwsync.registry import get_backend
 from hwsync.shared_params import live_segments
-from hwsync.sockets import ConnectionLog, bind_control
-from hwsync.source import NamedTensors, TensorSource
+from hwsync.sizes import DEFAULT_NUM_BUFFERS, MIN_NUM_BUFFERS
+from hwsync.source import TensorSource
 from hwsync.stats import SyncStats
-from hwsync.timing import CLOSE_LINGER_S, DEFAULT_TIMEOUT_S
+from hwsync.timing import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("hwsync")
 
 
 class WeightSender:
-    """Binds a control endpoint and sends named tensors to one or more WeightReceivers."""
+    """The same-host path's sender: binds a control endpoint and sends named tensors to one or more WeightReceivers."""
 
     def __init__(
         self,
@@ -68,9 +65,10 @@ class WeightSender:
     ) -> None:
         #: neither size given: the transport's defaults, chosen at the first send from how receivers take tensors
         self._default_geometry = bucket_bytes is None and num_buffers is None
-        num_buffers = 2 if num_buffers is None else num_buffers
-        if num_buffers < 2:
-            raise ValueError(f"num_buffers={num_buffers}: at least 2 are needed to overlap packing with loading")
+        num_buffers = DEFAULT_NUM_BUFFERS if num_buffers is None else num_buffers
+        if num_buffers < MIN_NUM_BUFFERS:
+            raise ValueError(f"num_buffers={num_buffers}: at least {MIN_NUM_BUFFERS} are needed to overlap packing "
+                             "with loading")
         if num_receivers < 1:
             raise ValueError(f"num_receivers={num_receivers} must be at least 1")
         self.backend = backend or get_backend()
@@ -80,38 +78,35 @@ class WeightSender:
                              "default) or 'auto' (from the least free memory of sender and receivers)")
         #: "auto" until the first send sizes it from the memory the peers report
         self._auto_bucket = bucket_bytes == "auto"
-        self.bucket_bytes = self.transport.default_bucket_bytes if bucket_bytes in (None, "auto") else bucket_bytes
+        self.bucket_bytes = bucket_bytes if isinstance(bucket_bytes, int) else self.transport.default_bucket_bytes
         if self.bucket_bytes < ALIGN:
             raise ValueError(f"bucket_bytes={self.bucket_bytes} is below the minimum of {ALIGN} bytes")
         self.num_buffers = num_buffers
         self.timeout_s = timeout_s
         self.num_receivers = num_receivers
-        self._token = new_token()
         self._owns_ipc_dir = endpoint is None
-        self._address = f"ipc://{private_ipc_dir()}/control" if endpoint is None else endpoint
-        if not self._address.startswith(("ipc://", "tcp://")):
+        address = f"ipc://{private_ipc_dir()}/control" if endpoint is None else endpoint
+        if not address.startswith(("ipc://", "tcp://")):
             raise ValueError(f"endpoint {endpoint!r} must start with ipc:// or tcp://")
+        #: close() from another thread: the running sync ends and aborts its receivers
+        self._lifetime = Lifetime("WeightSender", self._release)
         self._ctx = zmq.Context()
-        self._sock: zmq.Socket | None
         try:
-            self._sock, self._address, self._server_key = bind_control(self._ctx, self._address)
+            self._control = SenderControl(self._ctx, address, new_token(), num_receivers=num_receivers,
+                                          backend=self.backend.name, transport=self.transport.name,
+                                          timeout_s=timeout_s, closing=self._lifetime.signal)
         except BaseException:
+            self._lifetime.signal.close()
             self._ctx.term()
             if self._owns_ipc_dir:
-                remove_ipc_dir(self._address)
+                remove_ipc_dir(address)
             raise
-        self._connections = ConnectionLog(self._sock, "the sender")
-        self._peers = PeerTable(self._token, num_receivers, self.backend.name, self.transport.name,
-                                reply_on(lambda: self._sock))
         self._buffers: SendBuffers | None = None
         self._doorbell: Doorbell | None = None
         self._pool: BufferPool | None = None
         #: sequence number of the next bucket; grows across the syncs of one set of buffers
         self._seq = 0
         self._syncs = 0
-        #: close() from another thread: the running sync ends and aborts its receivers
-        self._lifetime = Lifetime("WeightSender", self._release)
-        self._closing = self._lifetime.signal
         #: whether every receiver accepted the current offer (and so maps the buffers it was given)
         self._accepted = False
 
@@ -127,12 +122,17 @@ class WeightSender:
 
     @property
     def endpoint(self) -> str:
-        """What a WeightReceiver connects to: address, token and (tcp://) the CURVE public key."""
-        return str(Endpoint(self._address, self._token, self._server_key))
+        """What a WeightReceiver connects to: address, token and (tcp://) the CURVE public key. A secret: never log it."""
+        return self._control.endpoint
+
+    @property
+    def address(self) -> str:
+        """The bound address alone (no token, no key): what logs and errors name."""
+        return self._control.address
 
     def send(
         self,
-        named_tensors: TensorSource | TrainerModel,
+        source: TensorSource | TrainerModel,
         *,
         version: int,
         manifest: list[TensorSpec] | None = None,
@@ -140,222 +140,104 @@ class WeightSender:
     ) -> SyncStats:
         """Send one sync; returns when every receiver has loaded it, raises SyncError otherwise.
 
-        Tensors that lie in shared parameter memory (hwsync.SharedParameters) are sent as
+        `source`: (name, tensor) pairs, a function of the first receiver's reported state returning
+        them, or a TrainerModel, planned against every receiver's state. `manifest` announces the
+        tensors before any byte moves. `onload`: parameters to bring from host memory to the device
+        for the sync, and back. Tensors in shared parameter memory (hwsync.SharedParameters) go as
         references that receivers read in place: they are done with them when this returns.
-
-        `named_tensors` is an iterable of (name, tensor), a function of the receiver's reported
-        state returning one, or a TrainerModel, which is planned against the engines' state.
-        `onload`: parameters to bring from host memory to the device for the sync, and back.
         """
         with self._lifetime.call("send"):
-            return self._send(named_tensors, version, manifest, onload)
+            return self._send(source, version, manifest, onload)
 
-    def _send(self, named_tensors: TensorSource | TrainerModel, version: int, manifest: list[TensorSpec] | None,
+    def _send(self, source: TensorSource | TrainerModel, version: int, manifest: list[TensorSpec] | None,
               onload: torch.nn.Module | Iterable[torch.Tensor] | None) -> SyncStats:
         start = time.perf_counter()
         self._syncs += 1
-        sync = self._syncs
         stats = SyncStats(version=version, num_buffers=self.num_buffers, transport=self.transport.name)
-        peers: list[Peer] = []
+        receivers: SyncReceivers | None = None
         try:
-            peers = self._await_ready(stats)
-            source, manifest = self._source(named_tensors, peers, stats, manifest)
+            receivers = SyncReceivers(self._control, self._control.await_ready(self.num_receivers, stats), self._syncs)
+            pairs, manifest = resolve_source(source, [p.state for p in receivers.peers], manifest, stats)
             if self._buffers is None:
-                self._size_buckets(peers, stats)
-                self._open_buffers()
+                self._open_buffers(receivers.peers, stats)
             stats.bucket_bytes = self.bucket_bytes
-            link = self._offer(peers, sync, version, manifest, stats)
+            link = self._offer(receivers, version, manifest, stats)
             assert self._buffers is not None and self._pool is not None
             here = socket.gethostname()  # references into our segments only for receivers that can map them
-            refs = (lambda frame: self._broadcast(peers, frame)) if all(p.host == here for p in peers) else None
-            stream = BucketStream(link, self._buffers, self._pool, self.bucket_bytes, sync, self._seq, stats,
-                                  dense=all(p.into for p in peers), send_refs=refs)
-            if onload is None:
-                self._seq = stream.run(source, manifest)
-            else:
-                with onload_params(onload, backend_device=self.backend.device()) as moved:
-                    self._seq = stream.run(source, manifest)
-                stats.onload_s, stats.offload_s = moved.onload_s, moved.offload_s
-                stats.notes["onload"] = moved.to_dict()
-            self._finish(peers, sync, stats)
+            stream = BucketStream(link, self._buffers, self._pool, self.bucket_bytes, receivers.sync, self._seq, stats,
+                                  dense=all(p.into for p in receivers.peers),
+                                  refs_to=receivers if all(p.host == here for p in receivers.peers) else None)
+            with onload_during(onload, self.backend.device(), stats):
+                self._seq = stream.run(pairs, manifest)
+            self._finish(receivers, stats)
         except BaseException as exc:
-            self._fail(peers, sync, exc)
+            self._fail(receivers, exc)
             raise
         finally:
-            self._peers.end_sync(failed=sys.exc_info()[0] is not None)
+            self._control.end_sync(failed=sys.exc_info()[0] is not None)
         stats.total_s = time.perf_counter() - start
         log.info("hwsync sent %s", stats)
         return stats
 
-    def _source(self, named_tensors: TensorSource | TrainerModel, peers: list[Peer], stats: SyncStats,
-                manifest: list[TensorSpec] | None) -> tuple[NamedTensors, list[TensorSpec] | None]:
-        """The tensors to send and their manifest; a TrainerModel is planned, and announces what its plan sends."""
-        if isinstance(named_tensors, TrainerModel):
-            t0 = time.perf_counter()
-            plan = plan_for_engines([p.state.get("engine") for p in peers], named_tensors)
-            stats.plan_s = time.perf_counter() - t0
-            stats.notes["plan"] = plan.to_dict()
-            log.info("hwsync plan: %s", plan.reason)
-            return plan.tensors(), plan.manifest() if manifest is None else manifest
-        return (named_tensors(peers[0].state) if callable(named_tensors) else named_tensors), manifest
-
-    def _size_buckets(self, peers: list[Peer], stats: SyncStats) -> None:
-        """Default sizes: by how receivers take tensors; "auto": by the least free memory of all sides."""
+    def _open_buffers(self, peers: list[Peer], stats: SyncStats) -> None:
+        """Size the buckets (by how receivers take tensors, or "auto": by the least free memory) and open the buffers."""
         self.bucket_bytes, self.num_buffers = bucket_geometry(
             self.transport, self.backend.device(), peers, stats, self.bucket_bytes, self.num_buffers,
             default=self._default_geometry, auto=self._auto_bucket)
-
-    def _open_buffers(self) -> None:
         self._buffers = self.transport.open_sender(self.bucket_bytes, self.num_buffers)
         self._pool = BufferPool(self.num_buffers, self.bucket_bytes)
         self._seq = 0
         if doorbell_supported():
             self._doorbell = Doorbell.create(self.num_receivers, self.num_buffers)
 
-    def _await_ready(self, stats: SyncStats) -> list[Peer]:
-        """Receivers ready for this sync; the peer table answers (and refuses) each Ready as it comes."""
-        t0 = time.perf_counter()
-        what, deadline = "waiting for receivers to call receive()", time.monotonic() + self.timeout_s
-        while True:
-            self._drain()  # a receiver that gave up says "gone" right after its "ready": read all that is queued
-            refusal = self._peers.gate.take_fatal()
-            if refusal is not None:
-                raise ProtocolError(f"a receiver was refused: {refusal}")
-            if self._peers.ready_count() >= self.num_receivers:
-                break
-            self._take(receive_frame(self._socket(), self.timeout_s, what=what, endpoint=self.endpoint,
-                                     watches=[self._closing, self._connections], deadline=deadline, copy=False))
-        stats.wait_s += time.perf_counter() - t0
-        return self._peers.start_sync()
-
-    def _take(self, parts: list[zmq.Frame]) -> tuple[bytes, Frame] | None:
-        """A checked frame of one of this sync's receivers, or None (handled, dropped, or another peer's)."""
-        got = self._peers.take(parts)
-        if got is None or self._peers.sync_peer(got[0]) is None:
-            return None
-        return got
-
-    def _drain(self) -> list[tuple[bytes, Frame]]:
-        """Every message queued now, taken; the frames of this sync's receivers among them."""
-        sock, frames = self._socket(), []
-        self._connections.check()
-        while sock.poll(0, zmq.POLLIN):
-            got = self._take(sock.recv_multipart(copy=False))
-            if got is not None:
-                frames.append(got)
-        return frames
-
-    def _socket(self) -> zmq.Socket:
-        if self._sock is None:
-            raise ClosedError("this WeightSender is closed; make a new one to send again")
-        return self._sock
-
-    def _offer(self, peers: list[Peer], sync: int, version: int, manifest: list[TensorSpec] | None,
+    def _offer(self, receivers: SyncReceivers, version: int, manifest: list[TensorSpec] | None,
                stats: SyncStats) -> BucketLink:
         """Announce the sync's geometry to each receiver (its rank, the signalling way) and await the accepts."""
         assert self._buffers is not None
-        link, bell = self._link(peers, sync)
+        here = socket.gethostname()
+        bell = self._doorbell if self._doorbell is not None and all(
+            p.doorbell and p.host == here for p in receivers.peers) else None
         offer = Offer(
-            sync=sync, proto=PROTOCOL_VERSION, backend=self.backend.name, transport=self.transport.name,
+            sync=receivers.sync, proto=PROTOCOL_VERSION, backend=self.backend.name, transport=self.transport.name,
             handles={}, bucket_bytes=self.bucket_bytes, num_buffers=self.num_buffers,
-            version=version, pid=os.getpid(), host=socket.gethostname(), manifest=manifest,
+            version=version, pid=os.getpid(), host=here, manifest=manifest,
             tensors=None if manifest is None else len(manifest),
             total_bytes=None if manifest is None else sum(s.nbytes for s in manifest),
             first=self._seq, doorbell=None if bell is None else bell.handle(), rank=0, segments=live_segments())
         self._accepted = False
-        for rank, peer in enumerate(peers):
+        for rank, peer in enumerate(receivers.peers):
             # each receiver its own handles: shared device memory is exported once per receiver process
             handles = self._buffers.handles_for(peer.identity.hex(), peer.pid, peer.host)
             data = check_size(encode(dataclasses.replace(offer, rank=rank, handles=handles)), MAX_SENDER_FRAME_BYTES,
                               f"the offer of {len(manifest or [])} tensors")
-            self._socket().send_multipart([peer.identity, data])
-        self._await_each(peers, sync, Accept, "waiting for receivers to accept the offer", stats)
+            self._control.send_to(peer, data)
+        receivers.await_each(Accept, "waiting for receivers to accept the offer", stats)
         self._accepted = True
-        return link
+        if bell is None:
+            return FrameLink(receivers, self._seq)
+        bell.start_sync(len(receivers.peers), self._seq)
+        return DoorbellLink(bell, receivers)
 
-    def _link(self, peers: list[Peer], sync: int) -> tuple[BucketLink, Doorbell | None]:
-        """The doorbell when every receiver shares this host and can use it, else a frame per bucket."""
-        here = socket.gethostname()
-        if self._doorbell is not None and all(p.doorbell and p.host == here for p in peers):
-            self._doorbell.start_sync(len(peers), self._seq)
-            poll = lambda what: self._poll_failures(peers, sync, what)  # noqa: E731
-            return DoorbellLink(self._doorbell, len(peers), poll, self.timeout_s, self.endpoint), self._doorbell
-        link = FrameLink([p.identity for p in peers], self._seq, lambda frame: self._broadcast(peers, frame),
-                         lambda what: self._recv(what, [(p.pid, p.host) for p in peers]),
-                         lambda frame: self._raise_if_error(frame, sync),
-                         lambda what: self._poll_failures(peers, sync, what, link.note))
-        return link, None
-
-    def _poll_failures(self, peers: list[Peer], sync: int, what: str,
-                       note: Callable[[bytes, Frame], None] | None = None) -> None:
-        """While packing or spinning: raise on close(), an error frame or a receiver that exited.
-
-        Every frame queued now is read (a Ready of another receiver is answered at once); `note`
-        takes this sync's receivers' frames (the frame link counts releases).
-        """
-        self._closing.check(what)
-        for identity, frame in self._drain():
-            self._raise_if_error(frame, sync)
-            if note is not None:
-                note(identity, frame)
-        raise_if_exited([(p.pid, p.host) for p in peers], what=what, endpoint=self.endpoint)
-
-    def _finish(self, peers: list[Peer], sync: int, stats: SyncStats) -> None:
-        self._broadcast(peers, Done(sync=sync, buckets=stats.buckets, tensors=stats.tensors, bytes=stats.bytes))
-        replies = self._await_each(peers, sync, Complete, "waiting for receivers to finish loading", stats)
+    def _finish(self, receivers: SyncReceivers, stats: SyncStats) -> None:
+        receivers.broadcast(Done(sync=receivers.sync, buckets=stats.buckets, tensors=stats.tensors, bytes=stats.bytes))
+        replies = receivers.await_each(Complete, "waiting for receivers to finish loading", stats)
         reports = [r.stats for r in replies]
         if self._pool is not None and self._pool.adaptive:
             stats.notes["pool"] = self._pool.to_dict()
         stats.peer = reports[0] if len(reports) == 1 else {"receivers": reports}
         stats.load_s = max((r.get("load_s", 0.0) for r in reports), default=0.0)
 
-    def _await_each(self, peers: list[Peer], sync: int, kind: type[Accept] | type[Complete], what: str,
-                    stats: SyncStats) -> list[Any]:
-        t0 = time.perf_counter()
-        replies: dict[bytes, Any] = {}
-        while len(replies) < len(peers):
-            identity, frame = self._recv(what, [(p.pid, p.host) for p in peers])
-            self._raise_if_error(frame, sync)
-            if isinstance(frame, kind) and frame.sync == sync:
-                replies[identity] = frame
-        stats.wait_s += time.perf_counter() - t0
-        return [replies[p.identity] for p in peers]
-
-    @staticmethod
-    def _raise_if_error(frame: Frame, sync: int) -> None:
-        if isinstance(frame, Error) and frame.sync in (sync, None):
-            cls = ProtocolError if frame.kind == "protocol" else RemoteError
-            raise cls(f"receiver failed: {frame.message}")
-
-    def _recv(self, what: str, peers: list[tuple[int | None, str | None]]) -> tuple[bytes, Frame]:
-        """The next frame of one of this sync's receivers; anything else that arrives meanwhile is handled."""
-        deadline = time.monotonic() + self.timeout_s  # one deadline, however many other frames arrive
-        while True:
-            got = self._take(receive_frame(self._socket(), self.timeout_s, what=what, endpoint=self.endpoint,
-                                           peers=peers, watches=[self._closing, self._connections], deadline=deadline,
-                                           copy=False))
-            if got is not None:
-                return got
-
-    def _broadcast(self, peers: list[Peer], frame: Frame) -> None:
-        data, sock = encode(frame), self._socket()
-        for peer in peers:
-            sock.send_multipart([peer.identity, data])
-
-    def _fail(self, peers: list[Peer], sync: int, exc: BaseException) -> None:
+    def _fail(self, receivers: SyncReceivers | None, exc: BaseException) -> None:
         """Abort every receiver (one that failed first ignores it), then release the buffers.
 
         The bound socket stays: it is the session's address, and a receiver reconnecting after
         the failure must find it. Frames of the failed sync are told apart by their sync id.
         """
-        if peers and self._sock is not None:
-            try:
-                self._broadcast(peers, Abort(sync=sync, message=cut(f"{type(exc).__name__}: {exc}")))
-            except zmq.ZMQError:
-                pass
-        if self._buffers is not None and not self._accepted:  # some never mapped what they were offered
-            for peer in peers:
-                self._buffers.release_for(peer.identity.hex())
+        if receivers is not None:
+            receivers.abort(exc)
+            if self._buffers is not None and not self._accepted:  # some never mapped what they were offered
+                for peer in receivers.peers:
+                    self._buffers.release_for(peer.identity.hex())
         self._close_buffers()
 
     def _close_buffers(self) -> None:
@@ -377,14 +259,11 @@ class WeightSender:
 
     def _release(self) -> None:
         self._close_buffers()
-        self._connections.close()
-        if self._sock is not None:
-            self._sock.close(linger=int(CLOSE_LINGER_S * 1000))
-            self._sock = None
+        self._control.close()
         if not self._ctx.closed:
             self._ctx.term()
         if self._owns_ipc_dir:
-            remove_ipc_dir(self._address)
+            remove_ipc_dir(self.address)
             self._owns_ipc_dir = False
 
     def __enter__(self) -> "WeightSender":

@@ -14,7 +14,6 @@ REFS_BATCH_BYTES of tensors or REFS_BATCH_WIRE_BYTES of frame, and at the end of
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -22,6 +21,7 @@ from hwsync.bucket import BucketPacker, Closed, as_bytes, copy_bytes, entry_wire
 from hwsync.colocated.buffer_pool import BufferPool
 from hwsync.colocated.doorbell import DESCRIPTOR_BYTES
 from hwsync.colocated.links import BucketLink, timed_wait
+from hwsync.colocated.sender_control import SyncReceivers
 from hwsync.interfaces import SendBuffers
 from hwsync.manifest import TensorSpec, dtype_name
 from hwsync.protocol import Bucket, Ref, Refs, SegmentSpec
@@ -42,14 +42,13 @@ class BucketStream:
     """Streams one sync's (name, tensor) pairs through the buffers; `run` returns the next sequence number."""
 
     def __init__(self, link: BucketLink, buffers: SendBuffers, pool: BufferPool, bucket_bytes: int, sync: int,
-                 first_seq: int, stats: SyncStats, dense: bool = False,
-                 send_refs: Callable[[Refs], None] | None = None) -> None:
+                 first_seq: int, stats: SyncStats, dense: bool = False, refs_to: SyncReceivers | None = None) -> None:
         self.link, self.buffers, self.pool, self.sync, self.stats = link, buffers, pool, sync, stats
         self.seq = first_seq
         self.packer = BucketPacker(bucket_bytes, dense=dense, max_wire_bytes=DESCRIPTOR_BYTES - _FRAME_OVERHEAD)
         self.current: int | None = None  # the buffer being filled
-        #: how a Refs batch reaches every receiver; None: pack every tensor (receivers cannot map our segments)
-        self.send_refs = send_refs
+        #: who Refs batches go to; None: pack every tensor (receivers cannot map our segments)
+        self.refs_to = refs_to
         self._segments: list[SegmentSpec] = []
         self._refs: list[Ref] = []
         self._refs_bytes = self._refs_wire = 0
@@ -64,7 +63,7 @@ class BucketStream:
                 self.link.check(f"packing tensor {name!r}")
                 next_check = time.perf_counter() + PACKING_CHECK_S
             nbytes = tensor.numel() * tensor.element_size()
-            if self.send_refs is not None and self._add_ref(name, tensor, nbytes):
+            if self.refs_to is not None and self._add_ref(name, tensor, nbytes):
                 continue
             flat = None
             for step in self.packer.place(name, dtype_name(tensor.dtype), tuple(tensor.shape), nbytes):
@@ -111,8 +110,8 @@ class BucketStream:
         return True
 
     def _flush_refs(self) -> None:
-        if self._refs and self.send_refs is not None:
-            self.send_refs(Refs(sync=self.sync, segments=self._segments, refs=self._refs))
+        if self._refs and self.refs_to is not None:
+            self.refs_to.broadcast(Refs(sync=self.sync, segments=self._segments, refs=self._refs))
         self._segments, self._refs, self._refs_bytes, self._refs_wire = [], [], 0, 0
 
     def _take(self) -> int:

@@ -24,7 +24,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +46,7 @@ log = logging.getLogger("hwsync")
 COLLECTIVE = "collective"
 
 
-def _close(sock: zmq.Socket, ctx: zmq.Context) -> None:
+def close_socket(sock: zmq.Socket, ctx: zmq.Context) -> None:
     """Close a socket (a short linger lets a last error frame out) and its context; idempotent."""
     if not sock.closed:
         sock.close(linger=int(ERROR_LINGER_S * 1000))
@@ -98,20 +98,21 @@ class Hub:
         self._ctx = zmq.Context()
         self._sock, self.address, self.server_key = bind_control(self._ctx, address, secret_key)
         self._sock.setsockopt(zmq.LINGER, int(ERROR_LINGER_S * 1000))  # lets a final abort reach live peers
-        self.gate = Gate(token, RankReady, TO_HUB, reply_on(lambda: self._sock), names=("rank", "hub"))
+        self.gate = Gate(token, RankReady, TO_HUB, reply_on(self._socket), names=("rank", "hub"))
         self._connections = ConnectionLog(self._sock, "the hub")
         self.waiting: dict[tuple[str, int], PeerInfo] = {}  # ready ranks for the next sync
         self.peers: list[PeerInfo] = []
         self.sync = 0
         self.replies: dict[type[Frame], dict[tuple[str, int], Any]] = {}
-        self.workers: list[CollectiveWorker] = []
-        self.on_result: Callable[[Result], None] = lambda result: None
         self._by_identity: dict[bytes, PeerInfo] = {}
         self._suspect: str | None = None
         self._ping_deadline = 0.0
         self._pings = 0
         self._last_alive = 0.0
         self.last_event = time.monotonic()
+
+    def _socket(self) -> zmq.Socket:
+        return self._sock
 
     @property
     def endpoint(self) -> str:
@@ -133,7 +134,7 @@ class Hub:
                 missing = ", ".join(f"{role} {rank}" for role, rank in wanted if (role, rank) not in self.waiting)
                 raise SyncTimeoutError(f"timed out after {self.timeout_s:.1f}s waiting for {missing} to call "
                                   f"send()/receive() (endpoint {self.address}); start them, or raise timeout_s")
-            self._poll_once(CONTROL_SLICE_S)
+            self._poll_once(None)
         self.sync += 1
         self.peers = [self.waiting.pop(key) for key in wanted]
         self._by_identity = {p.identity: p for p in self.peers}
@@ -153,36 +154,41 @@ class Hub:
         """Frames of `kind` received in this sync, by (role, rank)."""
         return self.replies.setdefault(kind, {})
 
-    def wait_for(self, kind: type[Frame], peers: list[PeerInfo], what: str,
-                 also: Callable[[], bool] = lambda: True) -> None:
-        """Pump until every peer in `peers` sent a `kind` frame and also() holds."""
-        self.pump_until(lambda: all(p.key in self.replied(kind) for p in peers) and also(), what)
+    def all_replied(self, kind: type[Frame], peers: list[PeerInfo]) -> bool:
+        """Whether every peer in `peers` sent a `kind` frame in this sync."""
+        replied = self.replied(kind)
+        return all(p.key in replied for p in peers)
 
-    def pump_until(self, done: Callable[[], bool], what: str) -> None:
-        """Process frames and worker results until done(); raise SyncError naming any failed rank."""
-        while not done():
-            self._poll_once(CONTROL_SLICE_S)
-            self._check(what)
+    def wait_for(self, kind: type[Frame], peers: list[PeerInfo], what: str) -> None:
+        """Pump until every peer in `peers` sent a `kind` frame (no collective of this rank runs meanwhile)."""
+        while not self.all_replied(kind, peers):
+            self.pump(what)
 
-    def _poll_once(self, slice_s: float) -> None:
+    def pump(self, what: str, worker: CollectiveWorker | None = None) -> list[Result]:
+        """One slice: process frames and `worker`'s results (returned); raise SyncError naming any failed rank."""
+        results = self._poll_once(worker)
+        self._check(what)
+        return results
+
+    def _poll_once(self, worker: CollectiveWorker | None) -> list[Result]:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._connections.fileno_or_socket(), zmq.POLLIN)
-        for worker in self.workers:
+        if worker is not None:
             poller.register(worker, zmq.POLLIN)
-        ready = dict(poller.poll(int(slice_s * 1000)))
+        ready = dict(poller.poll(int(CONTROL_SLICE_S * 1000)))
         self._connections.check()
         if self._sock in ready:
             while self._sock.poll(0, zmq.POLLIN):
                 got = self.gate.admit(self._sock.recv_multipart(copy=False))
                 if got is not None:
                     self._on_frame(*got)
-        for worker in self.workers:
-            for result in worker.results():
-                self.last_event = time.monotonic()
-                if result[2] is not None and self._suspect is None:
-                    self._start_round(f"sender 0's own collective failed: {result[2]}")
-                self.on_result(result)
+        results = [] if worker is None else worker.results()
+        for result in results:
+            self.last_event = time.monotonic()
+            if result[2] is not None and self._suspect is None:
+                self._start_round(f"sender 0's own collective failed: {result[2]}")
+        return results
 
     def _on_frame(self, identity: bytes, frame: Frame) -> None:
         if isinstance(frame, RankReady):
@@ -266,111 +272,4 @@ class Hub:
     def close(self) -> None:
         """Close the socket and the context; safe to call twice."""
         self._connections.close()
-        _close(self._sock, self._ctx)
-
-
-class Link:
-    """A non-hub rank's DEALER socket to the hub: replies to pings, notices aborts and hub silence."""
-
-    def __init__(self, endpoint: str, timeout_s: float, backend: str = "") -> None:
-        self.endpoint = Endpoint.parse(endpoint)
-        self.timeout_s = timeout_s
-        self.backend = backend
-        self._ctx = zmq.Context()
-        self._sock, self._watch = connect_control(self._ctx, self.endpoint)
-        self.refused = False  # the hub refused this rank: it is told nothing more
-        self.sync = 0  # the sync in progress (0 before the first plan or setup frame)
-        self.hub: tuple[int | None, str | None] = (None, None)  # the hub's pid and host, once known
-        self.workers: list[CollectiveWorker] = []
-        self.on_result: Callable[[Result], None] = lambda result: None
-        self.reported: str | None = None  # a collective failure already reported to the hub
-
-    def send(self, frame: Frame) -> None:
-        """Send a frame, tagged with the current sync."""
-        self._send(dataclasses.replace(frame, sync=self.sync))
-
-    def _send(self, frame: Frame) -> None:
-        self._sock.send(check_size(encode(frame), MAX_PEER_FRAME_BYTES, f"this rank's {frame.T} frame"))
-
-    def ready(self, role: str, rank: int, epoch: int | None, *, address: str | None = None,
-              state: dict[str, Any] | None = None) -> None:
-        """Announce this rank for the next sync."""
-        self.reported, self.refused = None, False
-        self.sync += 1  # the next sync's id is higher than any before: older frames are stale from here on
-        self._send(RankReady(token=self.endpoint.token, proto=PROTOCOL_VERSION, backend=self.backend, role=role,
-                             rank=rank, epoch=epoch, pid=os.getpid(), host=socket.gethostname(), address=address,
-                             state=state or {}))
-
-    def wait(self, kinds: tuple[type[Frame], ...], what: str, done: Callable[[], bool] = lambda: False
-             ) -> Any:
-        """The next frame of `kinds` from the hub, or None as soon as done() holds; raises on abort or silence."""
-        last = time.monotonic()
-        while not done():
-            poller = zmq.Poller()
-            poller.register(self._sock, zmq.POLLIN)
-            poller.register(self._watch.fileno_or_socket(), zmq.POLLIN)
-            for worker in self.workers:
-                poller.register(worker, zmq.POLLIN)
-            ready = dict(poller.poll(int(CONTROL_SLICE_S * 1000)))
-            for worker in self.workers:
-                for result in worker.results():
-                    last = time.monotonic()
-                    if result[2] is not None and self.reported is None:
-                        # the hub finds out who is to blame; meanwhile keep answering its pings
-                        self.reported = result[2]
-                        self.send(Error(sync=None, kind=COLLECTIVE, message=result[2]))
-                    self.on_result(result)
-            while self._sock in ready and self._sock.poll(0, zmq.POLLIN):
-                frame = self._decode(self._sock.recv())  # only the hub reaches this socket
-                if isinstance(frame, Welcome):
-                    self.hub = (frame.pid, frame.host)
-                    continue
-                if frame.sync is not None and frame.sync < self.sync:
-                    continue  # left over from an earlier sync
-                last = time.monotonic()
-                if isinstance(frame, (Setup, PlanFrame, Abort)):
-                    self.sync = frame.sync if frame.sync is not None else self.sync
-                if isinstance(frame, (Setup, PlanFrame)):
-                    self.hub = (frame.pid, frame.host)
-                if isinstance(frame, Abort):
-                    raise RemoteError(f"the sync was aborted: {frame.message}")
-                if isinstance(frame, Ping):
-                    self.send(Pong(n=frame.n))
-                elif isinstance(frame, kinds):
-                    return frame
-            self._watch.check(what)  # the hub's connection closed: it exited or was closed
-            if not peer_alive(*self.hub):
-                raise SyncError(f"sender 0 (the hub, pid {self.hub[0]}) exited while {what}; restart the trainer")
-            if time.monotonic() - last > self.timeout_s:
-                raise SyncTimeoutError(f"timed out after {self.timeout_s:.1f}s {what}: sender 0 (the hub, "
-                                  f"{self.endpoint.address}) went silent. Check its log, or raise timeout_s")
-        return None
-
-    def _decode(self, data: bytes) -> Frame:
-        """A frame from the hub; a Refused (of any protocol version) raises its reason."""
-        try:
-            frame = decode(data, TO_RANK)
-        except BadFrame:
-            raw = peek(data)
-            if raw is None or raw.get("t") != Refused.T or not isinstance(raw.get("reason"), str):
-                raise
-            frame = Refused(reason=raw["reason"])
-        if isinstance(frame, Refused):
-            self.refused = True
-            raise ProtocolError(f"sender 0 (the hub) refused this rank: {frame.reason}")
-        return frame
-
-    def report(self, exc: BaseException) -> None:
-        """Tell the hub this rank failed (unless the failure came from the hub, or the hub refused it)."""
-        if isinstance(exc, RemoteError) or self.refused:
-            return
-        kind = COLLECTIVE if self.reported is not None else "local"
-        try:
-            self.send(Error(sync=None, kind=kind, message=cut(f"{type(exc).__name__}: {exc}")))
-        except (zmq.ZMQError, ProtocolError):
-            pass
-
-    def close(self) -> None:
-        """Close the socket and the context; safe to call twice."""
-        self._watch.close()
-        _close(self._sock, self._ctx)
+        close_socket(self._sock, self._ctx)

@@ -24,15 +24,17 @@ from typing import Any
 
 import torch
 
-from hwsync.bucket import BucketReader, LoadFn
-from hwsync.disaggregated.hub import Link
+from hwsync.bucket import BucketReader, IntoFn, LoadFn, StartFn
+from hwsync.disaggregated.link import Link
 from hwsync.disaggregated.plan import CollectivePlan
-from hwsync.disaggregated.worker import CollectiveWorker, Result
+from hwsync.disaggregated.worker import CollectiveWorker
 from hwsync.errors import SyncError
 from hwsync.interfaces import Backend, Communicator
 from hwsync.manifest import TensorSpec
+from hwsync.owners import sweep_dead_owners
 from hwsync.protocol import Commit, Go, Joined, PlanAccept, PlanFrame, Progress, RankComplete, Setup
 from hwsync.registry import get_backend
+from hwsync.sizes import DEFAULT_NUM_BUFFERS, MIN_NUM_BUFFERS
 from hwsync.stats import SyncStats
 from hwsync.timing import DEFAULT_TIMEOUT_S, FAILED_JOIN_S, WORKER_JOIN_S
 
@@ -40,14 +42,16 @@ log = logging.getLogger("hwsync")
 
 
 class CrossNodeReceiver:
-    """Connects to sender 0's endpoint and receives syncs over the senders' groups into `load`."""
+    """The cross-node path's receiver: one engine rank, connected to sender 0's endpoint, fed over the senders' groups."""
 
-    def __init__(self, endpoint: str, *, rank: int, num_buffers: int = 2, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 backend: Backend | None = None) -> None:
+    def __init__(self, endpoint: str, *, rank: int, num_buffers: int = DEFAULT_NUM_BUFFERS,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, backend: Backend | None = None) -> None:
         if rank < 0:
             raise ValueError(f"rank={rank}: receiver ranks count from 0")
-        if num_buffers < 1:
-            raise ValueError(f"num_buffers={num_buffers}: use 2 or more (1 is stop-and-wait, for comparison only)")
+        if num_buffers < MIN_NUM_BUFFERS:
+            raise ValueError(f"num_buffers={num_buffers}: at least {MIN_NUM_BUFFERS} are needed to overlap "
+                             "receiving with loading")
+        sweep_dead_owners()  # what killed hwsync processes of this host left behind (once per process)
         self.rank = rank
         self.num_buffers = num_buffers
         self.timeout_s = timeout_s
@@ -57,30 +61,43 @@ class CrossNodeReceiver:
         self._worker: CollectiveWorker | None = None
         self._epoch: int | None = None
         self._buffers: list[list[torch.Tensor]] = []
+        #: buckets whose broadcast landed: bucket -> (sender, buffer)
         self._arrived: dict[int, tuple[int, int]] = {}
         #: last version received completely, or None
         self.version: int | None = None
         #: True when a sync broke after some bucket was loaded: the model holds a mix
         self.incomplete = False
 
-    def receive(self, load: LoadFn, *, on_done: Callable[[], None] | None = None,
-                check_manifest: Callable[[list[TensorSpec]], None] | None = None,
-                on_start: Callable[[int, list[TensorSpec]], None] | None = None,
-                state: dict[str, Any] | None = None) -> SyncStats:
+    def receive(
+        self,
+        load: LoadFn | None = None,
+        *,
+        into: IntoFn | None = None,
+        on_start: StartFn | None = None,
+        on_done: Callable[[], None] | None = None,
+        check_manifest: Callable[[list[TensorSpec]], None] | None = None,
+        state: dict[str, Any] | None = None,
+    ) -> SyncStats:
         """Receive one sync; returns once every rank confirmed it, raises SyncError naming a failed rank.
 
-        check_manifest may refuse the sync before any byte moves; on_start(version, manifest) runs
-        just before accepting (LocalForwarder.start); state travels to sender 0's source callable.
+        The same arguments as WeightReceiver.receive: `load(pairs)` gets each bucket's complete
+        tensors, `into(name, dtype, shape)` may name the caller's own tensor to copy straight into;
+        `check_manifest(manifest)` may refuse the sync before any byte moves, `on_start(version,
+        manifest)` runs just before it is accepted (LocalForwarder.start), `on_done()` after the last
+        tensor; `state` is what sender 0 plans from (a TrainerModel, or a callable source).
         """
+        if load is None and into is None:
+            raise ValueError("receive() needs load (called with each bucket's tensors), into (naming "
+                             "destination tensors), or both")
         start = time.perf_counter()
         stats = SyncStats(transport=f"collective/{self.backend.name}")
         link = self._link
         try:
-            link.ready("receiver", self.rank, self._epoch if self._groups_ready() else None, state=state or {})
-            frame = link.wait((Setup, PlanFrame), "waiting for sender 0's plan")
+            link.ready("receiver", self.rank, self.group_epoch, state=state or {})
+            frame = link.next((Setup, PlanFrame), "waiting for sender 0's plan")
             if isinstance(frame, Setup):
                 self._join(frame)
-                frame = link.wait((PlanFrame,), "waiting for sender 0's plan")
+                frame = link.next((PlanFrame,), "waiting for sender 0's plan", self._worker)
             assert isinstance(frame, PlanFrame)
             if frame.epoch != self._epoch:
                 raise SyncError(f"sender 0 planned for group epoch {frame.epoch} but this rank has {self._epoch}")
@@ -92,8 +109,8 @@ class CrossNodeReceiver:
                 on_start(version, plan.manifest)
             stats.version, stats.bucket_bytes, stats.num_buffers = version, plan.bucket_bytes, self.num_buffers
             link.send(PlanAccept())
-            link.wait((Go,), "waiting for sender 0's go")
-            self._stream(plan, load, stats)
+            link.next((Go,), "waiting for sender 0's go", self._worker)
+            self._stream(plan, load, into, stats)
             if on_done is not None:
                 t0 = time.perf_counter()
                 on_done()
@@ -101,10 +118,10 @@ class CrossNodeReceiver:
             self.version, self.incomplete = version, False
             stats.total_s = time.perf_counter() - start
             link.send(RankComplete(version=version, stats=stats.to_dict()))
-            link.wait((Commit,), f"waiting for every rank to confirm version {version}")
+            link.next((Commit,), f"waiting for every rank to confirm version {version}", self._worker)
         except BaseException as exc:
             link.report(exc)
-            log.warning("hwsync collective receive failed on receiver %d: %s", self.rank, exc)
+            log.warning("hwsync cross-node receive failed on receiver %d: %s", self.rank, exc)
             self._drop_groups(failed=True)
             raise
         stats.total_s = time.perf_counter() - start
@@ -128,23 +145,35 @@ class CrossNodeReceiver:
         self._comms = [None] * len(addresses)
         self._worker = worker = CollectiveWorker(f"hwsync-recv-{self.rank}", self.backend.device())
         self._epoch = frame.epoch
-        self._link.workers, self._link.on_result = [worker], self._on_result
         for s, address in enumerate(addresses):  # in sender order on every receiver
-            worker.submit(("build", s), lambda a=address: self.backend.communicator(
-                a, 1 + self.rank, world, self.timeout_s))
-        self._link.wait((), f"joining the senders' groups at {addresses}", done=self._groups_ready)
+            worker.submit(("build", s), self.backend.communicator, address, 1 + self.rank, world, self.timeout_s)
+        while not self._groups_ready():
+            self._pump(f"joining the senders' groups at {addresses}")
         self._link.send(Joined())
 
-    def _on_result(self, result: Result) -> None:
-        tag, value, error = result
-        if error is not None:
-            return  # the link has reported it; the hub names the culprit and aborts
-        if tag[0] == "build":
-            self._comms[tag[1]] = value
-        elif tag[0] == "recv":
-            self._arrived[tag[1]] = (tag[2], tag[3])
+    def _pump(self, what: str) -> None:
+        """One slice of the link, with the collective thread's results taken (a failure is the link's to report)."""
+        for tag, value, error in self._link.pump(what, self._worker):
+            if error is not None:
+                continue  # the link has reported it; the hub names the culprit and aborts
+            if tag[0] == "build":
+                self._comms[tag[1]] = value
+            elif tag[0] == "recv":
+                self._arrived[tag[1]] = (tag[2], tag[3])
 
-    def _stream(self, plan: CollectivePlan, load: LoadFn, stats: SyncStats) -> None:
+    def _post(self, plan: CollectivePlan, queue: list[int], free: list[int], s: int) -> None:
+        """Post sender `s`'s next broadcasts into its free buffers."""
+        while queue and free:
+            k, j = queue.pop(0), free.pop(0)
+            nbytes = plan.buckets[k].nbytes
+            if nbytes == 0:  # only empty tensors: the sender posts nothing either
+                self._arrived[k] = (s, j)
+                continue
+            comm = self._comms[s]
+            assert comm is not None and self._worker is not None
+            self._worker.submit(("recv", k, s, j), comm.broadcast, self._buffers[s][j][:nbytes], 0)
+
+    def _stream(self, plan: CollectivePlan, load: LoadFn | None, into: IntoFn | None, stats: SyncStats) -> None:
         """Post each sender's broadcasts ahead and load buckets in plan order as they land."""
         if plan.num_senders != len(self._comms):
             raise SyncError(f"the plan has {plan.num_senders} senders but this rank joined {len(self._comms)} groups")
@@ -158,35 +187,26 @@ class CrossNodeReceiver:
         self._arrived = {}
         reader = BucketReader()
         reader.begin(self._buffers[0][0].device)  # reassemble beside the receive buffers, on this rank's device
-
-        def post(s: int) -> None:
-            while queues[s] and free[s]:
-                k, j = queues[s].pop(0), free[s].pop(0)
-                nbytes = plan.buckets[k].nbytes
-                if nbytes == 0:  # only empty tensors: the sender posts nothing either
-                    self._arrived[k] = (s, j)
-                    continue
-                comm, view = self._comms[s], self._buffers[s][j][:nbytes]
-                assert comm is not None and self._worker is not None
-                self._worker.submit(("recv", k, s, j), lambda c=comm, v=view: c.broadcast(v, 0))
-
         for s in range(plan.num_senders):
-            post(s)
+            self._post(plan, queues[s], free[s], s)
         for k, bucket in enumerate(plan.buckets):
             t0 = time.perf_counter()
-            self._link.wait((), f"waiting for bucket {k} of {len(plan.buckets)} from sender {bucket.owner}",
-                            done=lambda: k in self._arrived)
+            while k not in self._arrived:
+                self._pump(f"waiting for bucket {k} of {len(plan.buckets)} from sender {bucket.owner}")
             stats.wait_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             s, j = self._arrived.pop(k)
             view = self._buffers[s][j][: bucket.nbytes]
-            tensors = reader.read(view, list(bucket.entries))
+            tensors = reader.read(view, list(bucket.entries), into)
+            self.incomplete = True
             if tensors:
-                self.incomplete = True
+                if load is None:
+                    raise ValueError(f"into() returned None for {tensors[0][0]!r} and no load was given; return "
+                                     "a destination for every tensor or pass load")
                 load(tensors)
             del tensors, view  # the views must not outlive the buffer's reuse
             free[s].append(j)
-            post(s)
+            self._post(plan, queues[s], free[s], s)
             self._link.send(Progress(k=k))
             stats.load_s += time.perf_counter() - t0
             stats.buckets += 1
@@ -200,7 +220,6 @@ class CrossNodeReceiver:
         sync at once: FAILED_JOIN_S, as the sender does)."""
         comms, worker = self._comms, self._worker
         self._comms, self._worker, self._epoch, self._arrived = [], None, None, {}
-        self._link.workers = []
         for comm in comms:
             if comm is not None:
                 try:

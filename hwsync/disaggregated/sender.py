@@ -19,25 +19,27 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Iterable
 
 import torch
 
-from hwsync.bucket import ALIGN, as_bytes
+from hwsync.bucket import ALIGN
 from hwsync.control import new_token
-from hwsync.disaggregated.hub import Hub, Link, PeerInfo, this_process
+from hwsync.disaggregated.hub import Hub, PeerInfo, this_process
+from hwsync.disaggregated.link import Link
 from hwsync.disaggregated.plan import CollectivePlan, make_plan
-from hwsync.disaggregated.worker import CollectiveWorker, Result
+from hwsync.disaggregated.group import SenderGroup
 from hwsync.errors import SyncError
-from hwsync.interfaces import Backend, Communicator
+from hwsync.interfaces import Backend
 from hwsync.manifest import TensorSpec
+from hwsync.offload import onload_during
+from hwsync.planner import TrainerModel, resolve_source
 from hwsync.protocol import Commit, Go, Joined, PlanAccept, PlanFrame, RankComplete, Sent, Setup
 from hwsync.registry import get_backend
-from hwsync.source import NamedTensors, TensorSource, checked_items, with_manifest
 from hwsync.sizes import DEFAULT_BUCKET_BYTES, DEFAULT_NUM_BUFFERS, MIN_NUM_BUFFERS
+from hwsync.source import TensorSource, with_manifest
 from hwsync.stats import SyncStats
-from hwsync.timing import DEFAULT_TIMEOUT_S, FAILED_JOIN_S, WORKER_JOIN_S
+from hwsync.timing import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("hwsync")
 
@@ -57,8 +59,16 @@ def pick_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def receiver_states(frame: PlanFrame) -> list[dict]:
+    """The receivers' reported states a PlanFrame carries (sender 0 planned from them; so does every rank)."""
+    states = frame.state.get("receivers")
+    if not isinstance(states, list) or not all(isinstance(s, dict) for s in states):
+        raise SyncError("sender 0's plan carries no list of receiver states; run the same hwsync on every rank")
+    return states
+
+
 class CrossNodeSender:
-    """One trainer rank's sender; rank 0 also runs the control hub that the other ranks connect to."""
+    """The cross-node path's sender: one trainer rank; rank 0 also runs the control hub the other ranks connect to."""
 
     def __init__(
         self,
@@ -70,7 +80,7 @@ class CrossNodeSender:
         group_host: str | None = None,
         group_port: int = 0,
         bucket_bytes: int | None = None,
-        num_buffers: int = 2,
+        num_buffers: int = DEFAULT_NUM_BUFFERS,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         backend: Backend | None = None,
         secret_key: str | None = None,
@@ -79,8 +89,9 @@ class CrossNodeSender:
             raise ValueError(f"rank {rank} is outside num_senders={num_senders}")
         if num_receivers < 1:
             raise ValueError(f"num_receivers={num_receivers} must be at least 1")
-        if num_buffers < 1:
-            raise ValueError(f"num_buffers={num_buffers}: use 2 or more (1 is stop-and-wait, for comparison only)")
+        if num_buffers < MIN_NUM_BUFFERS:
+            raise ValueError(f"num_buffers={num_buffers}: at least {MIN_NUM_BUFFERS} are needed to overlap packing "
+                             "with broadcasting")
         self.rank = rank
         self.num_senders = num_senders
         self.num_receivers = num_receivers
@@ -112,16 +123,13 @@ class CrossNodeSender:
             raise ValueError(f"sender rank {rank} needs endpoint=<sender 0's .endpoint> (tcp://HOST:PORT#TOKEN#KEY)")
         else:
             self._link = Link(endpoint, timeout_s, self.backend.name)
-        self._comm: Communicator | None = None
-        self._worker: CollectiveWorker | None = None
-        self._epoch: int | None = None
-        self._buffers: list[torch.Tensor] = []
-        self._inflight: list[int | None] = []
-        self._failed: str | None = None
+        control = self._hub if self._hub is not None else self._link
+        assert control is not None
+        self._group = SenderGroup(rank, self.backend, control, num_buffers, timeout_s)
 
     @property
     def endpoint(self) -> str:
-        """Sender 0's control endpoint (with token): pass it to every other sender and receiver."""
+        """Sender 0's control endpoint (address, token, CURVE key): pass it to every other rank. A secret: never log it."""
         if self._hub is None:
             raise ValueError("only sender rank 0 has the endpoint; the other ranks connect to it")
         return self._hub.endpoint
@@ -129,33 +137,46 @@ class CrossNodeSender:
     @property
     def group_epoch(self) -> int | None:
         """Id of this rank's group (changes only when it is rebuilt), or None."""
-        return self._epoch if self._comm is not None else None
+        return self._group.epoch if self._group.comm is not None else None
 
-    def send(self, named_tensors: TensorSource, *, version: int, manifest: list[TensorSpec] | None = None
-             ) -> SyncStats:
-        """Send one sync; returns when every receiver confirmed `version`, raises SyncError otherwise."""
+    def send(
+        self,
+        source: TensorSource | TrainerModel,
+        *,
+        version: int,
+        manifest: list[TensorSpec] | None = None,
+        onload: torch.nn.Module | Iterable[torch.Tensor] | None = None,
+    ) -> SyncStats:
+        """Send one sync; returns when every receiver confirmed `version`, raises SyncError otherwise.
+
+        `source`: (name, tensor) pairs, a function of the first receiver's reported state returning
+        them, or a TrainerModel, planned against every receiver's state; every rank walks the same
+        source in the same order. Sender 0 needs the manifest before the first tensor (given, or from
+        the TrainerModel, or the pairs as a list). `onload`: parameters to bring from host memory to
+        the device for the sync, and back.
+        """
         start = time.perf_counter()
         stats = SyncStats(version=version, num_buffers=self.num_buffers, transport=f"collective/{self.backend.name}")
         try:
             if self._hub is not None:
-                self._lead(named_tensors, version, manifest, stats)
+                self._lead(source, version, manifest, onload, stats)
             else:
-                self._follow(named_tensors, version, stats)
+                self._follow(source, version, onload, stats)
         except BaseException as exc:
             if self._hub is not None:
                 self._hub.abort(f"{type(exc).__name__}: {exc}")
             elif self._link is not None:
                 self._link.report(exc)
-            self._drop_group(failed=True)
+            self._group.drop(failed=True)
             raise
         stats.total_s = time.perf_counter() - start
-        log.info("hwsync collective sender %d sent %s", self.rank, stats)
+        log.info("hwsync cross-node sender %d sent %s", self.rank, stats)
         return stats
 
     # -- sender rank 0 ---------------------------------------------------------------------------
 
-    def _lead(self, named_tensors: TensorSource, version: int, manifest: list[TensorSpec] | None,
-              stats: SyncStats) -> None:
+    def _lead(self, source: TensorSource | TrainerModel, version: int, manifest: list[TensorSpec] | None,
+              onload: torch.nn.Module | Iterable[torch.Tensor] | None, stats: SyncStats) -> None:
         hub = self._hub
         assert hub is not None
         t0 = time.perf_counter()
@@ -163,23 +184,26 @@ class CrossNodeSender:
         stats.wait_s += time.perf_counter() - t0
         receivers = [p for p in peers if p.role == "receiver"]
         followers = [p for p in peers if p.role == "sender"]
-        source = named_tensors(receivers[0].state) if callable(named_tensors) else named_tensors
-        source, manifest = with_manifest(source, manifest, "sender 0 plans the buckets before the first tensor "
-                                                           "is produced")
-        if self._comm is None or any(p.epoch != self._epoch for p in peers):
+        states = [p.state for p in receivers]
+        pairs, manifest = resolve_source(source, states, manifest, stats)
+        pairs, manifest = with_manifest(pairs, manifest, "sender 0 plans the buckets before the first tensor is "
+                                                         "produced")
+        if self._group.comm is None or any(p.epoch != self._group.epoch for p in peers):
             self._setup(hub, peers, followers)
         t0 = time.perf_counter()
         plan = make_plan(manifest, self.bucket_bytes, self.num_senders)
-        stats.plan_s = time.perf_counter() - t0
-        # the receivers' state travels with the plan: a callable source is called with it on every sender rank
-        assert self._epoch is not None
-        hub.send(plan.frame(**this_process(), epoch=self._epoch, version=version, state=receivers[0].state))
+        stats.plan_s += time.perf_counter() - t0
+        # the receivers' states travel with the plan: every sender rank resolves its source from them alike
+        assert self._group.epoch is not None
+        hub.send(plan.frame(**this_process(), epoch=self._group.epoch, version=version, state={"receivers": states}))
         hub.wait_for(PlanAccept, receivers, "waiting for the receivers to accept the plan")
         hub.send(Go())
-        self._stream(plan, source, stats, hub.pump_until)
+        with onload_during(onload, self.backend.device(), stats):
+            self._group.stream(plan, pairs, stats)
         t0 = time.perf_counter()
-        hub.wait_for(RankComplete, receivers, f"waiting for the receivers to confirm version {version}",
-                     also=lambda: all(f.key in hub.replied(Sent) for f in followers))
+        what = f"waiting for the receivers to confirm version {version}"
+        while not (hub.all_replied(RankComplete, receivers) and hub.all_replied(Sent, followers)):
+            self._group.pump(what)
         stats.wait_s += time.perf_counter() - t0
         for key, frame in hub.replied(RankComplete).items():
             if frame.version != version:  # a receiver confirming another version is a protocol bug
@@ -191,50 +215,51 @@ class CrossNodeSender:
 
     def _setup(self, hub: Hub, peers: list[PeerInfo], followers: list[PeerInfo]) -> None:
         """Announce one group address per sender and build this rank's group while the others join."""
-        self._drop_group()
         epoch = hub.sync  # unique and increasing: no rank can mistake an old group for the new one
         addresses = [self._candidate_address()] + [str(f.address) for f in followers]
         hub.send(Setup(**this_process(), epoch=epoch, addresses=addresses, num_receivers=self.num_receivers))
-        self._build(addresses[0], epoch, 1 + self.num_receivers, hub)
-        hub.wait_for(Joined, peers, f"waiting for every rank to join the groups at {addresses}",
-                     also=lambda: self._comm is not None)
+        self._group.build(addresses[0], epoch, 1 + self.num_receivers)
+        what = f"waiting for every rank to join the groups at {addresses}"
+        while not (hub.all_replied(Joined, peers) and self._group.comm is not None):
+            self._group.pump(what)
 
     # -- sender ranks 1.. ------------------------------------------------------------------------
 
-    def _follow(self, named_tensors: TensorSource, version: int, stats: SyncStats) -> None:
+    def _follow(self, source: TensorSource | TrainerModel, version: int,
+                onload: torch.nn.Module | Iterable[torch.Tensor] | None, stats: SyncStats) -> None:
         link = self._link
         assert link is not None
         t0 = time.perf_counter()
-        link.ready("sender", self.rank, self._epoch if self._comm is not None else None,
+        group = self._group
+        link.ready("sender", self.rank, self.group_epoch,
                    address=self._candidate_address())
-        frame = link.wait((Setup, PlanFrame), "waiting for sender 0's plan")
+        frame = link.next((Setup, PlanFrame), "waiting for sender 0's plan")
         if isinstance(frame, Setup):
             if self.rank >= len(frame.addresses):
                 raise SyncError(f"sender rank {self.rank} is outside the {len(frame.addresses)} senders sender 0 "
                                 "expects; give each sender a distinct rank below num_senders")
-            self._drop_group()
-            self._build(frame.addresses[self.rank], frame.epoch, 1 + frame.num_receivers, link)
-            link.wait((), f"joining the group at {frame.addresses[self.rank]}", done=lambda: self._comm is not None)
+            group.build(frame.addresses[self.rank], frame.epoch, 1 + frame.num_receivers)
+            while group.comm is None:
+                group.pump(f"joining the group at {frame.addresses[self.rank]}")
             link.send(Joined())
-            frame = link.wait((PlanFrame,), "waiting for sender 0's plan")
+            frame = link.next((PlanFrame,), "waiting for sender 0's plan", group.worker)
         assert isinstance(frame, PlanFrame)
-        if frame.epoch != self._epoch:
-            raise SyncError(f"sender 0 planned for group epoch {frame.epoch} but this rank has {self._epoch}")
-        link.wait((Go,), "waiting for the receivers to accept the plan")
+        if frame.epoch != group.epoch:
+            raise SyncError(f"sender 0 planned for group epoch {frame.epoch} but this rank has {group.epoch}")
+        link.next((Go,), "waiting for the receivers to accept the plan", group.worker)
         stats.wait_s += time.perf_counter() - t0
         plan = CollectivePlan.from_frame(frame)
-        source = named_tensors(frame.state) if callable(named_tensors) else named_tensors
-        # a follower whose own group failed stops waiting on it: sender 0 may be inside the source's
-        # collective (FSDP's full_tensor()) waiting for this rank, so this rank walks the source on
-        self._stream(plan, source, stats, lambda done, what: link.wait((), what, lambda: done() or bool(self._failed)))
-        if self._failed is not None:
-            link.wait((Commit,), f"waiting for sender 0 to name the rank at fault (this rank's broadcast failed: "
-                                 f"{self._failed})")
-            raise SyncError(f"sender {self.rank}'s broadcast failed ({self._failed}), yet sender 0 committed "
+        pairs, _ = resolve_source(source, receiver_states(frame), plan.manifest, stats)
+        with onload_during(onload, self.backend.device(), stats):
+            self._group.stream(plan, pairs, stats)
+        if group.failed is not None:
+            link.next((Commit,), f"waiting for sender 0 to name the rank at fault (this rank's broadcast failed: "
+                                 f"{group.failed})")
+            raise SyncError(f"sender {self.rank}'s broadcast failed ({group.failed}), yet sender 0 committed "
                             f"version {version}: a protocol bug, report it")
         link.send(Sent())
         t0 = time.perf_counter()
-        link.wait((Commit,), f"waiting for the receivers to confirm version {version}")
+        link.next((Commit,), f"waiting for the receivers to confirm version {version}", group.worker)
         stats.wait_s += time.perf_counter() - t0
 
     # -- both ------------------------------------------------------------------------------------
@@ -242,124 +267,13 @@ class CrossNodeSender:
     def _candidate_address(self) -> str:
         return f"tcp://{self.group_host}:{self.group_port or pick_port(self.group_host)}"
 
-    def _build(self, address: str, epoch: int, world: int, control: Hub | Link) -> None:
-        """Start building this rank's group on a fresh worker (group rank 0, receivers 1..R)."""
-        worker = CollectiveWorker(f"hwsync-send-{self.rank}", self.backend.device())
-
-        def build() -> Communicator:
-            return self.backend.communicator(address, 0, world, self.timeout_s)
-
-        self._worker, self._epoch, self._failed = worker, epoch, None
-        control.workers = [worker]
-        control.on_result = self._on_result
-        worker.submit(("build",), build)
-
-    def _on_result(self, result: Result) -> None:
-        tag, value, error = result
-        if error is not None:
-            self._failed = error  # its slot stays busy: the control plane ends the sync and names the culprit
-        elif tag[0] == "build":
-            self._comm = value
-        elif tag[0] == "bcast":
-            self._inflight[tag[2]] = None
-
-    def _stream(self, plan: CollectivePlan, source: NamedTensors, stats: SyncStats,
-                pump: Callable[[Callable[[], bool], str], Any]) -> None:
-        """Pack this rank's buckets from the source and broadcast each as soon as it is full."""
-        owned = plan.owned_by(self.rank)
-        remaining = {k: len(plan.buckets[k].entries) for k in owned}
-        order = {k: i for i, k in enumerate(owned)}
-        pieces = plan.pieces()
-        buffers = self._ensure_buffers(plan.bucket_bytes)
-        slots: dict[int, int] = {}
-        t_start, waited, count = time.perf_counter(), 0.0, 0
-
-        def slot(k: int) -> int | None:
-            """The buffer for bucket k, or None once this rank's group failed (a follower's pump returns then)."""
-            nonlocal waited
-            if k not in slots:
-                j = order[k] % self.num_buffers
-                t0 = time.perf_counter()
-                pump(lambda: self._inflight[j] is None, f"waiting for this rank's broadcast from buffer {j}")
-                waited += time.perf_counter() - t0
-                if self._inflight[j] is not None:
-                    return None
-                slots[k], self._inflight[j] = j, k
-            return slots[k]
-
-        broken = False  # this rank's group failed: walk the rest of the source without sending
-        for position, _name, tensor in checked_items(source, plan.manifest):
-            count += 1
-            mine = [] if broken else [(k, e) for k, e in pieces[position] if k in remaining]
-            if not mine and not hasattr(tensor, "full_tensor"):
-                continue
-            flat = as_bytes(tensor)  # a DTensor is gathered on every rank, in order, even where another sends it
-            for k, e in mine:
-                j = slot(k)
-                if j is None:
-                    broken = True
-                    break
-                buffers[j][e.offset : e.offset + e.chunk_bytes].copy_(flat[e.chunk_offset : e.chunk_offset + e.chunk_bytes])
-                remaining[k] -= 1
-                if remaining[k] == 0:
-                    self._launch(k, j, plan.buckets[k].nbytes)
-        t0 = time.perf_counter()
-        pump(lambda: all(k is None for k in self._inflight), "waiting for this rank's last broadcasts")
-        waited += time.perf_counter() - t0
-        stats.pack_s += time.perf_counter() - t_start - waited
-        stats.wait_s += waited
-        stats.bytes, stats.tensors, stats.buckets = plan.total_bytes, len(plan.manifest), len(plan.buckets)
-        stats.bucket_bytes = plan.bucket_bytes
-        stats.notes.update(sent_buckets=len(owned), sent_bytes=sum(plan.buckets[k].nbytes for k in owned),
-                           num_senders=plan.num_senders)
-
-    def _launch(self, k: int, j: int, nbytes: int) -> None:
-        if nbytes == 0:  # only empty tensors: nothing to move, and receivers post nothing either
-            self._inflight[j] = None
-            return
-        comm, worker = self._comm, self._worker
-        assert comm is not None and worker is not None
-        view = self._buffers[j][:nbytes]
-        worker.submit(("bcast", k, j), lambda: comm.broadcast(view, 0))
-
-    def _ensure_buffers(self, bucket_bytes: int) -> list[torch.Tensor]:
-        if not self._buffers or self._buffers[0].numel() != bucket_bytes:
-            device = self.backend.device().torch_device()
-            self._buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
-                             for _ in range(self.num_buffers)]
-        self._inflight = [None] * self.num_buffers
-        return self._buffers
-
-    def _drop_group(self, failed: bool = False) -> None:
-        """Tear this rank's group down (a stuck broadcast is woken by the shutdown, or abandoned).
-
-        After a failed sync the collective thread gets only FAILED_JOIN_S: one stuck on the failed peer
-        ends at the group's timeout, and the caller must hear of the failure within its own."""
-        comm, worker = self._comm, self._worker
-        self._comm, self._worker, self._epoch = None, None, None
-        self._inflight = [None] * self.num_buffers
-        for control in (self._hub, self._link):
-            if control is not None:
-                control.workers = []
-        if comm is not None:
-            try:
-                comm.destroy()
-            except Exception as exc:  # noqa: BLE001 - a broken group may fail to shut down; it is dropped anyway
-                log.debug("hwsync: destroying a failed group raised %s", exc)
-        if worker is not None and not worker.stop(FAILED_JOIN_S if failed else WORKER_JOIN_S):
-            log.warning("hwsync: sender %d left a collective thread stuck in a dead group; it ends at the "
-                        "group's timeout", self.rank)
-
     def release_buffers(self) -> None:
         """Free the bucket buffers until the next send (the group is kept), e.g. to give device memory back."""
-        self._buffers = []
-        self._inflight = [None] * self.num_buffers
-        self.backend.device().empty_cache()
+        self._group.release_buffers()
 
     def close(self) -> None:
         """Tear down the group, buffers and control socket; safe to call twice."""
-        self._drop_group()
-        self._buffers = []
+        self._group.close()
         for control in (self._hub, self._link):
             if control is not None:
                 control.close()

@@ -41,20 +41,20 @@ class CollectiveWorker:
         """Readable whenever a result is waiting (zmq.Poller polls it next to a socket)."""
         return self._read_fd
 
-    def submit(self, tag: Any, call: Callable[[], Any]) -> None:
-        """Queue `call`; its result comes back from results() under `tag`."""
-        self._jobs.put((tag, call))
+    def submit(self, tag: Any, call: Callable[..., Any], *args: Any) -> None:
+        """Queue `call(*args)`; its result comes back from results() under `tag`."""
+        self._jobs.put((tag, call, args))
 
     def _run(self) -> None:
         try:
             self._owner.enter()
             while (job := self._jobs.get()) is not None:
-                tag, call = job
+                tag, call, args = job
                 if self._failed is not None:  # a group that failed once is never trusted again
                     self._results.put((tag, None, self._failed))
                 else:
                     try:
-                        value = call()
+                        value = call(*args)
                         # the bytes must be in (or out of) the buffer before the main thread touches it
                         self._device.synchronize()
                         self._results.put((tag, value, None))

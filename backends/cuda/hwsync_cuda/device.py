@@ -151,6 +151,10 @@ def _nccl_available() -> bool:
     return bool(dist.is_available() and dist.is_nccl_available())
 
 
+#: cudaHostRegisterReadOnly (cuda_runtime_api.h): register pages the process may only read
+CUDA_HOST_REGISTER_READ_ONLY = 8
+
+
 class CudaDevice(Device):
     """NVIDIA GPUs seen by this process through torch.cuda."""
 
@@ -189,14 +193,16 @@ class CudaDevice(Device):
     def _index(self, index: int | None) -> int:
         return self.current_index() if index is None else index
 
-    def pin_host_memory(self, tensor: torch.Tensor) -> bool:
+    def pin_host_memory(self, tensor: torch.Tensor, *, read_only: bool = False) -> bool:
         """cudaHostRegister the tensor's pages (shared memory included), so host-to-device copies run at full
         speed and asynchronously; False (and pageable copies) when the driver refuses."""
         nbytes = tensor.numel() * tensor.element_size()
         if not nbytes or tensor.device.type != "cpu":
             return False
-        # flags 0: cudaHostRegisterDefault, portable to this process's contexts
-        return int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)) == 0
+        # cudaHostRegisterDefault (0), or cudaHostRegisterReadOnly: pages mapped read-only (a receiver's view of a
+        # sender's segment) can be registered only with it, and the device then only reads them
+        flags = CUDA_HOST_REGISTER_READ_ONLY if read_only else 0
+        return int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, flags)) == 0
 
     def unpin_host_memory(self, tensor: torch.Tensor) -> None:
         """cudaHostUnregister what pin_host_memory registered."""

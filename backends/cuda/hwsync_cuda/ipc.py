@@ -296,7 +296,7 @@ class CudaIpcTransport(Transport):
             raise HwsyncError(f"cuda_ipc cannot be used: {reason}")
         return CudaIpcSendBuffers(bucket_bytes, num_buffers)
 
-    def open_receiver(self, handles: Handles) -> ReceiveBuffers:
+    def open_receiver(self, handles: Handles, owner_pid: int | None = None) -> ReceiveBuffers:
         """Map the sender's buffers on this thread's current GPU."""
         return CudaIpcReceiveBuffers(self._device, handles)
 

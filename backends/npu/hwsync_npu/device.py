@@ -216,10 +216,11 @@ class NpuDevice(Device):
             self._host_register = None if npu is None else open_host_register(npu)
         return self._host_register  # type: ignore[return-value]
 
-    def pin_host_memory(self, tensor: torch.Tensor) -> bool:
+    def pin_host_memory(self, tensor: torch.Tensor, *, read_only: bool = False) -> bool:
         """Register the tensor's pages (shared memory included) with the NPU runtime, so torch_npu copies them at
         full speed; False where torch_npu lacks npurt, the memory does not start on a page (AscendCL requires it)
-        or the runtime refuses."""
+        or the runtime refuses. AscendCL has no read-only flag: read-only pages are registered alike (whether the
+        runtime accepts them is unverified: no NPU here; a refusal leaves the copies pageable)."""
         nbytes = tensor.numel() * tensor.element_size()
         if not nbytes or tensor.device.type != "cpu" or tensor.data_ptr() % mmap.PAGESIZE:
             return False

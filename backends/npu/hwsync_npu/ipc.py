@@ -210,7 +210,7 @@ class NpuIpcTransport(Transport):
         self._require()
         return NpuIpcSendBuffers(self._device_fn(), bucket_bytes, num_buffers)
 
-    def open_receiver(self, handles: Handles) -> ReceiveBuffers:
+    def open_receiver(self, handles: Handles, owner_pid: int | None = None) -> ReceiveBuffers:
         """Map the sender's buffers."""
         self._require()
         return NpuIpcReceiveBuffers(handles)

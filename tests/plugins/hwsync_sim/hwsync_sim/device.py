@@ -15,6 +15,22 @@ from hwsync.interfaces import Device, ProbeResult
 from hwsync_sim.runtime import ENV_VISIBLE, TYPE, NodeConfig, SimError, initialized, runtime
 
 
+def _writable(start: int, nbytes: int) -> bool:
+    """Whether every page of [start, start + nbytes) lies in a writable mapping of this process."""
+    end, covered = start + nbytes, start
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms = line.split()[:2]
+            low, high = (int(x, 16) for x in span.split("-"))
+            if low <= covered < high:
+                if "w" not in perms:
+                    return False
+                covered = high
+                if covered >= end:
+                    return True
+    return False
+
+
 class SimDevice(Device):
     """N simulated devices on host memory (test-only; see hwsync_sim)."""
 
@@ -52,10 +68,16 @@ class SimDevice(Device):
         rt = runtime()
         rt.synchronize(rt.current())
 
-    def pin_host_memory(self, tensor: torch.Tensor) -> bool:
-        """Model cudaHostRegister: host-to-device copies from these bytes read them when they run, not before."""
+    def pin_host_memory(self, tensor: torch.Tensor, *, read_only: bool = False) -> bool:
+        """Model cudaHostRegister: host-to-device copies from these bytes read them when they run, not before.
+
+        As CUDA does, pages this process may only read are refused unless registered read-only
+        (cudaHostRegisterReadOnly): the mapping's permissions are read from /proc/self/maps.
+        """
         nbytes = tensor.numel() * tensor.element_size()
         if not nbytes or tensor.device.type != "cpu":
+            return False
+        if not read_only and not _writable(tensor.data_ptr(), nbytes):
             return False
         runtime().pinned.append((tensor.data_ptr(), nbytes))
         return True

@@ -156,6 +156,6 @@ class SimIpcTransport(Transport):
         """Allocate and export `num_buffers` device buffers on the current sim device."""
         return SimIpcSendBuffers(self._device, bucket_bytes, num_buffers)
 
-    def open_receiver(self, handles: Handles) -> ReceiveBuffers:
+    def open_receiver(self, handles: Handles, owner_pid: int | None = None) -> ReceiveBuffers:
         """Map the sender's buffers on this thread's current sim device."""
         return SimIpcReceiveBuffers(self._device, handles)

@@ -1,0 +1,175 @@
+"""The sender's control socket: who its receivers are, waits with a timeout, and frames to this sync's receivers.
+
+`SenderControl` owns the bound ROUTER socket, its connection log and the peer table (who
+presented the token, who waits for the next sync). `SyncReceivers` is one sync's view of it: the
+receivers chosen for the sync and its id, which the sender, the stream and the bucket links call
+to send frames and to read the receivers' replies. Everything here is called from the sender's
+thread, downwards: nothing in it calls back into the sender.
+
+Errors name the bound address, never the endpoint string: that carries the token (and the CURVE
+key), which must not reach a log.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import zmq
+
+from hwsync.colocated.peers import Peer, PeerTable
+from hwsync.control import CloseSignal, Endpoint, raise_if_exited, receive_frame
+from hwsync.errors import ClosedError, ProtocolError, RemoteError
+from hwsync.gate import reply_on
+from hwsync.protocol import Abort, Error, Frame, encode
+from hwsync.protocol.limits import cut
+from hwsync.sockets import ConnectionLog, bind_control
+from hwsync.stats import SyncStats
+from hwsync.timing import CLOSE_LINGER_S
+
+#: a frame of one of this sync's receivers: (its connection's identity, the checked frame)
+Received = tuple[bytes, Frame]
+
+
+class SenderControl:
+    """The bound control socket of a WeightSender, and the receivers it knows."""
+
+    def __init__(self, ctx: zmq.Context, address: str, token: str, *, num_receivers: int, backend: str,
+                 transport: str, timeout_s: float, closing: CloseSignal) -> None:
+        self.timeout_s = timeout_s
+        self.closing = closing
+        self._sock: zmq.Socket | None
+        self._sock, self.address, server_key = bind_control(ctx, address)
+        self.endpoint = str(Endpoint(self.address, token, server_key))
+        self._connections = ConnectionLog(self._sock, "the sender")
+        self.peers = PeerTable(token, num_receivers, backend, transport, reply_on(self._socket_or_none))
+
+    def _socket_or_none(self) -> zmq.Socket | None:
+        return self._sock
+
+    def socket(self) -> zmq.Socket:
+        """The bound socket; ClosedError once closed."""
+        if self._sock is None:
+            raise ClosedError("this WeightSender is closed; make a new one to send again")
+        return self._sock
+
+    def await_ready(self, num_receivers: int, stats: SyncStats) -> list[Peer]:
+        """The receivers of the next sync, once `num_receivers` said Ready (each Ready is answered as it comes)."""
+        t0 = time.perf_counter()
+        what, deadline = "waiting for receivers to call receive()", time.monotonic() + self.timeout_s
+        while True:
+            self.drain()  # a receiver that gave up says "gone" right after its "ready": read all that is queued
+            refusal = self.peers.gate.take_fatal()
+            if refusal is not None:
+                raise ProtocolError(f"a receiver was refused: {refusal}")
+            if self.peers.ready_count() >= num_receivers:
+                break
+            self._take(receive_frame(self.socket(), self.timeout_s, what=what, endpoint=self.address,
+                                     watches=[self.closing, self._connections], deadline=deadline, copy=False))
+        stats.wait_s += time.perf_counter() - t0
+        return self.peers.start_sync()
+
+    def _take(self, parts: list[zmq.Frame]) -> Received | None:
+        """A checked frame of one of this sync's receivers, or None (handled, dropped, or another peer's)."""
+        got = self.peers.take(parts)
+        if got is None or self.peers.sync_peer(got[0]) is None:
+            return None
+        return got
+
+    def drain(self) -> list[Received]:
+        """Every message queued now, taken; the frames of this sync's receivers among them."""
+        sock, frames = self.socket(), []
+        self._connections.check()
+        while sock.poll(0, zmq.POLLIN):
+            got = self._take(sock.recv_multipart(copy=False))
+            if got is not None:
+                frames.append(got)
+        return frames
+
+    def recv(self, what: str, peers: list[Peer]) -> Received:
+        """The next frame of one of this sync's receivers; anything else that arrives meanwhile is handled."""
+        deadline = time.monotonic() + self.timeout_s  # one deadline, however many other frames arrive
+        alive = [(p.pid, p.host) for p in peers]
+        while True:
+            got = self._take(receive_frame(self.socket(), self.timeout_s, what=what, endpoint=self.address,
+                                           peers=alive, watches=[self.closing, self._connections], deadline=deadline,
+                                           copy=False))
+            if got is not None:
+                return got
+
+    def send_to(self, peer: Peer, data: bytes) -> None:
+        """One encoded frame to one receiver."""
+        self.socket().send_multipart([peer.identity, data])
+
+    def end_sync(self, failed: bool) -> None:
+        """The sync is over (see PeerTable.end_sync)."""
+        self.peers.end_sync(failed)
+
+    def close(self) -> None:
+        """Close the monitor and the socket (after a short linger: an abort just sent reaches live receivers)."""
+        self._connections.close()
+        if self._sock is not None:
+            self._sock.close(linger=int(CLOSE_LINGER_S * 1000))
+            self._sock = None
+
+
+class SyncReceivers:
+    """The receivers of one sync: frames out to all of them, their replies in, failures raised."""
+
+    def __init__(self, control: SenderControl, peers: list[Peer], sync: int) -> None:
+        self.control = control
+        self.peers = peers
+        self.sync = sync
+
+    @property
+    def identities(self) -> list[bytes]:
+        """The receivers' connection identities, in rank order."""
+        return [p.identity for p in self.peers]
+
+    def broadcast(self, frame: Frame) -> None:
+        """Send `frame` to every receiver of the sync."""
+        data = encode(frame)
+        for peer in self.peers:
+            self.control.send_to(peer, data)
+
+    def recv(self, what: str) -> Received:
+        """The next frame of one of the sync's receivers; an error frame of this sync raises."""
+        identity, frame = self.control.recv(what, self.peers)
+        self.raise_if_error(frame)
+        return identity, frame
+
+    def poll(self, what: str) -> list[Received]:
+        """Without waiting: raise on close(), an error frame or a receiver that exited; the sync's frames queued now.
+
+        Every frame queued now is read (a Ready of another receiver is answered at once).
+        """
+        self.control.closing.check(what)
+        frames = self.control.drain()
+        for _identity, frame in frames:
+            self.raise_if_error(frame)
+        raise_if_exited([(p.pid, p.host) for p in self.peers], what=what, endpoint=self.control.address)
+        return frames
+
+    def await_each(self, kind: type[Frame], what: str, stats: SyncStats) -> list[Any]:
+        """The frame of `kind` of this sync from every receiver, in rank order."""
+        t0 = time.perf_counter()
+        replies: dict[bytes, Any] = {}
+        while len(replies) < len(self.peers):
+            identity, frame = self.recv(what)
+            if isinstance(frame, kind) and getattr(frame, "sync", None) == self.sync:
+                replies[identity] = frame
+        stats.wait_s += time.perf_counter() - t0
+        return [replies[p.identity] for p in self.peers]
+
+    def raise_if_error(self, frame: Frame) -> None:
+        """An error frame of this sync (or of none) raises ProtocolError or RemoteError with its message."""
+        if isinstance(frame, Error) and frame.sync in (self.sync, None):
+            cls = ProtocolError if frame.kind == "protocol" else RemoteError
+            raise cls(f"receiver failed: {frame.message}")
+
+    def abort(self, exc: BaseException) -> None:
+        """Tell every receiver the sync failed, and why (one that failed first ignores it)."""
+        try:
+            self.broadcast(Abort(sync=self.sync, message=cut(f"{type(exc).__name__}: {exc}")))
+        except (zmq.ZMQError, ClosedError):
+            pass

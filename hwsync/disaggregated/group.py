@@ -1,0 +1,155 @@
+"""One sender rank's group: its collective thread, its bucket buffers, and the broadcasts in flight.
+
+The group is the sender rank (group rank 0) and every receiver (ranks 1..R), built on a
+CollectiveWorker so no main thread ever blocks in a collective. While it waits (for a free
+buffer, for the group to form) the main thread pumps the control plane, the hub on sender 0 or
+the link elsewhere, which also hands back the worker's results: nothing here is called back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from hwsync.bucket import as_bytes
+from hwsync.disaggregated.hub import Hub
+from hwsync.disaggregated.link import Link
+from hwsync.disaggregated.plan import CollectivePlan
+from hwsync.disaggregated.worker import CollectiveWorker, Result
+from hwsync.interfaces import Backend, Communicator
+from hwsync.source import NamedTensors, checked_items
+from hwsync.stats import SyncStats
+from hwsync.timing import FAILED_JOIN_S, WORKER_JOIN_S
+
+log = logging.getLogger("hwsync")
+
+
+class SenderGroup:
+    """A sender rank's process group over the backend's collective library, and the buffers it broadcasts from."""
+
+    def __init__(self, rank: int, backend: Backend, control: Hub | Link, num_buffers: int, timeout_s: float) -> None:
+        self.rank = rank
+        self.backend = backend
+        self.control = control
+        self.num_buffers = num_buffers
+        self.timeout_s = timeout_s
+        self.comm: Communicator | None = None
+        self.worker: CollectiveWorker | None = None
+        #: id of the group being built or held (sender 0 names it), or None
+        self.epoch: int | None = None
+        #: this rank's collective failed (its message): its buffers stay busy, the hub names the culprit
+        self.failed: str | None = None
+        self._buffers: list[torch.Tensor] = []
+        #: the bucket each buffer's broadcast is sending, or None when the buffer is free
+        self._inflight: list[int | None] = [None] * num_buffers
+
+    def build(self, address: str, epoch: int, world: int) -> None:
+        """Start building the group on a fresh worker (group rank 0, receivers 1..R); pump() until `comm` is set."""
+        self.drop()
+        self.worker = CollectiveWorker(f"hwsync-send-{self.rank}", self.backend.device())
+        self.epoch, self.failed = epoch, None
+        self.worker.submit(("build",), self._make_group, address, world)
+
+    def _make_group(self, address: str, world: int) -> Communicator:
+        return self.backend.communicator(address, 0, world, self.timeout_s)
+
+    def pump(self, what: str) -> None:
+        """One slice of the control plane, with this rank's collective results taken."""
+        for tag, value, error in self.control.pump(what, self.worker):
+            if error is not None:
+                self.failed = error  # its buffer stays busy: the control plane ends the sync and names the culprit
+            elif tag[0] == "build":
+                self.comm = value
+            elif tag[0] == "bcast":
+                self._inflight[tag[2]] = None
+
+    def _wait(self, busy: list[int], what: str) -> float:
+        """Seconds spent until the buffers in `busy` are free (a follower whose group failed stops waiting)."""
+        t0 = time.perf_counter()
+        while any(self._inflight[j] is not None for j in busy) and not (isinstance(self.control, Link) and self.failed):
+            self.pump(what)
+        return time.perf_counter() - t0
+
+    def stream(self, plan: CollectivePlan, source: NamedTensors, stats: SyncStats) -> None:
+        """Pack this rank's buckets from the source and broadcast each as soon as it is full.
+
+        A follower whose own group failed walks the rest of the source without sending: sender 0 may be
+        inside the source's collective (FSDP's full_tensor()) waiting for this rank.
+        """
+        owned = plan.owned_by(self.rank)
+        remaining = {k: len(plan.buckets[k].entries) for k in owned}
+        order = {k: i for i, k in enumerate(owned)}
+        pieces = plan.pieces()
+        buffers = self._ensure_buffers(plan.bucket_bytes)
+        slots: dict[int, int] = {}  # bucket -> the buffer it is packed into
+        t_start, waited, broken = time.perf_counter(), 0.0, False
+        for position, _name, tensor in checked_items(source, plan.manifest):
+            mine = [] if broken else [(k, e) for k, e in pieces[position] if k in remaining]
+            if not mine and not hasattr(tensor, "full_tensor"):
+                continue
+            flat = as_bytes(tensor)  # a DTensor is gathered on every rank, in order, even where another sends it
+            for k, e in mine:
+                if k not in slots:
+                    j = order[k] % self.num_buffers
+                    waited += self._wait([j], f"waiting for this rank's broadcast from buffer {j}")
+                    if self._inflight[j] is not None:
+                        broken = True
+                        break
+                    slots[k], self._inflight[j] = j, k
+                j = slots[k]
+                buffers[j][e.offset:e.offset + e.chunk_bytes].copy_(flat[e.chunk_offset:e.chunk_offset + e.chunk_bytes])
+                remaining[k] -= 1
+                if remaining[k] == 0:
+                    self._launch(k, j, plan.buckets[k].nbytes)
+        waited += self._wait(list(range(self.num_buffers)), "waiting for this rank's last broadcasts")
+        stats.pack_s += time.perf_counter() - t_start - waited
+        stats.wait_s += waited
+        stats.bytes, stats.tensors, stats.buckets = plan.total_bytes, len(plan.manifest), len(plan.buckets)
+        stats.bucket_bytes = plan.bucket_bytes
+        stats.notes.update(sent_buckets=len(owned), sent_bytes=sum(plan.buckets[k].nbytes for k in owned),
+                           num_senders=plan.num_senders)
+
+    def _launch(self, k: int, j: int, nbytes: int) -> None:
+        if nbytes == 0:  # only empty tensors: nothing to move, and receivers post nothing either
+            self._inflight[j] = None
+            return
+        assert self.comm is not None and self.worker is not None
+        self.worker.submit(("bcast", k, j), self.comm.broadcast, self._buffers[j][:nbytes], 0)
+
+    def _ensure_buffers(self, bucket_bytes: int) -> list[torch.Tensor]:
+        if not self._buffers or self._buffers[0].numel() != bucket_bytes:
+            device = self.backend.device().torch_device()
+            self._buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
+                             for _ in range(self.num_buffers)]
+        self._inflight = [None] * self.num_buffers
+        return self._buffers
+
+    def drop(self, failed: bool = False) -> None:
+        """Tear the group down (a stuck broadcast is woken by the shutdown, or abandoned).
+
+        After a failed sync the collective thread gets only FAILED_JOIN_S: one stuck on the failed peer
+        ends at the group's timeout, and the caller must hear of the failure within its own."""
+        comm, worker = self.comm, self.worker
+        self.comm, self.worker, self.epoch = None, None, None
+        self._inflight = [None] * self.num_buffers
+        if comm is not None:
+            try:
+                comm.destroy()
+            except Exception as exc:  # noqa: BLE001 - a broken group may fail to shut down; it is dropped anyway
+                log.debug("hwsync: destroying a failed group raised %s", exc)
+        if worker is not None and not worker.stop(FAILED_JOIN_S if failed else WORKER_JOIN_S):
+            log.warning("hwsync: sender %d left a collective thread stuck in a dead group; it ends at the "
+                        "group's timeout", self.rank)
+
+    def release_buffers(self) -> None:
+        """Free the bucket buffers until the next send (the group is kept), e.g. to give device memory back."""
+        self._buffers = []
+        self._inflight = [None] * self.num_buffers
+        self.backend.device().empty_cache()
+
+    def close(self) -> None:
+        """Drop the group and the buffers."""
+        self.drop()
+        self._buffers = []

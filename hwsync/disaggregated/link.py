@@ -1,0 +1,151 @@
+"""A non-hub rank's connection to sender 0's hub (hwsync.disaggregated.hub): its frames in, pings answered.
+
+The rank's main thread pumps it while it waits (for the hub's next frame, a group to form, a bucket
+to arrive); each slice also watches the rank's collective thread, whose results it hands back and
+whose failure it reports to the hub, which names the rank at fault. The hub sends Alive frames
+while it waits, so a rank times out only when the hub itself goes silent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+from collections import deque
+from typing import Any
+
+import zmq
+
+from hwsync.control import Endpoint, peer_alive
+from hwsync.disaggregated.hub import COLLECTIVE, close_socket
+from hwsync.disaggregated.worker import CollectiveWorker, Result
+from hwsync.errors import ProtocolError, RemoteError, SyncError, SyncTimeoutError
+from hwsync.protocol import PROTOCOL_VERSION, TO_RANK, Abort, Alive, BadFrame, Error, Frame, Ping, PlanFrame, Pong, \
+    RankReady, Refused, Setup, Welcome, decode, encode, peek
+from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES, check_size, cut
+from hwsync.sockets import connect_control
+from hwsync.timing import CONTROL_SLICE_S
+
+
+class Link:
+    """A non-hub rank's DEALER socket to the hub: replies to pings, notices aborts and hub silence."""
+
+    def __init__(self, endpoint: str, timeout_s: float, backend: str = "") -> None:
+        self.endpoint = Endpoint.parse(endpoint)
+        self.timeout_s = timeout_s
+        self.backend = backend
+        self._ctx = zmq.Context()
+        self._sock, self._watch = connect_control(self._ctx, self.endpoint)
+        self.refused = False  # the hub refused this rank: it is told nothing more
+        self.sync = 0  # the sync in progress (0 before the first plan or setup frame)
+        self.hub: tuple[int | None, str | None] = (None, None)  # the hub's pid and host, once known
+        self.reported: str | None = None  # a collective failure already reported to the hub
+        #: frames of this sync from the hub not yet asked for (Setup, PlanFrame, Go, Commit), in arrival order
+        self._inbox: deque[Frame] = deque()
+        #: when the hub (or this rank's collective thread) was last heard from: the hub sends Alive meanwhile
+        self._heard = time.monotonic()
+
+    def send(self, frame: Frame) -> None:
+        """Send a frame, tagged with the current sync."""
+        self._send(dataclasses.replace(frame, sync=self.sync))
+
+    def _send(self, frame: Frame) -> None:
+        self._sock.send(check_size(encode(frame), MAX_PEER_FRAME_BYTES, f"this rank's {frame.T} frame"))
+
+    def ready(self, role: str, rank: int, epoch: int | None, *, address: str | None = None,
+              state: dict[str, Any] | None = None) -> None:
+        """Announce this rank for the next sync."""
+        self.reported, self.refused = None, False
+        self._inbox.clear()
+        self._heard = time.monotonic()
+        self.sync += 1  # the next sync's id is higher than any before: older frames are stale from here on
+        self._send(RankReady(token=self.endpoint.token, proto=PROTOCOL_VERSION, backend=self.backend, role=role,
+                             rank=rank, epoch=epoch, pid=os.getpid(), host=socket.gethostname(), address=address,
+                             state=state or {}))
+
+    def next(self, kinds: tuple[type[Frame], ...], what: str, worker: CollectiveWorker | None = None) -> Any:
+        """The next frame of `kinds` from the hub (others are dropped); raises on abort or silence.
+
+        `worker`, this rank's collective thread, is watched meanwhile: its failure is reported to the hub.
+        """
+        while True:
+            while self._inbox:
+                frame = self._inbox.popleft()
+                if isinstance(frame, kinds):
+                    return frame
+            self.pump(what, worker)
+
+    def pump(self, what: str, worker: CollectiveWorker | None = None) -> list[Result]:
+        """One slice: answer pings, keep the hub's frames, report and return `worker`'s results; raise on an
+        abort, a hub that exited or went silent past the timeout."""
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._watch.fileno_or_socket(), zmq.POLLIN)
+        if worker is not None:
+            poller.register(worker, zmq.POLLIN)
+        ready = dict(poller.poll(int(CONTROL_SLICE_S * 1000)))
+        results = [] if worker is None else worker.results()
+        for result in results:
+            self._heard = time.monotonic()
+            if result[2] is not None and self.reported is None:
+                # the hub finds out who is to blame; meanwhile keep answering its pings
+                self.reported = result[2]
+                self.send(Error(sync=None, kind=COLLECTIVE, message=result[2]))
+        while self._sock in ready and self._sock.poll(0, zmq.POLLIN):
+            self._take(self._decode(self._sock.recv()))  # only the hub reaches this socket
+        self._watch.check(what)  # the hub's connection closed: it exited or was closed
+        if not peer_alive(*self.hub):
+            raise SyncError(f"sender 0 (the hub, pid {self.hub[0]}) exited while {what}; restart the trainer")
+        if time.monotonic() - self._heard > self.timeout_s:
+            raise SyncTimeoutError(f"timed out after {self.timeout_s:.1f}s {what}: sender 0 (the hub, "
+                                   f"{self.endpoint.address}) went silent. Check its log, or raise timeout_s")
+        return results
+
+    def _take(self, frame: Frame) -> None:
+        """Note a Welcome, answer a Ping, raise an Abort, keep the rest of this sync's frames for next()."""
+        if isinstance(frame, Welcome):
+            self.hub = (frame.pid, frame.host)
+            return
+        if frame.sync is not None and frame.sync < self.sync:
+            return  # left over from an earlier sync
+        self._heard = time.monotonic()
+        if isinstance(frame, (Setup, PlanFrame, Abort)):
+            self.sync = frame.sync if frame.sync is not None else self.sync
+        if isinstance(frame, (Setup, PlanFrame)):
+            self.hub = (frame.pid, frame.host)
+        if isinstance(frame, Abort):
+            raise RemoteError(f"the sync was aborted: {frame.message}")
+        if isinstance(frame, Ping):
+            self.send(Pong(n=frame.n))
+        elif not isinstance(frame, Alive):
+            self._inbox.append(frame)
+
+    def _decode(self, data: bytes) -> Frame:
+        """A frame from the hub; a Refused (of any protocol version) raises its reason."""
+        try:
+            frame = decode(data, TO_RANK)
+        except BadFrame:
+            raw = peek(data)
+            if raw is None or raw.get("t") != Refused.T or not isinstance(raw.get("reason"), str):
+                raise
+            frame = Refused(reason=raw["reason"])
+        if isinstance(frame, Refused):
+            self.refused = True
+            raise ProtocolError(f"sender 0 (the hub) refused this rank: {frame.reason}")
+        return frame
+
+    def report(self, exc: BaseException) -> None:
+        """Tell the hub this rank failed (unless the failure came from the hub, or the hub refused it)."""
+        if isinstance(exc, RemoteError) or self.refused:
+            return
+        kind = COLLECTIVE if self.reported is not None else "local"
+        try:
+            self.send(Error(sync=None, kind=kind, message=cut(f"{type(exc).__name__}: {exc}")))
+        except (zmq.ZMQError, ProtocolError):
+            pass
+
+    def close(self) -> None:
+        """Close the socket and the context; safe to call twice."""
+        self._watch.close()
+        close_socket(self._sock, self._ctx)
