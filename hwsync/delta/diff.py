@@ -1,10 +1,11 @@
 """Encode what changed in one tensor since its baseline: exact on bit patterns, read once, in cached chunks.
 
-The diff runs where the baseline lives. Per chunk of the tensor (a few MiB, in cache) the new elements
-are cast to the engine's dtype if needed (fused into the same pass), XORed with the baseline's as
-integers and the change mask packed to a bit per element. Per span of chunks the set bits become sorted
-positions, the changed values are gathered, and the digest of the new tensor is updated from the changed
-words. Scanning stops as soon as dense has won.
+The diff runs where the baseline lives, chunk by chunk (a few MiB, in cache); a trainer's fp32 chunk is
+cast to the engine's dtype first, by the loader's own op, in the same pass. On the host, where numba is
+installed, one compiled loop per chunk (native.py) emits each change's position and value, counts it in
+its block, sets its bit and adds its digest term. Elsewhere (GPU, NPU, or no numba) torch ops do the
+same: XOR as integers, pack the change mask to bits, and per span of chunks turn the set bits into sorted
+positions and gather the values. Both give the same bytes. Scanning stops as soon as dense has won.
 """
 
 from __future__ import annotations

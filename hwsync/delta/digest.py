@@ -108,16 +108,17 @@ def finish(total: int, nbytes: int) -> int:
     return (total + nbytes * _LEN_KEY) % _U64
 
 
-def tensor_digest(t: torch.Tensor) -> int:
-    """The digest of a tensor's bytes, computed on its device: an int in [0, 2**64)."""
+def tensor_digest(t: torch.Tensor, *, compiled: bool = True) -> int:
+    """The digest of a tensor's bytes, computed on its device: an int in [0, 2**64) (`compiled=False`: torch ops
+    even on the host, for comparison)."""
     lanes, nbytes = _lanes(t)
     device, n = lanes.device, lanes.numel()
     cols = key_table("col", device, _LANES_PER_ROW)
     rows_total = (n + _LANES_PER_ROW - 1) // _LANES_PER_ROW
     row_keys = key_table("row", device, rows_total)
-    compiled = native.digest_lanes() if device.type == "cpu" else None
-    if compiled is not None:  # on the host, one compiled pass at memory speed (torch ops: three passes)
-        return finish(int(compiled(lanes.numpy(), cols.numpy(), row_keys.numpy())), nbytes)
+    kernel = native.digest_lanes() if device.type == "cpu" and compiled else None
+    if kernel is not None:  # on the host, one compiled pass at memory speed (torch ops: three passes)
+        return finish(int(kernel(lanes.numpy(), cols.numpy(), row_keys.numpy())), nbytes)
     step = _ROWS_PER_STEP.get(device.type, 64) * _LANES_PER_ROW
     total = torch.zeros((), dtype=torch.int64, device=device)
     wide = torch.empty(min(step, n), dtype=torch.int64, device=device)
