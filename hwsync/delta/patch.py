@@ -1,4 +1,8 @@
-"""Apply an encoded tensor where the destination lives, with torch ops that exist on every device."""
+"""Apply an encoded tensor where the destination lives, with torch ops that exist on every device.
+
+On the host, where numba is installed, a bitmap is scattered by one compiled pass (native.py); the block
+code and every other device use torch ops (repeat_interleave, index_copy_), a few Mi elements at a time.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from hwsync.manifest import dtype_name
 
 _APPLY_BLOCKS = 64  # blocks (4 Mi elements) per scatter: bounds the index temporaries
 _APPLY_WORDS = 1 << 16  # bitmap words (4 Mi elements) per scatter
+
+
 def _section(payload: torch.Tensor, start: int, count: int, dtype: torch.dtype) -> torch.Tensor:
     """`count` elements of `dtype` at byte `start` of the payload (copied when not aligned for `dtype`)."""
     raw = payload[start: start + count * dtype.itemsize]
