@@ -42,7 +42,16 @@ _FORMATS = "ipc://PATH#TOKEN, or tcp://HOST:PORT#TOKEN#KEY"
 _HEX_KEY = re.compile(r"[0-9a-f]{64}")
 
 
-@dataclass(frozen=True)
+def redacted(endpoint: str) -> str:
+    """An endpoint string fit for a log: the address, each secret part (token, key) replaced by '#...'."""
+    if endpoint.startswith("ipc://"):
+        address, sep, _ = endpoint.rpartition("#")
+        return f"{address}#..." if sep else endpoint
+    address, *secrets_ = endpoint.split("#")
+    return address + "#..." * len(secrets_)
+
+
+@dataclass(frozen=True, repr=False)
 class Endpoint:
     """A bindable address, the token receivers must present and, for tcp://, the sender's CURVE public key."""
 
@@ -52,7 +61,11 @@ class Endpoint:
     server_key: str | None = None
 
     def __str__(self) -> str:
+        """The whole endpoint string, secrets included: what a receiver connects with. Never log it."""
         return f"{self.address}#{self.token}" + (f"#{self.server_key}" if self.server_key else "")
+
+    def __repr__(self) -> str:
+        return f"Endpoint({redacted(str(self))!r})"
 
     @classmethod
     def parse(cls, text: str) -> "Endpoint":
@@ -64,11 +77,11 @@ class Endpoint:
         elif text.startswith("tcp://"):
             parts = text.split("#")
             if len(parts) == 2:
-                raise ValueError(f"endpoint {text!r} has no CURVE key: tcp:// endpoints carry the sender's public "
+                raise ValueError(f"endpoint {redacted(text)!r} has no CURVE key: tcp:// endpoints carry the sender's public "
                                  f"key since hwsync protocol 4; pass sender.endpoint as it is ({_FORMATS})")
             if len(parts) == 3 and parts[1] and _HEX_KEY.fullmatch(parts[2]):
                 return cls(parts[0], parts[1], parts[2])
-        raise ValueError(f"endpoint {text!r} is not one a WeightSender printed; pass sender.endpoint as it is "
+        raise ValueError(f"endpoint {redacted(text)!r} is not one a WeightSender printed; pass sender.endpoint as it is "
                          f"({_FORMATS})")
 
 

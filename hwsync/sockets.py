@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import secrets
+import socket
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,7 +32,7 @@ import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
-from hwsync.control import Endpoint
+from hwsync.control import Endpoint, peer_alive
 from hwsync.errors import HwsyncError, ProtocolError, SyncTimeoutError
 from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES, MAX_SENDER_FRAME_BYTES, PEER_QUEUE_FRAMES
 from hwsync.timing import DROP_LOG_INTERVAL_S, ERROR_LINGER_S
@@ -161,14 +163,35 @@ class ConnectionWatch(_SocketMonitor):
             raise SyncTimeoutError(f"the connection to {self.address} closed while {what}: the other side exited or was "
                             "closed (check its log)")
 
+def unix_peer_pid(fd: int) -> int | None:
+    """The pid of the process at the other end of the unix socket `fd` (SO_PEERCRED), or None (not one, or gone)."""
+    try:
+        with socket.fromfd(fd, socket.AF_UNIX, socket.SOCK_STREAM) as peer:  # a dup: the original stays ZeroMQ's
+            if peer.family != socket.AF_UNIX:
+                return None
+            pid, _uid, _gid = struct.unpack("3i", peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                   struct.calcsize("3i")))
+            return pid or None
+    except OSError:
+        return None
+
+
 class ConnectionLog(_SocketMonitor):
-    """The monitor of a bound socket: logs the connections ZeroMQ dropped or refused (never raises)."""
+    """The monitor of a bound socket: logs the connections ZeroMQ dropped or refused (never raises).
+
+    On ipc:// it also learns each connection's process (SO_PEERCRED) and keeps the pids of processes
+    whose connection closed because they died (`deaths`): a receiver killed before it said Ready
+    never told its pid any other way.
+    """
 
     def __init__(self, sock: zmq.Socket, where: str) -> None:
         super().__init__(sock, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
         self.where = where
         self._last: dict[str, float] = {}
         self._counts: dict[str, int] = {}
+        self._pids: dict[int, int] = {}  # a connection's fd -> its process, on ipc://
+        #: processes whose connection closed with them dead, in order, not yet taken
+        self.deaths: list[int] = []
 
     def check(self, what: str = "") -> None:
         """Log the events so far: accepted connections (debug), dropped ones, failed handshakes."""
@@ -177,11 +200,17 @@ class ConnectionLog(_SocketMonitor):
             event = recv_monitor_message(monitor)
             kind = event["event"]
             if kind == zmq.EVENT_ACCEPTED:
-                log.debug("hwsync: %s accepted a connection (fd %s)", self.where, event["value"])
+                pid = unix_peer_pid(event["value"])
+                if pid is not None:
+                    self._pids[event["value"]] = pid
+                log.debug("hwsync: %s accepted a connection (fd %s, pid %s)", self.where, event["value"], pid)
             elif kind & _HANDSHAKE_FAILED:
                 self._note("handshake", logging.WARNING, "refused a connection that failed the handshake (a tcp:// "
                            "peer without the endpoint's CURVE key, or not a ZeroMQ peer)")
             elif kind == zmq.EVENT_DISCONNECTED:
+                pid = self._pids.pop(event["value"], None)
+                if pid is not None and not peer_alive(pid, socket.gethostname()):
+                    self.deaths.append(pid)
                 self._note("closed", logging.INFO, "lost a connection: a peer left, or ZeroMQ dropped one that "
                            "sent a message over the protocol's limit (hwsync.protocol.limits)")
 

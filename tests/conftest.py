@@ -8,9 +8,13 @@ every process appends to, checked after each test (a leak report is a failure).
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import json
 import os
 import socket
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -84,6 +88,45 @@ def no_segments_left_behind():
         time.sleep(0.2)
     left = sorted(set(leftover_segments()) - before)
     assert not left, f"shared-memory segments left behind in /dev/shm: {left}"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_secret_in_any_message(tmp_path_factory):
+    """After the whole suite: no endpoint token reached a log line (of any process) or an hwsync error.
+
+    tests/secret_watch/sitecustomize.py records, in this process and every Python process it starts,
+    each token made and each hwsync log line; here hwsync errors are recorded as they are made.
+    """
+    import hwsync.errors
+
+    path = tmp_path_factory.mktemp("secrets") / "messages.jsonl"
+    watch = str(Path(__file__).parent / "secret_watch")
+    saved = {k: os.environ.get(k) for k in ("HWSYNC_TEST_SECRET_LOG", "PYTHONPATH")}
+    os.environ["HWSYNC_TEST_SECRET_LOG"] = str(path)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (watch, saved["PYTHONPATH"]) if p)
+    sys.path.insert(0, watch)
+    sys.modules.pop("sitecustomize", None)
+    importlib.import_module("sitecustomize")  # this process records too
+    errors: list[str] = []
+    original_init = hwsync.errors.HwsyncError.__init__
+
+    def recorded_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        errors.append(" ".join(map(str, args)))
+
+    hwsync.errors.HwsyncError.__init__ = recorded_init
+    yield
+    hwsync.errors.HwsyncError.__init__ = original_init
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    tokens = {r["text"] for r in rows if r["kind"] == "token"}
+    messages = [r["text"] for r in rows if r["kind"] == "log"] + errors
+    leaks = [m for m in messages if any(t in m for t in tokens)]
+    assert not leaks, f"endpoint tokens reached {len(leaks)} messages, e.g. {leaks[:3]}"
 
 
 @pytest.fixture(autouse=True)

@@ -114,6 +114,20 @@ class PeerTable:
         self.waiting.pop(identity, None)
         self.in_sync.pop(identity, None)
 
+    def take_dead_waiting(self) -> list[Peer]:
+        """Receivers that said Ready for the next sync and whose process is gone since (forgotten)."""
+        dead = [peer for peer in self.waiting.values() if not peer_alive(peer.pid, peer.host)]
+        for peer in dead:
+            self._forget(peer.identity)
+        return dead
+
+    def drop_waiting(self) -> list[Peer]:
+        """Every receiver waiting for the next sync, unbound (the sync they wait for will not run)."""
+        waiting = list(self.waiting.values())
+        for peer in waiting:
+            self._forget(peer.identity)
+        return waiting
+
     def ready_count(self) -> int:
         """How many receivers wait for the next sync (those whose process is gone are forgotten)."""
         for identity, peer in list(self.waiting.items()):

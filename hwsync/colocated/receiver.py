@@ -108,11 +108,14 @@ class WeightReceiver:
         start = time.perf_counter()
         stats, sync, control = SyncStats(), None, self._control
         try:
+            # everything the Ready needs first (the device's memory figures may start its runtime): the connection
+            # and the Ready then go out back to back, so the sender learns who connected almost at once
+            ready = Ready(token=control.endpoint.token, proto=PROTOCOL_VERSION, pid=os.getpid(),
+                          host=socket.gethostname(), state=self._state(state), doorbell=doorbell_supported(),
+                          into=into is not None, backend=self.backend.name,
+                          transports=sorted(self.backend.transports()), instance=self._instance)
             control.connect()
-            control.send(Ready(token=control.endpoint.token, proto=PROTOCOL_VERSION, pid=os.getpid(),
-                               host=socket.gethostname(), state=self._state(state), doorbell=doorbell_supported(),
-                               into=into is not None, backend=self.backend.name,
-                               transports=sorted(self.backend.transports()), instance=self._instance))
+            control.send(ready)
             offer = control.await_frame(Offer, None, "waiting for the sender's offer", stats)
             assert isinstance(offer, Offer)
             sync = control.last_sync = offer.sync

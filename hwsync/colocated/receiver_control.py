@@ -122,7 +122,8 @@ class ReceiverControl:
         if sync is None and isinstance(exc, BadFrame) and exc.sync is not None:
             sync = exc.sync  # a malformed offer: refused with the reason, as its sender can match it to the sync
         try:
-            if sync is None and not self.refused:  # no offer came: withdraw our Ready so send() skips us
+            if sync is None and not self.refused and not isinstance(exc, RemoteError):
+                # no offer came: withdraw our Ready so send() skips us (an abort means the sender forgot us already)
                 self.send(Gone())
             elif sync is not None and not isinstance(exc, RemoteError):
                 kind = "protocol" if isinstance(exc, ProtocolError) else "load"

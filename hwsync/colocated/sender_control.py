@@ -19,7 +19,7 @@ import zmq
 
 from hwsync.colocated.peers import Peer, PeerTable
 from hwsync.control import CloseSignal, Endpoint, raise_if_exited, receive_frame
-from hwsync.errors import ClosedError, ProtocolError, RemoteError
+from hwsync.errors import ClosedError, ProtocolError, RemoteError, SyncTimeoutError
 from hwsync.gate import reply_on
 from hwsync.protocol import Abort, Error, Frame, encode
 from hwsync.protocol.limits import cut
@@ -60,14 +60,35 @@ class SenderControl:
         while True:
             self.drain()  # a receiver that gave up says "gone" right after its "ready": read all that is queued
             refusal = self.peers.gate.take_fatal()
-            if refusal is not None:
+            if refusal is not None:  # the deployment is wrong: every receiver waiting for this sync hears it at once
+                self._abort_waiting(f"the sender refused another receiver, so this sync cannot run: {refusal}")
                 raise ProtocolError(f"a receiver was refused: {refusal}")
+            dead = self.peers.take_dead_waiting()
+            if dead:
+                raise SyncTimeoutError(f"{dead[0]} exited after it said it was ready, {what} (endpoint "
+                                       f"{self.address}); restart it and send again")
             if self.peers.ready_count() >= num_receivers:
                 break
-            self._take(receive_frame(self.socket(), self.timeout_s, what=what, endpoint=self.address,
-                                     watches=[self.closing, self._connections], deadline=deadline, copy=False))
+            try:
+                self._take(receive_frame(self.socket(), self.timeout_s, what=what, endpoint=self.address,
+                                         watches=[self.closing, self._connections], deadline=deadline, copy=False))
+            except SyncTimeoutError as exc:
+                died = self._connections.deaths
+                if not died:
+                    raise
+                raise SyncTimeoutError(f"{exc} Process {', '.join(map(str, died))} connected to this sender and exited "
+                                       "without presenting the token: a receiver killed before its ready frame?") from None
         stats.wait_s += time.perf_counter() - t0
         return self.peers.start_sync()
+
+    def _abort_waiting(self, message: str) -> None:
+        """Tell every receiver waiting for the next sync that it will not come (each raises, and reconnects)."""
+        data = encode(Abort(sync=None, message=cut(message)))
+        for peer in self.peers.drop_waiting():
+            try:
+                self.send_to(peer, data)
+            except zmq.ZMQError:
+                pass
 
     def _take(self, parts: list[zmq.Frame]) -> Received | None:
         """A checked frame of one of this sync's receivers, or None (handled, dropped, or another peer's)."""
