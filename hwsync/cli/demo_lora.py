@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hwsync.cli.demo import progress_bar, reinforce, rollouts
+from hwsync.cli.demo_steps import progress_bar, reinforce, rollouts
 from hwsync.cli.toy_model import ToyModel, cpu_engine_env, engine_kwargs, engine_outputs, model_prompt_logprobs, \
     param_count, shutdown_engine
 
