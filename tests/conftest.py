@@ -20,6 +20,7 @@ import pytest
 
 from hwsync.registry import installed_names, load_backend, reset_backend_cache
 from hwsync.shm import leftover_segments
+from tiers import guarded, mark_unit
 
 SIM_INSTALLED = importlib.util.find_spec("hwsync_sim") is not None
 #: simulated devices per node: one per rank of the largest multi-process test (5 ranks), and spare
@@ -184,8 +185,28 @@ def no_sim_leaks(request, sim_leak_log):
 def pytest_collection_modifyitems(items):
     """Tests that run a vLLM engine go first: once the sim runs in this process it owns torch's
     PrivateUse1 slot and torch.accelerator reports "sim", which an engine started here (or a
-    process it forks) must never see."""
+    process it forks) must never see. The tests that spawn nothing get the `unit` marker (tests/tiers.py)."""
+    mark_unit(items)
     items.sort(key=lambda item: item.get_closest_marker("vllm") is None)
+
+
+# A unit test that starts a process fails, in any phase: its fixtures are watched too (tests/tiers.py).
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with guarded(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with guarded(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item):
+    with guarded(item):
+        return (yield)
 
 
 @pytest.fixture(autouse=True)
