@@ -68,12 +68,13 @@ def slow_load_receiver(endpoint: str, q, pause_s: float) -> None:
     receiver = WeightReceiver(endpoint, timeout_s=30)
     held: dict[str, torch.Tensor] = {}
     q.put("up")
+    told = []
     for sync in range(3):
         def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
             for name, tensor in pairs:
                 held[name] = tensor.clone()
-            if sync == 2:
-                q.put("loading")
+            if sync == 2 and not told:
+                told.append(q.put("loading"))
                 time.sleep(pause_s)
         try:
             receiver.receive(load)

@@ -21,6 +21,7 @@ import torch
 
 from hwsync import WeightSender
 from hwsync.errors import RemoteError, SyncError
+from hwsync.owners import sweep_dead_owners
 
 import delta_procs
 import transfer_procs as procs
@@ -186,3 +187,4 @@ def test_a_sender_killed_mid_delta_leaves_the_receiver_incomplete(backend):
     got = rq.get(timeout=60)
     assert "exited" in got["error"] and got["incomplete"] and got["version"] == 2, got
     receiver.join(30)
+    sweep_dead_owners(force=True)  # the killed sender's segments (its resource tracker is this process's)

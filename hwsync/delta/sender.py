@@ -81,6 +81,8 @@ class SenderDeltas:
         self._encoder = DeltaEncoder()
         self._pending: Prepared | None = None
         self._next: str | None = None
+        #: a sync asked for a delta: from then on the sender keeps a baseline
+        self.active = False
 
     @property
     def baseline_bytes(self) -> int:
@@ -111,15 +113,20 @@ class SenderDeltas:
 
     def prepare(self, pairs: NamedTensors, manifest: list[TensorSpec] | None, dtypes: EngineDtypes,
                 delta: bool, states: Sequence[Mapping[str, Any]], stats: SyncStats) -> Prepared:
-        """This sync's stream, manifest and wire announcement: a delta when `delta` and every receiver allows it."""
+        """This sync's stream, manifest and wire announcement: a delta when `delta` and every receiver allows it.
+
+        Once a sync asked for a delta, the sender keeps a baseline: a sync that then asks for none is full and
+        renews it (so the next may be a delta again).
+        """
         self._count += 1
         self._next = f"{self._prefix}:{self._count}"
-        use, reason = self.decide(states) if delta else (False, "delta syncs are off")
-        note: dict[str, Any] = {"mode": "delta" if use else "full", "reason": reason, "base": self.base_id if use else None}
-        stats.notes["delta"] = note
-        if not delta:
+        self.active = self.active or delta
+        if not self.active:
             self._pending = Prepared(dtypes.pairs(pairs), dtypes.manifest(manifest), dtypes.manifest(manifest), None)
             return self._pending
+        use, reason = self.decide(states) if delta else (False, "this sync asked for a full sync (delta=False)")
+        note: dict[str, Any] = {"mode": "delta" if use else "full", "reason": reason, "base": self.base_id if use else None}
+        stats.notes["delta"] = note
         if not use:
             self.base_id, self._digests = None, {}  # overwritten while this full sync streams
             self._lost = "the last full sync did not complete, and the baseline was overwritten while it streamed"
