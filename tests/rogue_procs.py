@@ -89,7 +89,7 @@ def rogue(directory: str, case: str, victim: str, other_buffer: str, other_param
         offer = Offer(sync=1, proto=PROTOCOL_VERSION, backend="cpu", transport="shm",
                       handles={"kind": "shm", "names": names, "bytes": 4096}, bucket_bytes=4096, num_buffers=2,
                       version=1, pid=os.getpid(), host=socket.gethostname(), manifest=None, tensors=None,
-                      total_bytes=None, first=0, doorbell=doorbell, rank=0, segments=segments)
+                      total_bytes=None, first=0, doorbell=doorbell, rank=0, segments=segments, delta=None)
         sock.send_multipart([identity, encode(offer)])  # encode checks nothing: a rogue sends what it likes
         while (message := _wait(sock, 10)) is not None:
             reply = json.loads(json.dumps(_raw(message[1]), default=repr))

@@ -37,7 +37,7 @@ PARAMS = f"{OWNER}params-00000000000000ab"
 OFFER = Offer(sync=1, proto=3, backend="cpu", transport="shm", handles={"kind": "shm", "names": BUFFERS, "bytes": 4096},
               bucket_bytes=4096, num_buffers=2, version=7, pid=1, host="h",
               manifest=[TensorSpec("w", "float32", (2, 3))], tensors=1, total_bytes=24, first=0, doorbell=None,
-              rank=0, segments=[])
+              rank=0, segments=[], delta=None)
 SEGMENT = SegmentSpec(PARAMS, 4096)
 REF = Ref("w", "float32", (2, 3), 0, 256, 24)
 DOORBELL = {"name": f"{OWNER}{'f' * 16}", "bytes": 4096 + 2 * 65536, "receivers": 2, "slots": 2}
@@ -65,6 +65,8 @@ def _example(cls):
             kwargs[f.name] = ["tcp://h:1"]
         elif f.name == "doorbell" and "Map" in kind:
             kwargs[f.name] = DOORBELL
+        elif f.name == "delta" and "Map" in kind:
+            kwargs[f.name] = {"base": "s:1", "next": "s:2", "headers": [["same", "float32", 6, 0, 7]]}
         elif kind.startswith(("Map", "dict")):
             kwargs[f.name] = {"k": [1, "v"]}
         else:

@@ -34,12 +34,30 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     for name, seed in SEEDS.items():
         dirs[name] = str(root / name)
         toy.save(dirs[name], seed)
+    dirs["E"] = str(root / "E")  # B with about 1% of its elements changed: a sparse delta from B
+    _sparsely_changed(dirs["B"], dirs["E"])
     return dirs
+
+
+def _sparsely_changed(source: str, target: str) -> None:
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    path = f"{target}/model.safetensors"
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(5)
+    for t in tensors.values():
+        idx = torch.randint(0, t.numel(), (max(1, t.numel() // 100),), generator=g)
+        t.view(-1)[idx] += 0.01
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")
 def references(checkpoints: dict[str, str]) -> dict:
-    names = ["B", "C", "D"]
+    names = ["B", "C", "D", "E"]
     return dict(zip(names, reference_outputs([checkpoints[n] for n in names]), strict=True))
 
 
@@ -84,6 +102,19 @@ def test_three_consecutive_syncs_each_match(llm, weight_sync, checkpoints, refer
         assert stats.buckets > 1 and stats.tensors == 21
         assert weight_sync.engine_stats[0]["version"] == version
         _assert_matches(llm, references[name])
+
+
+def test_delta_syncs_match_fresh_engines(llm, checkpoints, references):
+    with VllmWeightSync(llm, bucket_bytes=1 << 20, timeout_s=60.0, delta=True) as sync:
+        full = sync.sync(checkpoint_tensors(checkpoints["B"]), version=20)  # a new sender: no baseline yet
+        assert full.notes["delta"]["mode"] == "full"
+        _assert_matches(llm, references["B"])
+        for version, name in ((21, "E"), (22, "B"), (23, "C")):  # sparse, sparse back, then dense
+            stats = sync.sync(checkpoint_tensors(checkpoints[name]), version=version)
+            assert stats.notes["delta"]["mode"] == "delta", stats.notes["delta"]
+            if name != "C":
+                assert stats.bytes < full.bytes / 10, (stats.bytes, full.bytes)
+            _assert_matches(llm, references[name])
 
 
 def _bad_sync(kind: str, tensors: list) -> tuple[str, list]:

@@ -18,6 +18,10 @@ _BENCHES = {
              "into a vLLM engine: hwsync vs safetensors reload vs in-process load_weights"),
     "broadcast": ("hwsync.cli.bench.broadcast", "add_bench_broadcast_arguments", "run_bench_broadcast",
                   "collective: 1 or striped senders to N receivers"),
+    "delta": ("hwsync.cli.bench.delta", "add_bench_delta_arguments", "run_bench_delta",
+              "full against delta syncs of a ~300M model trained for real, between two hosts of the bed"),
+    "delta-codec": ("hwsync.cli.bench.delta_codec", "add_bench_delta_codec_arguments", "run_bench_delta_codec",
+                    "the delta codec alone: diff, apply and digest against one read of the tensors"),
 }
 
 

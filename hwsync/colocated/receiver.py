@@ -34,6 +34,7 @@ from hwsync.colocated.doorbell import Doorbell, doorbell_supported, spin_wait
 from hwsync.colocated.receiver_control import ReceiverControl
 from hwsync.colocated.refs import SharedReader
 from hwsync.control import Endpoint, Lifetime, peer_alive, remove_ipc_dir
+from hwsync.delta.receiver import ReceiverDeltas
 from hwsync.devices import synchronize_for
 from hwsync.errors import ProtocolError, SyncError
 from hwsync.interfaces import Backend, Handles, ReceiveBuffers
@@ -69,6 +70,8 @@ class WeightReceiver:
         #: True when a sync broke after some bucket was loaded: the model holds a mix
         self.incomplete = False
         self._reader = BucketReader()
+        #: what this receiver holds of its sender's baseline, and the copies it keeps to apply deltas on
+        self._deltas = ReceiverDeltas()
 
     @property
     def backend(self) -> Backend:
@@ -127,11 +130,12 @@ class WeightReceiver:
             if on_start is not None:
                 on_start(offer.version, offer.manifest)
             control.send(Accept(sync=offer.sync))
-            self._receive_buckets(offer, load, into, stats)
+            self._receive_buckets(offer, *self._deltas.intake(load, into), stats)
             if on_done is not None:
                 t0 = time.perf_counter()
                 on_done()
                 stats.load_s += time.perf_counter() - t0
+            self._deltas.complete()
             self.version = offer.version
             self.incomplete = False
             stats.total_s = time.perf_counter() - start
@@ -143,7 +147,7 @@ class WeightReceiver:
 
     def _state(self, state: dict[str, Any] | None) -> dict[str, Any]:
         """The caller's state plus this device's memory, which a sender may size buckets from."""
-        out = dict(state or {})
+        out = {**(state or {}), **self._deltas.report()}
         if "memory" not in out:
             try:
                 out["memory"] = asdict(local_memory(self.backend.device()))
@@ -177,6 +181,7 @@ class WeightReceiver:
         if self._shared is None:
             self._shared = SharedReader(self.backend.device())
         self._shared.retain(offer.segments)  # unmap what the sender no longer has
+        self._deltas.begin(offer.delta, offer.manifest)  # a delta only on what this receiver holds
         if offer.manifest is not None and check_manifest is not None:
             check_manifest(offer.manifest)
         stats.version = offer.version

@@ -32,7 +32,9 @@ from hwsync.colocated.links import BucketLink, DoorbellLink, FrameLink
 from hwsync.colocated.peers import Peer
 from hwsync.colocated.sender_control import SenderControl, SyncReceivers
 from hwsync.colocated.stream import BucketStream
+from hwsync.casting import EngineDtypes
 from hwsync.control import Lifetime, new_token, private_ipc_dir, remove_ipc_dir
+from hwsync.delta.sender import Prepared, SenderDeltas
 from hwsync.interfaces import Backend, SendBuffers, Transport
 from hwsync.manifest import TensorSpec
 from hwsync.offload import onload_during
@@ -62,6 +64,8 @@ class WeightSender:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         num_receivers: int = 1,
         backend: Backend | None = None,
+        delta: bool = False,
+        delta_on_device: bool = False,
     ) -> None:
         #: neither size given: the transport's defaults, chosen at the first send from how receivers take tensors
         self._default_geometry = bucket_bytes is None and num_buffers is None
@@ -109,6 +113,9 @@ class WeightSender:
         self._syncs = 0
         #: whether every receiver accepted the current offer (and so maps the buffers it was given)
         self._accepted = False
+        #: send only what changed since what every receiver holds (a per-sync `send(delta=...)` overrides it)
+        self.delta = delta
+        self._deltas = SenderDeltas(self.backend.device(), on_device=delta_on_device)
 
     def _resolve_transport(self, transport: str | Transport | None) -> Transport:
         if isinstance(transport, Transport):
@@ -137,6 +144,7 @@ class WeightSender:
         version: int,
         manifest: list[TensorSpec] | None = None,
         onload: torch.nn.Module | Iterable[torch.Tensor] | None = None,
+        delta: bool | None = None,
     ) -> SyncStats:
         """Send one sync; returns when every receiver has loaded it, raises SyncError otherwise.
 
@@ -145,32 +153,30 @@ class WeightSender:
         tensors before any byte moves. `onload`: parameters to bring from host memory to the device
         for the sync, and back. Tensors in shared parameter memory (hwsync.SharedParameters) go as
         references that receivers read in place: they are done with them when this returns.
+        `delta`: for this sync, send only what changed (None: the sender's setting); it is a delta only
+        where every receiver holds the sender's baseline, else full, and stats.notes["delta"] says why.
+        Tensors go in the dtype the receivers' engines hold them in, where they report it (hwsync.casting).
         """
         with self._lifetime.call("send"):
-            return self._send(source, version, manifest, onload)
+            return self._send(source, version, manifest, onload, self.delta if delta is None else delta)
 
     def _send(self, source: TensorSource | TrainerModel, version: int, manifest: list[TensorSpec] | None,
-              onload: torch.nn.Module | Iterable[torch.Tensor] | None) -> SyncStats:
+              onload: torch.nn.Module | Iterable[torch.Tensor] | None, delta: bool) -> SyncStats:
         start = time.perf_counter()
         self._syncs += 1
         stats = SyncStats(version=version, num_buffers=self.num_buffers, transport=self.transport.name)
         receivers: SyncReceivers | None = None
         try:
             receivers = SyncReceivers(self._control, self._control.await_ready(self.num_receivers, stats), self._syncs)
-            pairs, manifest = resolve_source(source, [p.state for p in receivers.peers], manifest, stats)
-            if self._buffers is None:
-                self._open_buffers(receivers.peers, stats)
-            stats.bucket_bytes = self.bucket_bytes
-            link = self._offer(receivers, version, manifest, stats)
-            assert self._buffers is not None and self._pool is not None
-            here = socket.gethostname()  # references into our segments only for receivers that can map them
-            stream = BucketStream(link, self._buffers, self._pool, self.bucket_bytes, receivers.sync, self._seq, stats,
-                                  dense=all(p.into for p in receivers.peers),
-                                  refs_to=receivers if all(p.host == here for p in receivers.peers) else None)
+            states = [p.state for p in receivers.peers]
+            pairs, manifest = resolve_source(source, states, manifest, stats)
             with onload_during(onload, self.backend.device(), stats):
-                self._seq = stream.run(pairs, manifest)
+                sync = self._deltas.prepare(pairs, manifest, EngineDtypes(states), delta, states, stats)
+                self._stream(receivers, version, sync, stats)
             self._finish(receivers, stats)
+            self._deltas.commit()
         except BaseException as exc:
+            self._deltas.abort()
             self._fail(receivers, exc)
             raise
         finally:
@@ -178,6 +184,19 @@ class WeightSender:
         stats.total_s = time.perf_counter() - start
         log.info("hwsync sent %s", stats)
         return stats
+
+    def _stream(self, receivers: SyncReceivers, version: int, sync: Prepared, stats: SyncStats) -> None:
+        """Offer the sync to every receiver, then stream its tensors through the buffers."""
+        if self._buffers is None:
+            self._open_buffers(receivers.peers, stats)
+        stats.bucket_bytes = self.bucket_bytes
+        link = self._offer(receivers, version, sync, stats)
+        assert self._buffers is not None and self._pool is not None
+        here = socket.gethostname()  # references into our segments only for receivers that can map them
+        stream = BucketStream(link, self._buffers, self._pool, self.bucket_bytes, receivers.sync, self._seq, stats,
+                              dense=all(p.into for p in receivers.peers),
+                              refs_to=receivers if all(p.host == here for p in receivers.peers) else None)
+        self._seq = stream.run(sync.source, sync.stream_manifest)
 
     def _open_buffers(self, peers: list[Peer], stats: SyncStats) -> None:
         """Size the buckets (by how receivers take tensors, or "auto": by the least free memory) and open the buffers."""
@@ -190,8 +209,7 @@ class WeightSender:
         if doorbell_supported():
             self._doorbell = Doorbell.create(self.num_receivers, self.num_buffers)
 
-    def _offer(self, receivers: SyncReceivers, version: int, manifest: list[TensorSpec] | None,
-               stats: SyncStats) -> BucketLink:
+    def _offer(self, receivers: SyncReceivers, version: int, sync: Prepared, stats: SyncStats) -> BucketLink:
         """Announce the sync's geometry to each receiver (its rank, the signalling way) and await the accepts."""
         assert self._buffers is not None
         here = socket.gethostname()
@@ -200,16 +218,17 @@ class WeightSender:
         offer = Offer(
             sync=receivers.sync, proto=PROTOCOL_VERSION, backend=self.backend.name, transport=self.transport.name,
             handles={}, bucket_bytes=self.bucket_bytes, num_buffers=self.num_buffers,
-            version=version, pid=os.getpid(), host=here, manifest=manifest,
-            tensors=None if manifest is None else len(manifest),
-            total_bytes=None if manifest is None else sum(s.nbytes for s in manifest),
-            first=self._seq, doorbell=None if bell is None else bell.handle(), rank=0, segments=live_segments())
+            version=version, pid=os.getpid(), host=here, manifest=sync.targets,
+            tensors=None if sync.stream_manifest is None else len(sync.stream_manifest),
+            total_bytes=None if sync.stream_manifest is None else sum(s.nbytes for s in sync.stream_manifest),
+            first=self._seq, doorbell=None if bell is None else bell.handle(), rank=0, segments=live_segments(),
+            delta=sync.wire)
         self._accepted = False
         for rank, peer in enumerate(receivers.peers):
             # each receiver its own handles: shared device memory is exported once per receiver process
             handles = self._buffers.handles_for(peer.identity.hex(), peer.pid, peer.host)
             data = check_size(encode(dataclasses.replace(offer, rank=rank, handles=handles)), MAX_SENDER_FRAME_BYTES,
-                              f"the offer of {len(manifest or [])} tensors")
+                              f"the offer of {len(sync.targets or [])} tensors")
             self._control.send_to(peer, data)
         receivers.await_each(Accept, "waiting for receivers to accept the offer", stats)
         self._accepted = True

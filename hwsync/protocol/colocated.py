@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 from hwsync.manifest import TensorSpec
+from hwsync.protocol.delta import check_delta
 from hwsync.protocol.fields import BadFrame, Count, Frame, Map, frame
 from hwsync.protocol.layout import Entry, Ref, SegmentSpec, check_doorbell_handle, check_shm_handles, entries_within, \
     refs_within
@@ -117,6 +118,10 @@ class Offer(Frame):
     rank: Count
     #: the sender's shared parameter segments now: a receiver unmaps any other it had mapped from this sender
     segments: list[SegmentSpec]
+    #: a sender in delta mode: the baseline this sync applies on and makes, and each tensor's delta header
+    #: (hwsync.protocol.delta); the manifest then names the tensors as receivers hold them, the buckets
+    #: carry their payloads
+    delta: Map | None
 
     def validate(self) -> None:
         """Every segment the offer names is the sender's own (`pid`), by a name that can only be one in /dev/shm.
@@ -135,6 +140,8 @@ class Offer(Frame):
                                f"{len(names)} shm segments of {size} bytes")
         if self.doorbell is not None:
             check_doorbell_handle(self.doorbell, self.pid, self.rank)
+        if self.delta is not None:
+            check_delta(self.delta, self.manifest)
 
 
 @frame("bucket")

@@ -21,29 +21,33 @@ import torch
 
 from hwsync.errors import ManifestError
 from hwsync.integrations.vllm.checkpoint import check_manifest
-from hwsync.manifest import TensorSpec, dtype_from_name
+from hwsync.manifest import TensorSpec, dtype_from_name, dtype_name
 
 _MISSING = object()
 
 
 @dataclass(frozen=True)
 class LoaderVerdict:
-    """What the engine's load_weights made of a manifest: its error, if any, and the names it skips."""
+    """What the engine's load_weights made of a manifest: its error, if any, the names it skips, and the dtype of
+    the parameter each other name is loaded into (what the engine holds it in: a sender sends it so)."""
 
     error: str | None
     skipped: frozenset[str] = field(default_factory=frozenset)
+    dtypes: dict[str, str] = field(default_factory=dict)
 
 
 @contextmanager
-def recording_loaders(model: torch.nn.Module) -> Iterator[set[int]]:
-    """Swap every parameter's and buffer's weight_loader for a recorder of the tensors handed to it."""
-    seen: set[int] = set()
+def recording_loaders(model: torch.nn.Module) -> Iterator[dict[int, torch.dtype]]:
+    """Swap every parameter's and buffer's weight_loader for a recorder of the tensors handed to it: id of each
+    tensor handed over -> the dtype of the parameter it was handed to."""
+    seen: dict[int, torch.dtype] = {}
     saved: list[tuple[torch.Tensor, Any]] = []
     done: set[int] = set()
 
     def record(*args: Any, **kwargs: Any) -> Any:
+        param = args[0] if args else kwargs.get("param")
         loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
-        seen.add(id(loaded))
+        seen[id(loaded)] = getattr(param, "dtype", None)
         # expert loaders are asked whether they took the tensor (return_success=True)
         return True if kwargs.get("return_success") else None
 
@@ -76,7 +80,9 @@ def dry_run(model: torch.nn.Module, announced: list[TensorSpec], vllm_config: An
             model.load_weights(weights=iter(pairs))
     except Exception as exc:  # any refusal counts: the message is the engine's own
         return LoaderVerdict(error=f"{type(exc).__name__}: {exc}")
-    return LoaderVerdict(error=None, skipped=frozenset(name for name, t in pairs if id(t) not in seen))
+    dtypes = {name: dtype_name(seen[id(t)]) for name, t in pairs
+              if isinstance(seen.get(id(t)), torch.dtype) and seen[id(t)].is_floating_point}
+    return LoaderVerdict(error=None, skipped=frozenset(name for name, t in pairs if id(t) not in seen), dtypes=dtypes)
 
 
 def _config(vllm_config: Any) -> Any:
@@ -91,8 +97,9 @@ def _config(vllm_config: Any) -> Any:
 
 
 def check_announced(model: torch.nn.Module, model_config: Any, vllm_config: Any, expected: list[TensorSpec],
-                    announced: list[TensorSpec], *, allow_partial: bool = False) -> frozenset[str]:
-    """Refuse (ManifestError) what the engine would refuse mid-load; return the names not to hand it.
+                    announced: list[TensorSpec], *, allow_partial: bool = False) -> LoaderVerdict:
+    """Refuse (ManifestError) what the engine would refuse mid-load; the verdict's `skipped`: the names not to
+    hand it, its `dtypes`: the dtype each name is held in.
 
     The header check names a bad name, shape or dtype; the dry run then refuses what the model's
     own loader would (e.g. a tied `lm_head.weight` in a model that has no head). Names the
@@ -110,4 +117,4 @@ def check_announced(model: torch.nn.Module, model_config: Any, vllm_config: Any,
         raise ManifestError(f"sync refused before any weight changed: the engine's load_weights refuses this "
                             f"manifest ({verdict.error[:400]}); send the checkpoint's names only")
     in_checkpoint = {spec.name for spec in expected}
-    return frozenset(name for name in verdict.skipped if name not in in_checkpoint)
+    return LoaderVerdict(None, frozenset(name for name in verdict.skipped if name not in in_checkpoint), verdict.dtypes)

@@ -150,6 +150,8 @@ class ManifestChecks:
         self._expected: dict[str, list[TensorSpec]] = {}
         #: accepted manifests and the names not to hand over: a trainer announces the same one every step
         self._accepted: dict[tuple[Any, ...], frozenset[str]] = {}
+        #: per model, the dtype each name of its last accepted manifest is held in (a trainer sends them so)
+        self._dtypes: dict[int, dict[str, str]] = {}
 
     def expected(self, target: Target) -> list[TensorSpec]:
         """The checkpoint's tensors, read once: what load_weights accepts for the engine's lifetime."""
@@ -168,9 +170,15 @@ class ManifestChecks:
         if key not in self._accepted:  # refusals are not kept: they raise every time
             if len(self._accepted) >= 8:  # a few manifests in use at once at most (e.g. base and partial)
                 self._accepted.clear()
-            self._accepted[key] = check_announced(target.model, target.model_config, target.vllm_config,
-                                                  self.expected(target), announced, allow_partial=allow_partial)
+            verdict = check_announced(target.model, target.model_config, target.vllm_config, self.expected(target),
+                                      announced, allow_partial=allow_partial)
+            self._accepted[key] = verdict.skipped
+            self._dtypes[id(target.model)] = verdict.dtypes
         return self._accepted[key]
+
+    def dtypes(self, target: Target) -> dict[str, str]:
+        """The dtype the engine holds each tensor of the last manifest it accepted in (empty before any)."""
+        return self._dtypes.get(id(target.model), {})
 
 
 class LayerwiseLoad:
@@ -307,6 +315,9 @@ class WorkerSync:
                                     base_intact=intact).to_dict()
         out["base_check"] = seen
         out["lora"] = self.adapters.report(target.model, target.vllm_config)
+        dtypes = self.manifests.dtypes(target)
+        if dtypes:  # the trainer casts what the engine holds narrower (fp32 masters into a bf16 engine)
+            out["dtypes"] = {"default": None, "names": dtypes}
         return out
 
     def receive(self, endpoint: str, target: Target, *, timeout_s: float, allow_partial: bool = False,

@@ -53,6 +53,8 @@ class HwsyncTrainerInitInfo(TrainerInitInfo):
     allow_partial: bool = False
     #: where the sender listens; None: a private ipc:// path (trainer and engine on one host)
     endpoint: str | None = None
+    #: send only what changed since what every worker holds (docs/vllm.md, "Delta syncs")
+    delta: bool = False
 
 
 def _version_number(weight_version: str | None, fallback: int) -> int:
@@ -102,7 +104,7 @@ class HwsyncTrainerEngine(TrainerWeightTransferEngine[HwsyncTrainerInitInfo]):
         if bucket is None:  # the largest tensor whole: it then reaches load_weights as a zero-copy view
             bucket = auto_bucket_bytes(sync_parts(self.source).specs if self.source is not None else [])
         return WeightSender(info.endpoint, bucket_bytes=bucket, timeout_s=float(info.timeout_s),
-                            num_receivers=info.num_workers or workers or 1)
+                            num_receivers=info.num_workers or workers or 1, delta=bool(info.delta))
 
     def send_weights(self, weight_version: str | None = None, *, source: Any = None,
                      version: int | None = None) -> SyncStats | None:

@@ -131,7 +131,7 @@ class _EngineSync:
     """What every engine flavour shares: the sender, the worker count, the receive arguments."""
 
     def __init__(self, num_workers: int, sender: WeightSender | None, timeout_s: float, bucket_bytes: int | None,
-                 allow_partial: bool) -> None:
+                 allow_partial: bool, delta: bool = False) -> None:
         if sender is not None and sender.num_receivers != num_workers:
             raise ValueError(f"the engine has {num_workers} workers but the sender expects {sender.num_receivers} "
                              f"receivers; make it with WeightSender(num_receivers={num_workers})")
@@ -141,13 +141,15 @@ class _EngineSync:
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.allow_partial = allow_partial
+        #: the sender made at the first sync sends only what changed (a given sender keeps its own setting)
+        self.delta = delta
         #: each worker's own stats of the last sync (rank, load_s, version, ...)
         self.engine_stats: list[dict[str, Any]] = []
 
     def _session(self, manifest: list[TensorSpec]) -> WeightSender:
         if self.sender is None:
             self.sender = WeightSender(bucket_bytes=self.bucket_bytes or auto_bucket_bytes(manifest),
-                                       timeout_s=self.timeout_s, num_receivers=self.num_workers)
+                                       timeout_s=self.timeout_s, num_receivers=self.num_workers, delta=self.delta)
         return self.sender
 
     def _receive_args(self, parts: SyncParts) -> tuple[Any, ...]:
@@ -198,13 +200,13 @@ class VllmWeightSync(_BlockingEngineSync):
     """Trainer side for an in-process `vllm.LLM`."""
 
     def __init__(self, llm: Any, *, sender: WeightSender | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 bucket_bytes: int | None = None, allow_partial: bool = False) -> None:
+                 bucket_bytes: int | None = None, allow_partial: bool = False, delta: bool = False) -> None:
         self.llm = llm
         try:
             workers = llm.collective_rpc("hwsync_status")
         except Exception as exc:
             raise _missing_extension(exc) from exc
-        super().__init__(len(workers), sender, timeout_s, bucket_bytes, allow_partial)
+        super().__init__(len(workers), sender, timeout_s, bucket_bytes, allow_partial, delta)
 
     def status(self) -> list[dict[str, Any]]:
         """What each worker holds (checked): versions, EngineState (`"engine"`), LoRA adapters (`"lora"`)."""
@@ -228,18 +230,19 @@ class AsyncVllmWeightSync(_EngineSync):
     def __init__(self, engine: Any, num_workers: int, **kwargs: Any) -> None:
         self.engine = engine
         super().__init__(num_workers, kwargs.pop("sender", None), kwargs.pop("timeout_s", DEFAULT_TIMEOUT_S),
-                         kwargs.pop("bucket_bytes", None), kwargs.pop("allow_partial", False))
+                         kwargs.pop("bucket_bytes", None), kwargs.pop("allow_partial", False), kwargs.pop("delta", False))
 
     @classmethod
     async def create(cls, engine: Any, *, sender: WeightSender | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                     bucket_bytes: int | None = None, allow_partial: bool = False) -> "AsyncVllmWeightSync":
+                     bucket_bytes: int | None = None, allow_partial: bool = False,
+                     delta: bool = False) -> "AsyncVllmWeightSync":
         """Ask the engine for its workers (checks the extension is installed) and make the sender."""
         try:
             workers = await engine.collective_rpc("hwsync_status")
         except Exception as exc:
             raise _missing_extension(exc) from exc
         return cls(engine, len(workers), sender=sender, timeout_s=timeout_s, bucket_bytes=bucket_bytes,
-                   allow_partial=allow_partial)
+                   allow_partial=allow_partial, delta=delta)
 
     async def sync(self, weights: Weights | TrainerModel, *, version: int,
                    manifest: list[TensorSpec] | None = None) -> SyncStats:
@@ -265,13 +268,13 @@ class HttpVllmWeightSync(_BlockingEngineSync):
     """Trainer side for `vllm serve` started with VLLM_SERVER_DEV_MODE=1 (its /collective_rpc route)."""
 
     def __init__(self, base_url: str, *, sender: WeightSender | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 bucket_bytes: int | None = None, allow_partial: bool = False) -> None:
+                 bucket_bytes: int | None = None, allow_partial: bool = False, delta: bool = False) -> None:
         self.base_url = base_url.rstrip("/")
         try:
             workers = self._post("/collective_rpc", {"method": "hwsync_status"}, timeout_s)["results"]
         except Exception as exc:
             raise _missing_extension(exc) from exc
-        super().__init__(len(workers), sender, timeout_s, bucket_bytes, allow_partial)
+        super().__init__(len(workers), sender, timeout_s, bucket_bytes, allow_partial, delta)
 
     def _post(self, path: str, body: dict[str, Any] | None, timeout_s: float) -> Any:
         data = json.dumps(body or {}).encode()

@@ -1,0 +1,191 @@
+"""`hwsync bench delta`: full against delta syncs of a model trained for real, between two hosts of the bed.
+
+A Llama of about 300M parameters (random weights from a transformers config) trains in fp32 with
+AdamW on the trainer host; the engine host holds it in bf16 (it says so: the trainer casts to the
+engine's dtype, the loader's own cast). For each learning rate and link rate, the trainer host
+syncs once (full: the baseline), then each step trains, sends a delta sync and a full one (which
+renews the baseline), over the cross-node path (CrossNodeSender / CrossNodeReceiver, gloo) and
+the bed's rate-limited link. Printed per (LR, link): the density each step produced, bytes on the
+wire, seconds per sync, each against the link's line rate, and the delta's two floors: its bytes at
+the line rate, and one read of the new tensors and of the baseline at the single-thread copy speed
+measured in the same process; the diff's own seconds (what a delta costs the trainer per sync, on
+either path: the same encode). Needs root (the bed); `--json` for a machine-readable report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+#: the trainer host's address, port and the endpoint's secrets are made by the parent and passed to both hosts
+PORT = 29400
+
+
+def add_bench_delta_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `hwsync bench delta`."""
+    parser.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5], help="AdamW learning rates")
+    parser.add_argument("--links", nargs="+", default=["1gbit", "10gbit"], help="link rates of the bed")
+    parser.add_argument("--steps", type=int, default=3, help="training steps (a delta and a full sync each)")
+    parser.add_argument("--hidden", type=int, default=1024, help="hidden size of the Llama")
+    parser.add_argument("--layers", type=int, default=18, help="decoder layers (18 x 1024: about 335M parameters)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds any wait may take")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _config(hidden: int, layers: int) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 64),
+                       vocab_size=32000, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def copy_gbps(nbytes: int = 1 << 30, repeat: int = 3) -> float:
+    """Single-thread memory copy speed of this process, GB/s (best of `repeat`)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+        return nbytes / best / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
+def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, lr: float, steps: int,
+            timeout_s: float) -> dict[str, Any]:
+    """The trainer host: trains and syncs; every sync's stats, the densities and the copy speed (JSON)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from hwsync import CrossNodeSender
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_config(hidden, layers))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    params = sum(p.numel() for p in model.parameters())
+    out: dict[str, Any] = {"params": params, "copy_gbps": copy_gbps(), "syncs": []}
+    with CrossNodeSender(endpoint, num_receivers=1, group_host=address, timeout_s=timeout_s,
+                         secret_key=secret) as sender:
+        def sync(step: int, delta: bool) -> None:
+            t0 = time.perf_counter()
+            stats = sender.send(model.state_dict().items(), version=2 * step + (not delta), delta=delta)
+            note = stats.notes.get("delta", {})
+            out["syncs"].append({"step": step, "mode": note.get("mode"), "seconds": time.perf_counter() - t0,
+                                 "bytes": stats.bytes, "density": note.get("density"), "diff_s": note.get("diff_s"),
+                                 "baseline_bytes": note.get("baseline_bytes"), "reason": note.get("reason")})
+
+        sync(0, True)  # the first: full, it makes the baseline
+        for step in range(1, steps + 1):
+            tokens = torch.randint(0, 32000, (1, 32))
+            loss = model(input_ids=tokens, labels=tokens).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sync(step, True)
+            sync(step, False)
+    out["new_bytes"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return out
+
+
+def engine(endpoint: str, hidden: int, layers: int, syncs: int, timeout_s: float) -> dict[str, Any]:
+    """The engine host: holds the model in bf16 and receives `syncs` syncs into it."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from hwsync import CrossNodeReceiver
+    from hwsync.casting import engine_dtypes
+
+    with torch.device("meta"):
+        shapes = LlamaForCausalLM(_config(hidden, layers)).state_dict()
+    held = {name: torch.empty(t.shape, dtype=torch.bfloat16) for name, t in shapes.items()}
+    state = {"dtypes": engine_dtypes(held.items())}
+    seconds = []
+    with CrossNodeReceiver(endpoint, rank=0, timeout_s=timeout_s) as receiver:
+        for _ in range(syncs):
+            stats = receiver.receive(into=lambda name, dtype, shape: held.get(name), state=state)
+            seconds.append(stats.total_s)
+    return {"syncs": len(seconds), "receive_s": seconds}
+
+
+def _run_pair(bed: Any, lr: float, args: argparse.Namespace) -> dict[str, Any]:
+    from hwsync.control import new_token
+    from hwsync.sockets import curve_key_pair
+
+    public, secret = curve_key_pair()
+    address = bed.address(0)
+    endpoint = f"tcp://{address}:{PORT}#{new_token()}#{public}"
+    target = "hwsync.cli.bench.delta:"
+    syncs = 1 + 2 * args.steps
+    train = bed.start(0, target + "trainer", endpoint, secret, address, args.hidden, args.layers, lr, args.steps,
+                      args.timeout)
+    held = bed.start(1, target + "engine", endpoint, args.hidden, args.layers, syncs, args.timeout)
+    limit = args.timeout * (syncs + 2)
+    result = train.result(timeout=limit)
+    result["engine"] = held.result(timeout=limit)
+    return result
+
+
+def _summary(run: dict[str, Any], rate_bps: float) -> dict[str, Any]:
+    deltas = [s for s in run["syncs"] if s["mode"] == "delta"]
+    fulls = [s for s in run["syncs"] if s["mode"] == "full" and s["step"] > 0]
+    line = rate_bps / 8
+    read_floor = (run["new_bytes"] + (deltas[0]["baseline_bytes"] if deltas else 0)) / (run["copy_gbps"] * 1e9)
+    rows = []
+    for d in deltas:
+        wire_floor = d["bytes"] / line
+        rows.append({**d, "wire_floor_s": wire_floor, "read_floor_s": read_floor,
+                     "vs_floor": d["seconds"] / max(wire_floor, read_floor)})
+    full_s = statistics.median(f["seconds"] for f in fulls) if fulls else None
+    delta_s = statistics.median(d["seconds"] for d in deltas) if deltas else None
+    full_bytes = fulls[0]["bytes"] if fulls else None
+    return {"params": run["params"], "copy_gbps": run["copy_gbps"], "deltas": rows,
+            "full_s": full_s, "full_bytes": full_bytes, "delta_s": delta_s,
+            "speedup": full_s / delta_s if full_s and delta_s else None,
+            "full_vs_line": full_bytes / full_s / line if full_bytes and full_s else None}
+
+
+def run_bench_delta(args: argparse.Namespace) -> int:
+    """Run every (LR, link) and print the table (or --json)."""
+    from hwsync.bed import Bed, parse_rate, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"hwsync bench delta needs the multi-host bed: {reason}")
+        return 1
+    report: list[dict[str, Any]] = []
+    for link in args.links:
+        rate = parse_rate(link)
+        assert rate is not None, f"a link rate, e.g. 1gbit: {link}"
+        with Bed(2, rate_bps=rate) as bed:
+            for lr in args.lrs:
+                summary = _summary(_run_pair(bed, lr, args), rate)
+                report.append({"link": link, "lr": lr, **summary})
+                if not args.json:
+                    _print(report[-1])
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return 0
+
+
+def _print(r: dict[str, Any]) -> None:
+    print(f"\n== link {r['link']}, LR {r['lr']:g}: {r['params'] / 1e6:.0f}M parameters (fp32 masters, bf16 engine), "
+          f"copy {r['copy_gbps']:.1f} GB/s")
+    full_s, full_bytes = r["full_s"], r["full_bytes"]
+    if full_s:
+        print(f"   full sync: {full_bytes / 1e6:.0f} MB in {full_s:.3f} s = {r['full_vs_line']:.2f}x the line rate")
+    print("   step  density   wire MB   delta s   diff s   wire floor s  read floor s  vs floor")
+    for d in r["deltas"]:
+        print(f"   {d['step']:>4}  {d['density']:>7.4%}  {d['bytes'] / 1e6:>8.2f}  {d['seconds']:>8.3f}  "
+              f"{d['diff_s']:>7.3f}  {d['wire_floor_s']:>12.3f}  {d['read_floor_s']:>12.3f}  {d['vs_floor']:>7.2f}x")
+    if r["speedup"]:
+        print(f"   delta sync {r['speedup']:.1f}x faster than a full sync (medians)")

@@ -1,0 +1,157 @@
+"""A receiver's side of delta syncs: what it holds, applying each payload on it, and the check after.
+
+The receiver tracks the baseline id of the last sync it completed (`held`, reported to the sender
+in its state); any sync drops it until that sync completes and checks out, so a sync that breaks
+midway leaves it holding no known version and the next sync is full. In a delta sync every tensor
+arrives as its payload (hwsync.delta: same, dense, block or bitmap) and a header with the digest of
+the tensor the sender holds; a payload is applied only when the sync's declared base is what this
+receiver holds, then the result is digested and compared: a wrong base, a torn or corrupted apply, a
+byte changed behind hwsync's back anywhere in the tensor all fail the check, which fails the sync
+(DeltaCheckError, reported to the sender).
+
+Where the result goes: a tensor `into` names is patched in place (only the changed elements are
+written); every other tensor is patched in a copy this receiver keeps (its own baseline, kept from
+the first full sync of a sender in delta mode) and handed to `load` whole: engines whose loader
+repacks tensors (vLLM's fused qkv, MoE experts) need the whole tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from hwsync.bucket import IntoFn, LoadFn
+from hwsync.delta.header import DeltaHeader
+from hwsync.delta.patch import apply_into, verify
+from hwsync.errors import ProtocolError, SyncError
+from hwsync.manifest import TensorSpec, dtype_from_name
+
+
+class DeltaCheckError(SyncError):
+    """A tensor did not have the sender's digest after a delta was applied: the next sync is full."""
+
+
+class ReceiverDeltas:
+    """What one receiver holds of its sender's deltas, and how this sync's payloads are applied."""
+
+    def __init__(self) -> None:
+        #: the baseline id of the last sync this receiver completed and checked, or None
+        self.held: str | None = None
+        self._kept: dict[str, torch.Tensor] = {}
+        self._wire: Mapping[str, Any] | None = None
+        self._headers: dict[str, DeltaHeader] = {}
+        self._targets: dict[str, TensorSpec] = {}
+
+    def report(self) -> dict[str, Any]:
+        """What goes into the receiver's state for the sender: the id it holds (nothing when none)."""
+        return {"held": self.held} if self.held is not None else {}
+
+    def begin(self, wire: Mapping[str, Any] | None, targets: list[TensorSpec] | None) -> None:
+        """A sync starts; `wire` is its offer's delta field. Whatever it was, nothing is held until it completes."""
+        held, self.held, self._wire = self.held, None, wire
+        self._headers, self._targets = {}, {}
+        if wire is None:
+            self._kept = {}  # the sender left delta mode: its baseline copies go
+            return
+        if wire["headers"] is None:
+            return  # a full sync of a sender in delta mode: keep copies of what goes to load
+        if wire["base"] != held:
+            raise ProtocolError(f"the sender sent a delta from {wire['base']!r}, but this receiver holds "
+                                f"{held!r}; refused (the sender's next sync is full)")
+        if targets is None or len(targets) != len(wire["headers"]):
+            raise ProtocolError("a delta sync must announce every tensor it changes, with a header each")
+        for spec, raw in zip(targets, wire["headers"]):
+            header = DeltaHeader.from_wire(raw, spec.name)
+            if header.dtype != spec.dtype or header.numel != _numel(spec.shape):
+                raise ProtocolError(f"{spec.name}: its delta header says {header.numel} {header.dtype} elements, its "
+                                    f"announcement {spec.dtype} of shape {list(spec.shape)}")
+            self._headers[spec.name], self._targets[spec.name] = header, spec
+
+    @property
+    def is_delta(self) -> bool:
+        """Whether the sync running now is a delta (every tensor arrives as a payload)."""
+        return bool(self._headers)
+
+    def intake(self, load: LoadFn | None, into: IntoFn | None) -> tuple[LoadFn | None, IntoFn | None]:
+        """The (load, into) the bucket reader gets this sync: the caller's own outside delta mode."""
+        if self._wire is None:
+            return load, into
+        if not self.is_delta:
+            return (None if load is None else _KeepThenLoad(self._kept, load)), into
+        return _ApplyDelta(self, load, into), _no_destination
+
+    def apply(self, name: str, payload: torch.Tensor, into: IntoFn | None) -> torch.Tensor | None:
+        """Apply one tensor's payload where its result lives and check it; the whole tensor for `load`, or None."""
+        header, spec = self._headers.get(name), self._targets.get(name)
+        if header is None or spec is None:
+            raise ProtocolError(f"the sender sent a payload for {name!r}, which its delta sync did not announce")
+        dtype = dtype_from_name(spec.dtype)
+        dest = into(name, dtype, spec.shape) if into is not None else None
+        result = dest
+        if dest is None:
+            result = self._kept.get(name)
+            if result is None:
+                if header.code != "dense":
+                    raise ProtocolError(f"{name}: a {header.code} delta, but this receiver keeps no copy of it to "
+                                        "apply it on; refused (the sender's next sync is full)")
+                result = self._kept[name] = torch.empty(spec.shape, dtype=dtype, device=payload.device)
+        apply_into(result, header, payload.to(result.device), name=name)
+        if not verify(result, header):
+            raise DeltaCheckError(f"{name} does not have the sender's digest after its {header.code} delta was "
+                                  "applied: this receiver's copy was not the declared base (changed behind hwsync's "
+                                  "back?) or the apply was torn; the next sync is full")
+        return None if dest is not None else result
+
+    def complete(self) -> None:
+        """The sync completed and every tensor checked out: this receiver holds the sender's new baseline."""
+        if self._wire is not None:
+            self.held = self._wire["next"]
+
+    def clear(self) -> None:
+        """Drop the copies kept for `load` (and with them what this receiver holds)."""
+        self._kept, self.held = {}, None
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
+
+
+def _no_destination(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """In a delta sync every payload goes through the delta's apply, never straight into a tensor."""
+    return None
+
+
+class _KeepThenLoad:
+    """A full sync in delta mode: each tensor for `load` is also copied into the receiver's baseline."""
+
+    def __init__(self, kept: dict[str, torch.Tensor], load: LoadFn) -> None:
+        self._kept, self._load = kept, load
+
+    def __call__(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in tensors:
+            copy = self._kept.get(name)
+            if copy is None or copy.shape != tensor.shape or copy.dtype != tensor.dtype:
+                copy = self._kept[name] = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+            copy.copy_(tensor)
+        self._load(tensors)
+
+
+class _ApplyDelta:
+    """A delta sync's load for the bucket reader: each payload applied and checked; whole tensors to `load`."""
+
+    def __init__(self, deltas: ReceiverDeltas, load: LoadFn | None, into: IntoFn | None) -> None:
+        self._deltas, self._load, self._into = deltas, load, into
+
+    def __call__(self, payloads: list[tuple[str, torch.Tensor]]) -> None:
+        whole = [(name, t) for name, payload in payloads
+                 if (t := self._deltas.apply(name, payload, self._into)) is not None]
+        if whole:
+            if self._load is None:
+                raise ValueError(f"into() returned None for {whole[0][0]!r} and no load was given; return "
+                                 "a destination for every tensor or pass load")
+            self._load(whole)

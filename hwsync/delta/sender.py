@@ -1,0 +1,213 @@
+"""A sender's side of delta syncs: the baseline it keeps, whether a sync may be a delta, and what it then sends.
+
+The baseline is what every receiver holds after the last committed sync, per tensor in the dtype
+it travels in (the engine's: hwsync.casting), under an id (`<sender>:<n>`) that receivers report
+back. A sync is a delta from the baseline only when every receiver of the sync reports that id as
+what it holds, completely (a receiver tracks it itself, and drops it at the start of any sync until
+that sync completes and checks out), its engine says it kept its weights, and the sender still has
+the baseline; otherwise the sync is full, and its reason is in the stats. A delta sync encodes every
+tensor up front (hwsync.delta.encode: the smallest of same, dense, block, bitmap; each with the
+digest of the new tensor that receivers check after applying), so both paths plan and stream the
+payloads as ordinary byte tensors. The baseline moves only once every receiver completed the sync
+(`commit`): a failed delta leaves it as it was, a failed full sync drops it (it was overwritten as
+the sync streamed).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hwsync.casting import EngineDtypes
+from hwsync.delta.diff import Delta, DeltaEncoder, to_engine_dtype
+from hwsync.delta.digest import tensor_digest
+from hwsync.delta.header import DENSE, DeltaHeader
+from hwsync.delta.patch import advance
+from hwsync.interfaces import Device
+from hwsync.manifest import TensorSpec, dtype_from_name, dtype_name
+from hwsync.planner import EngineState
+from hwsync.source import NamedTensors, named_tensor
+from hwsync.stats import SyncStats
+
+log = logging.getLogger("hwsync")
+
+#: the key of a receiver's state under which it reports the baseline id it holds
+HELD_KEY = "held"
+
+
+@dataclass
+class Prepared:
+    """One sync as the delta bookkeeping shapes it: what to stream, what to announce, what receivers are told."""
+
+    #: the (name, tensor) pairs to stream: cast tensors (full), or each tensor's payload bytes (delta)
+    source: NamedTensors
+    #: the manifest the stream is checked against (payloads as uint8 for a delta), or None
+    stream_manifest: list[TensorSpec] | None
+    #: the tensors the receivers end up holding (names, the engine's dtypes, shapes), or None
+    targets: list[TensorSpec] | None
+    #: the Offer's / PlanFrame's `delta` field: {"base", "next", "headers"}; None without delta mode
+    wire: dict[str, Any] | None
+    deltas: dict[str, Delta] = field(default_factory=dict)
+
+
+def dense(tensor: torch.Tensor, dtype: torch.dtype) -> Delta:
+    """The whole tensor in `dtype` as a dense delta (its digest computed)."""
+    engine = to_engine_dtype(tensor, dtype).contiguous()
+    header = DeltaHeader(DENSE, dtype_name(dtype), engine.numel(), engine.numel(), tensor_digest(engine))
+    return Delta(header, engine.view(-1).view(torch.uint8), None)
+
+
+class SenderDeltas:
+    """The baseline of one sender (or sender rank: each keeps the tensors it sends) and its syncs' deltas."""
+
+    def __init__(self, device: Device, *, on_device: bool = False) -> None:
+        self._device = device
+        #: keep the baseline on the trainer's device (fast diffs, device memory) rather than in host memory
+        self.on_device = on_device
+        self._prefix = secrets.token_hex(6)
+        self._count = 0
+        self.base_id: str | None = None
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._digests: dict[str, int] = {}
+        self._pinned: list[torch.Tensor] = []
+        #: why the next sync cannot be a delta though every receiver may hold the baseline
+        self._lost = "the first sync: no baseline yet"
+        self._encoder = DeltaEncoder()
+        self._pending: Prepared | None = None
+        self._next: str | None = None
+        #: a sync asked for a delta: from then on the sender keeps a baseline
+        self.active = False
+
+    @property
+    def baseline_bytes(self) -> int:
+        """Memory the baseline holds."""
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+    def decide(self, states: Sequence[Mapping[str, Any]]) -> tuple[bool, str]:
+        """(whether this sync is a delta, why), from every receiver's report."""
+        if self.base_id is None:
+            return False, self._lost
+        for rank, state in enumerate(states):
+            held = state.get(HELD_KEY)
+            if held != self.base_id:
+                why = "reports no complete sync of this sender (restarted, or its last sync failed)" if held is None \
+                    else f"holds {held!r}, not this sender's baseline {self.base_id!r}"
+                return False, f"receiver {rank} {why}"
+            engine = state.get("engine")
+            if isinstance(engine, Mapping):
+                try:
+                    parsed = EngineState.from_dict(engine)
+                except ValueError:
+                    continue
+                if parsed.base_discarded:
+                    return False, f"receiver {rank}'s engine freed its weights in a level-2 sleep"
+                if parsed.base_intact is False:
+                    return False, f"receiver {rank}'s engine found its weights changed since its last sync"
+        return True, f"every receiver holds {self.base_id} complete"
+
+    def prepare(self, pairs: NamedTensors, manifest: list[TensorSpec] | None, dtypes: EngineDtypes,
+                delta: bool, states: Sequence[Mapping[str, Any]], stats: SyncStats) -> Prepared:
+        """This sync's stream, manifest and wire announcement: a delta when `delta` and every receiver allows it.
+
+        Once a sync asked for a delta, the sender keeps a baseline: a sync that then asks for none is full and
+        renews it (so the next may be a delta again).
+        """
+        self._count += 1
+        self._next = f"{self._prefix}:{self._count}"
+        self.active = self.active or delta
+        if not self.active:
+            self._pending = Prepared(dtypes.pairs(pairs), dtypes.manifest(manifest), dtypes.manifest(manifest), None)
+            return self._pending
+        use, reason = self.decide(states) if delta else (False, "this sync asked for a full sync (delta=False)")
+        note: dict[str, Any] = {"mode": "delta" if use else "full", "reason": reason, "base": self.base_id if use else None}
+        stats.notes["delta"] = note
+        if not use:
+            self.base_id, self._digests = None, {}  # overwritten while this full sync streams
+            self._lost = "the last full sync did not complete, and the baseline was overwritten while it streamed"
+            targets = dtypes.manifest(manifest)
+            self._pending = Prepared(self._keep(dtypes.pairs(pairs)), targets, targets,
+                                     {"base": None, "next": self._next, "headers": None})
+        else:
+            self._pending = self._encode(pairs, dtypes, note)
+        note["baseline_bytes"] = self.baseline_bytes
+        return self._pending
+
+    def _keep(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """A full sync's pairs, each copied into the baseline as it is taken."""
+        for position, item in enumerate(pairs):
+            name, tensor = named_tensor(position, item)
+            kept = self._tensors.get(name)
+            if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
+                kept = self._tensors[name] = self._allocate(tuple(tensor.shape), tensor.dtype, tensor.device)
+            kept.copy_(tensor)
+            yield name, tensor
+
+    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, source: torch.device) -> torch.Tensor:
+        """Room for one baseline tensor: on `source`'s device when kept there, else in (pinned) host memory."""
+        if self.on_device:
+            return torch.empty(shape, dtype=dtype, device=source)
+        kept = torch.empty(shape, dtype=dtype)
+        if source.type != "cpu" and self._device.pin_host_memory(kept):
+            self._pinned.append(kept)  # device-to-host copies into it at full speed
+        return kept
+
+    def _encode(self, pairs: NamedTensors, dtypes: EngineDtypes, note: dict[str, Any]) -> Prepared:
+        """Every tensor against the baseline, up front: the payloads, their manifest and headers."""
+        t0 = time.perf_counter()
+        deltas: dict[str, Delta] = {}
+        payload_specs, targets, headers = [], [], []
+        changed = total = 0
+        for position, item in enumerate(pairs):
+            name, tensor = named_tensor(position, item)
+            target_dtype = dtypes.target(name, tensor.dtype)
+            base = self._tensors.get(name)
+            if base is None or base.shape != tensor.shape or base.dtype != target_dtype:
+                found = dense(tensor, target_dtype)  # new to the baseline (or reshaped): receivers hold nothing to patch
+            else:
+                found = self._encoder.encode(tensor, base, base_digest=self._digests.get(name), name=name)
+            deltas[name] = found
+            changed += found.changed if found.changed is not None else found.header.numel
+            total += found.header.numel
+            payload_specs.append(TensorSpec(name, "uint8", (found.payload.numel(),)))
+            targets.append(TensorSpec(name, dtype_name(target_dtype), tuple(tensor.shape)))
+            headers.append(found.header.to_wire())
+        wire_bytes = sum(spec.nbytes for spec in payload_specs)
+        note.update(diff_s=time.perf_counter() - t0, density=changed / total if total else 0.0, wire_bytes=wire_bytes,
+                    codes={code: sum(1 for d in deltas.values() if d.header.code == code)
+                           for code in ("same", "dense", "block", "bitmap")})
+        return Prepared([(name, d.payload) for name, d in deltas.items()], payload_specs, targets,
+                        {"base": self.base_id, "next": self._next, "headers": headers}, deltas)
+
+    def commit(self) -> None:
+        """Every receiver completed the sync: the baseline is what they hold now."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending.wire is None:
+            return
+        shapes = {spec.name: spec for spec in pending.targets or []}
+        for name, found in pending.deltas.items():
+            spec, kept = shapes[name], self._tensors.get(name)
+            if kept is None or tuple(kept.shape) != spec.shape or dtype_name(kept.dtype) != spec.dtype:
+                kept = self._tensors[name] = self._allocate(spec.shape, dtype_from_name(spec.dtype), found.payload.device)
+            advance(kept, found.header, found.payload, name=name)  # the changes only; dense: the whole tensor
+            self._digests[name] = found.header.digest
+        first = self.base_id is None
+        self.base_id = self._next
+        if first:
+            log.info("hwsync: delta baseline %s: %.1f MB of %s memory for %d tensors", self.base_id,
+                     self.baseline_bytes / 1e6, "device" if self.on_device else "host", len(self._tensors))
+
+    def abort(self) -> None:
+        """The sync failed: a delta leaves the baseline as it was (a full sync already dropped it)."""
+        self._pending = None
+
+    def drop(self, reason: str) -> None:
+        """Free the baseline (the next sync is full, with `reason` in its stats)."""
+        for kept in self._pinned:
+            self._device.unpin_host_memory(kept)
+        self._pinned, self._tensors, self._digests, self.base_id, self._lost = [], {}, {}, None, reason

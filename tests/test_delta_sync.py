@@ -1,0 +1,190 @@
+"""Delta syncs on the same-host path, with real processes, on every backend: exact, planned, checked, transactional.
+
+- across optimizer steps every sync after the first is a delta and the receiver stays bit-exact (into and load);
+- a trainer's fp32 masters travel as the bf16 the engine holds, equal to the engine loader's own cast;
+- NaN payloads, infinities, -0.0 and subnormals come through exactly;
+- a payload larger than a bucket, and dense, sparse and unchanged tensors in one sync;
+- a receiver that restarted gets a full sync, with the reason in the stats;
+- a byte changed in a destination behind hwsync's back fails the delta's check, and the next (full) sync heals it;
+- a receiver or a sender killed mid-delta leaves the receiver incomplete, and the next sync is full and exact.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from hwsync import WeightSender
+from hwsync.errors import RemoteError, SyncError
+from hwsync.owners import sweep_dead_owners
+
+import delta_procs
+import transfer_procs as procs
+
+BF16 = {"default": "bfloat16", "names": {}}
+
+
+def _engine(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """What an engine holding `dtype` stores from the trainer's tensors: its loader's copy_ (the cast)."""
+    if dtype is None:
+        return tensors
+    return {n: torch.empty(t.shape, dtype=dtype).copy_(t) if t.dtype.is_floating_point else t
+            for n, t in tensors.items()}
+
+
+def _sync(sender, commands, results, tensors, version, **kwargs):
+    commands.put({"receive": True, **kwargs.pop("command", {})})
+    stats = sender.send(list(tensors.items()), version=version, **kwargs)
+    return stats, results.get(timeout=60)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+
+
+@pytest.mark.parametrize("mode", ["into", "load"])
+def test_delta_syncs_stay_exact_across_optimizer_steps_and_carry_the_engines_dtype(backend, mode):
+    net = _model()
+    opt = torch.optim.AdamW(net.parameters(), lr=2e-5)  # RL-like: a few % of the bf16 elements move a step
+    with WeightSender(delta=True, timeout_s=60) as sender:
+        proc, commands, results = delta_procs.start(sender.endpoint, mode, dtypes=BF16)
+        full_bytes = None
+        for step in range(1, 7):
+            stats, got = _sync(sender, commands, results, dict(net.state_dict()), step)
+            expected = procs.digests(_engine(dict(net.state_dict()), torch.bfloat16))
+            assert got.get("digests") == expected, f"step {step}: {got.get('error')}"
+            note = stats.notes["delta"]
+            if step == 1:
+                assert note["mode"] == "full" and "no baseline" in note["reason"]
+                full_bytes = stats.bytes
+                assert full_bytes == sum(p.numel() * 2 for p in net.state_dict().values()), "fp32 went as bf16"
+            else:
+                assert note["mode"] == "delta", note
+                assert stats.bytes < full_bytes, (stats.bytes, full_bytes)
+            loss = net(torch.randn(32, 64)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        commands.put({"stop": True})
+        proc.join(30)
+
+
+def test_special_values_and_mixed_codes_and_a_payload_larger_than_a_bucket(backend):
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-40, -1e-45, 0.0, 1.0])
+    tensors = {"special32": specials.repeat(512).clone(), "special16": specials.repeat(512).to(torch.bfloat16),
+               "big": torch.randn(1 << 16), "same": torch.randn(300), "sparse": torch.randn(4096)}
+    odd_nan = torch.tensor([0x7FC0_0001, 0x7F80_0002], dtype=torch.int32).view(torch.float32)  # NaN payloads
+    with WeightSender(bucket_bytes=1 << 14, delta=True, timeout_s=60) as sender:
+        proc, commands, results = delta_procs.start(sender.endpoint, "into")
+        _, got = _sync(sender, commands, results, tensors, 1)
+        assert got["digests"] == procs.digests(tensors)
+        tensors["special32"][:2] = odd_nan
+        tensors["special32"][5::8] = -0.0
+        tensors["special16"][8:10] = torch.tensor([-0.0, 1e-40]).to(torch.bfloat16)
+        tensors["big"] += 1.0  # dense, 256 KiB: a payload of 16 buckets
+        tensors["sparse"][::97] = 2.0
+        stats, got = _sync(sender, commands, results, tensors, 2)
+        assert got.get("digests") == procs.digests(tensors), got.get("error")
+        codes = stats.notes["delta"]["codes"]
+        assert stats.notes["delta"]["mode"] == "delta" and codes["dense"] >= 1 and codes["same"] == 1, codes
+        assert codes["block"] + codes["bitmap"] >= 2, codes
+        commands.put({"stop": True})
+        proc.join(30)
+
+
+@pytest.mark.cpu_is_enough("which sync is full is planning, the same on every backend")
+def test_a_restarted_receiver_gets_a_full_sync_with_the_reason(backend):
+    with WeightSender(delta=True, timeout_s=60, num_receivers=2) as sender:
+        first, second = (delta_procs.start(sender.endpoint, "load") for _ in range(2))
+        for step in (1, 2):
+            for _, commands, _ in (first, second):
+                commands.put({"receive": True})
+            stats = sender.send(delta_procs.stepped(step).items(), version=step)
+            for _, _, results in (first, second):
+                assert results.get(timeout=60)["digests"] == procs.digests(delta_procs.stepped(step))
+        assert stats.notes["delta"]["mode"] == "delta"
+        second[0].kill()
+        second[0].join(10)
+        second = delta_procs.start(sender.endpoint, "load")
+        for _, commands, _ in (first, second):
+            commands.put({"receive": True})
+        stats = sender.send(delta_procs.stepped(3).items(), version=3)
+        note = stats.notes["delta"]
+        assert note["mode"] == "full" and "reports no complete sync" in note["reason"], note
+        for proc, commands, results in (first, second):
+            assert results.get(timeout=60)["digests"] == procs.digests(delta_procs.stepped(3))
+            commands.put({"stop": True})
+            proc.join(30)
+
+
+def test_a_byte_changed_behind_hwsyncs_back_fails_the_check_and_the_next_sync_heals_it(backend):
+    with WeightSender(delta=True, timeout_s=60) as sender:
+        proc, commands, results = delta_procs.start(sender.endpoint, "into")
+        for step in (1, 2):
+            _, got = _sync(sender, commands, results, delta_procs.stepped(step), step)
+            assert got["digests"] == procs.digests(delta_procs.stepped(step))
+        commands.put({"receive": True, "flip": "w2"})  # w2 does not change at step 3: only the check can see it
+        with pytest.raises(RemoteError, match="w2 does not have the sender's digest"):
+            sender.send(delta_procs.stepped(3).items(), version=3)
+        got = results.get(timeout=60)
+        assert "DeltaCheckError" in got["error"] and got["incomplete"], got
+        stats, got = _sync(sender, commands, results, delta_procs.stepped(4), 4)
+        assert stats.notes["delta"]["mode"] == "full", stats.notes["delta"]
+        assert got["digests"] == procs.digests(delta_procs.stepped(4))
+        commands.put({"stop": True})
+        proc.join(30)
+
+
+@pytest.mark.cpu_is_enough("a killed peer mid-sync is process and socket logic")
+def test_a_receiver_killed_mid_delta_and_the_next_sync_is_full_and_exact(backend):
+    q = delta_procs.CTX.Queue()
+    with WeightSender(bucket_bytes=1 << 14, delta=True, timeout_s=30) as sender:
+        slow = delta_procs.CTX.Process(target=delta_procs.slow_load_receiver, args=(sender.endpoint, q, 600.0))
+        slow.start()
+        assert q.get(timeout=90) == "up"
+        for step in (1, 2):
+            sender.send(delta_procs.stepped(step).items(), version=step)
+            assert q.get(timeout=60)["version"] == step
+        def killer():
+            assert q.get(timeout=60) == "loading"
+            slow.kill()
+
+        thread = threading.Thread(target=killer)
+        thread.start()
+        with pytest.raises(SyncError, match=f"peer process {slow.pid} exited"):
+            sender.send(delta_procs.stepped(3).items(), version=3)
+        thread.join()
+        slow.join(10)
+        proc, commands, results = delta_procs.start(sender.endpoint, "into")
+        stats, got = _sync(sender, commands, results, delta_procs.stepped(4), 4)
+        assert stats.notes["delta"]["mode"] == "full" and got["digests"] == procs.digests(delta_procs.stepped(4))
+        commands.put({"stop": True})
+        proc.join(30)
+
+
+@pytest.mark.cpu_is_enough("a killed peer mid-sync is process and socket logic")
+def test_a_sender_killed_mid_delta_leaves_the_receiver_incomplete(backend):
+    q = delta_procs.CTX.Queue()
+    sender = delta_procs.CTX.Process(target=delta_procs.delta_sender_main, args=(q, 3))
+    sender.start()
+    endpoint = q.get(timeout=90)
+    rq = delta_procs.CTX.Queue()
+    receiver = delta_procs.CTX.Process(target=delta_procs.slow_load_receiver, args=(endpoint, rq, 2.0))
+    receiver.start()
+    assert rq.get(timeout=90) == "up"
+    for step in (1, 2):
+        got = rq.get(timeout=60)
+        assert got["version"] == step and got["digests"] == procs.digests(delta_procs.stepped(step))
+    assert rq.get(timeout=60) == "loading"  # mid-way through the third sync, a delta
+    os.kill(sender.pid, signal.SIGKILL)
+    sender.join(10)
+    got = rq.get(timeout=60)
+    assert "exited" in got["error"] and got["incomplete"] and got["version"] == 2, got
+    receiver.join(30)
+    sweep_dead_owners(force=True)  # the killed sender's segments (its resource tracker is this process's)
