@@ -31,6 +31,11 @@ class ManifestError(SyncError):
     """The announced tensors do not match the receiving model, or iteration strayed from them."""
 
 
+class DeltaCheckError(SyncError):
+    """A tensor did not have the sender's digest after a delta was applied; the receiver holds no known version,
+    and the next sync is full."""
+
+
 class SourceError(HwsyncError, ValueError):
     """What the caller passed as a sync's source is unusable; the message names the item and the fix."""
 

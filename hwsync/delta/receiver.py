@@ -25,12 +25,8 @@ import torch
 from hwsync.bucket import IntoFn, LoadFn
 from hwsync.delta.header import DeltaHeader
 from hwsync.delta.patch import apply_into, verify
-from hwsync.errors import ProtocolError, SyncError
+from hwsync.errors import DeltaCheckError, ProtocolError
 from hwsync.manifest import TensorSpec, dtype_from_name
-
-
-class DeltaCheckError(SyncError):
-    """A tensor did not have the sender's digest after a delta was applied: the next sync is full."""
 
 
 class ReceiverDeltas:
