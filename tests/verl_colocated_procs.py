@@ -233,7 +233,7 @@ def _reference_main(conn: Any) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, detokenize=False)
     while (job := conn.recv()) is not None:
         model_dir, adapters = job
-        lora = {"enable_lora": True, "max_lora_rank": LORA["r"], "max_loras": 1} if adapters else {}
+        lora = {"enable_lora": True, "max_lora_rank": LORA["r"], "max_loras": 1} if adapters else {}  # None: no adapter
         llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=256,
                   enforce_eager=True, max_num_seqs=8, logprobs_mode="processed_logprobs", **lora)
         results = []
@@ -256,8 +256,9 @@ class Reference:
         self._proc.start()
         child.close()
 
-    def outputs(self, model_dir: str, adapters: list[str] | None = None, timeout_s: float = 600.0) -> list[Any]:
-        """(greedy tokens, their logprobs) of a fresh engine on `model_dir`, once per adapter (or once without)."""
+    def outputs(self, model_dir: str, adapters: list[str | None] | None = None, timeout_s: float = 600.0
+                ) -> list[Any]:
+        """(greedy tokens, their logprobs) of a fresh engine on `model_dir`, once per adapter (None: without one)."""
         self._conn.send((model_dir, adapters))
         if not self._conn.poll(timeout_s):
             raise TimeoutError(f"the reference engine on {model_dir} gave no outputs in {timeout_s}s")
