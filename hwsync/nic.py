@@ -92,7 +92,7 @@ def _literal(host: str) -> str | None:
     except ValueError:
         pass
     try:
-        return socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0]
+        return str(socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)[0][4][0])
     except (OSError, IndexError):
         return None
 
@@ -173,7 +173,8 @@ def pick_local_host() -> str:
     routed = source_address("203.0.113.1")  # TEST-NET-3 (RFC 5737): documentation only, never a real host
     if routed is not None:
         return routed
-    others = [addr for _, addr in local_addresses() or [] if ":" not in addr and not ipaddress.ip_address(addr).is_loopback]
+    others = [addr for _, addr in local_addresses() or []
+              if ":" not in addr and not ipaddress.ip_address(addr).is_loopback]
     if len(set(others)) == 1:
         return others[0]
     return named if named is not None and nic_owning(named) is not None else "127.0.0.1"
