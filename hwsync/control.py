@@ -34,9 +34,9 @@ import zmq
 
 from hwsync.errors import ClosedError, SyncTimeoutError
 from hwsync.owners import IPC_DIR_NAME, own_entry, owner_prefix, sweep_dead_owners
+from hwsync.timing import CLOSE_GRACE_S, LIVENESS_SLICE_S
 
 log = logging.getLogger("hwsync")
-from hwsync.timing import CLOSE_GRACE_S, LIVENESS_SLICE_S
 
 _FORMATS = "ipc://PATH#TOKEN, or tcp://HOST:PORT#TOKEN#KEY"
 _HEX_KEY = re.compile(r"[0-9a-f]{64}")
@@ -77,12 +77,12 @@ class Endpoint:
         elif text.startswith("tcp://"):
             parts = text.split("#")
             if len(parts) == 2:
-                raise ValueError(f"endpoint {redacted(text)!r} has no CURVE key: tcp:// endpoints carry the sender's public "
-                                 f"key since hwsync protocol 4; pass sender.endpoint as it is ({_FORMATS})")
+                raise ValueError(f"endpoint {redacted(text)!r} has no CURVE key: tcp:// endpoints carry the sender's "
+                                 f"public key since hwsync protocol 4; pass sender.endpoint as it is ({_FORMATS})")
             if len(parts) == 3 and parts[1] and _HEX_KEY.fullmatch(parts[2]):
                 return cls(parts[0], parts[1], parts[2])
-        raise ValueError(f"endpoint {redacted(text)!r} is not one a WeightSender printed; pass sender.endpoint as it is "
-                         f"({_FORMATS})")
+        raise ValueError(f"endpoint {redacted(text)!r} is not one a WeightSender printed; pass sender.endpoint as it "
+                         f"is ({_FORMATS})")
 
 
 def private_ipc_dir() -> str:
@@ -283,7 +283,7 @@ def receive_frame(
         if isinstance(watch, CloseSignal):
             watch.check(what)
     if sock.poll(0, zmq.POLLIN):  # the common case: the frame is already there
-        return sock.recv_multipart(copy=copy)
+        return sock.recv_multipart(0, copy)
     deadline = time.monotonic() + timeout_s if deadline is None else deadline
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
@@ -295,7 +295,7 @@ def receive_frame(
             raise timeout_error(timeout_s, what, endpoint)
         ready = dict(poller.poll(int(min(left, LIVENESS_SLICE_S) * 1000)))
         if sock in ready:  # before the watches: what a peer sent before it went away (an abort) comes first
-            return sock.recv_multipart(copy=copy)
+            return sock.recv_multipart(0, copy)
         for watch in watches:
             if watch.fileno_or_socket() in ready:
                 watch.check(what)

@@ -24,13 +24,13 @@ from typing import Any, Literal
 import torch
 
 from hwsync.errors import HwsyncError, MemoryImbalanceError
-from hwsync.sizes import DEFAULT_NUM_BUFFERS, GiB, MiB
 from hwsync.interfaces import Communicator, Device
+from hwsync.sizes import DEFAULT_NUM_BUFFERS, GiB, MiB
 
 log = logging.getLogger("hwsync")
 
-FIELDS = ("free", "total", "allocated", "reserved")
 Field = Literal["free", "total", "allocated", "reserved"]
+FIELDS: tuple[Field, ...] = ("free", "total", "allocated", "reserved")
 
 CAUSES = (
     "Usual causes: ranks that loaded the model at different times, parameters offloaded on some "
@@ -86,7 +86,8 @@ class MemoryReport:
 
     def table(self) -> str:
         """A fixed-width table, one line per rank, in GiB."""
-        lines = [f"{'rank':>5} {'free':>10} {'total':>10} {'allocated':>10} {'reserved':>10}   ({self.device_type}, GiB)"]
+        lines = [f"{'rank':>5} {'free':>10} {'total':>10} {'allocated':>10} {'reserved':>10}   "
+                 f"({self.device_type}, GiB)"]
         for r in self.ranks:
             lines.append(f"{r.rank:>5} " + " ".join(f"{r.get(f) / GiB:>10.2f}" for f in FIELDS))
         return "\n".join(lines)
@@ -178,7 +179,8 @@ def check_balance(
     # The absolute floor keeps noise (a few MiB of allocator slack) from being called an imbalance
     # when the median itself is small, e.g. `allocated` on ranks that hold almost nothing.
     threshold = max(int(tolerance * median), int(min_gap_bytes))
-    outliers = tuple(Outlier(r.rank, v, v - median) for r, v in zip(report.ranks, values) if abs(v - median) > threshold)
+    outliers = tuple(Outlier(r.rank, v, v - median) for r, v in zip(report.ranks, values)
+                     if abs(v - median) > threshold)
     head = (f"{field} device memory across {len(values)} ranks ({report.device_type}): median {_gib(median)}, "
             f"tolerance ±{_gib(threshold)} ({tolerance:.0%} of the median, at least {_gib(min_gap_bytes)})")
     if not outliers:
@@ -214,7 +216,7 @@ def choose_bucket_bytes(
     cap: int = 1 * GiB,
     align: int = 1 * MiB,
 ) -> BucketChoice:
-    """Size each of `num_buffers` buffers as fraction×(least free memory of any rank)/num_buffers, clamped and aligned."""
+    """Each of `num_buffers` buffers: fraction × (least free memory of any rank) / num_buffers, clamped and aligned."""
     if num_buffers < 1:
         raise ValueError(f"num_buffers={num_buffers} must be at least 1")
     if not 0 < fraction <= 1:

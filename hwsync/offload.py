@@ -57,7 +57,7 @@ def _resolve_device(device: torch.device | str | None, api: Device) -> torch.dev
 
 def _tensors(params: torch.nn.Module | Iterable[torch.Tensor], include_buffers: bool) -> list[torch.Tensor]:
     if isinstance(params, torch.nn.Module):
-        found = list(params.parameters())
+        found: list[torch.Tensor] = list(params.parameters())
         if include_buffers:
             found += list(params.buffers())
     else:

@@ -72,11 +72,11 @@ def _status(name: str) -> tuple[Backend | None, BackendStatus]:
     dist = _distribution(name)
     try:
         backend = load_backend(name)
-    except Exception as exc:  # a plugin that fails to import is reported, not fatal to the rest
+    except Exception as exc:  # noqa: BLE001 - a plugin that fails to import is reported, not fatal to the rest
         return None, BackendStatus(name, False, f"plugin failed to load: {type(exc).__name__}: {exc}", dist)
     try:
         result = backend.probe()
-    except Exception as exc:  # a probe must not raise, but a third-party one might
+    except Exception as exc:  # noqa: BLE001 - a probe must not raise, but a third-party one might
         result = ProbeResult(False, f"probe raised {type(exc).__name__}: {exc}")
     return backend, BackendStatus(name, result.usable, result.reason, dist)
 
@@ -136,8 +136,8 @@ def _select_auto(names: list[str]) -> Selection:
     if chosen is None:
         raise BackendError(f"no usable hwsync backend. Installed backends:\n{_listing(statuses)}")
     backend, status = chosen
-    skipped = [s for s in statuses if s.name in AUTO_ORDER and AUTO_ORDER.index(s.name) < AUTO_ORDER.index(status.name)] \
-        if status.name in AUTO_ORDER else []
+    skipped = [s for s in statuses if s.name in AUTO_ORDER
+               and AUTO_ORDER.index(s.name) < AUTO_ORDER.index(status.name)] if status.name in AUTO_ORDER else []
     if status.name == "cpu" and skipped:
         why = "; ".join(f"{s.name}: {s.reason}" for s in skipped)
         if os.environ.get(ENV_STRICT, "") not in ("", "0"):

@@ -126,7 +126,9 @@ class SharedTensors:
 
     def _layout(self, items: list[tuple[str, torch.Tensor]], segment_bytes: int) -> list[tuple[int, int]]:
         """(segment index, offset) of each tensor; creates the segments."""
-        places, sizes, used = [], [], 0
+        places: list[tuple[int, int]] = []
+        sizes: list[int] = []
+        used = 0
         for name, tensor in items:
             if not isinstance(tensor, torch.Tensor) or tensor.is_meta or tensor.layout is not torch.strided:
                 raise TypeError(f"{name!r}: only materialised dense tensors can live in shared memory, "
@@ -178,7 +180,7 @@ class SharedParameters:
 
         self.module = module
         self._device_api = get_backend().device()
-        owners = [(n, p) for n, p in module.named_parameters(remove_duplicate=False)]
+        owners: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in module.named_parameters(remove_duplicate=False)]
         if include_buffers:
             owners += [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
         devices = {t.device for _, t in owners}
@@ -186,7 +188,8 @@ class SharedParameters:
             raise ValueError(f"the module's tensors are on several devices {sorted(map(str, devices))}; "
                              "move it to one device (or the CPU) before sharing it")
         #: where to_device() puts the tensors: the device they were on, or the CPU (then to_device does nothing)
-        self.home = torch.device(device) if device is not None else next(iter(devices)) if devices else torch.device("cpu")
+        self.home = torch.device(device) if device is not None else \
+            next(iter(devices)) if devices else torch.device("cpu")
         if self.home.type == self._device_api.torch_type and self.home.index is None:
             self.home = self._device_api.torch_device()
         self.shared = SharedTensors(owners, segment_bytes=segment_bytes, device=self._device_api, pin=pin)

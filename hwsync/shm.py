@@ -29,10 +29,10 @@ from multiprocessing import resource_tracker
 
 import torch
 
-from hwsync.sizes import MiB
 from hwsync.interfaces import Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
 from hwsync.owners import SHM_DIR, owner_prefix, sweep_dead_owners
 from hwsync.protocol.layout import BUFFER_SEGMENT_NAME, check_shm_handles, segment_name
+from hwsync.sizes import MiB
 
 SEGMENT_PREFIX = "hwsync-"
 #: what no segment name may hold: a name is only ever a file directly in /dev/shm
@@ -226,7 +226,7 @@ class ShmTransport(Transport):
     # Receivers copying into their own tensors never reassemble, so small buckets cost nothing
     # and two of them stay in the CPU cache between the two copies; 32 buffers give the pool
     # room to go through memory instead when the cache is not shared (see buffer_pool).
-    into_geometry = (4 * MiB, 16)
+    into_geometry: tuple[int, int] | None = (4 * MiB, 16)
 
     def available(self) -> ProbeResult:
         """Usable where /dev/shm is a writable directory."""

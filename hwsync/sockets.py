@@ -147,7 +147,7 @@ class ConnectionWatch(_SocketMonitor):
         self.gone: str | None = None
 
     def check(self, what: str) -> None:
-        """Read the events so far; raise SyncTimeoutError when the peer went away, ProtocolError for a failed handshake."""
+        """Read the events so far; SyncTimeoutError when the peer went away, ProtocolError for a failed handshake."""
         monitor = self._monitor
         while monitor is not None and monitor.poll(0, zmq.POLLIN):
             event = recv_monitor_message(monitor)["event"]
@@ -160,8 +160,8 @@ class ConnectionWatch(_SocketMonitor):
             elif event == zmq.EVENT_DISCONNECTED:
                 self.gone = what
         if self.gone is not None:  # a SyncTimeoutError, as for a same-host peer process found gone
-            raise SyncTimeoutError(f"the connection to {self.address} closed while {what}: the other side exited or was "
-                            "closed (check its log)")
+            raise SyncTimeoutError(f"the connection to {self.address} closed while {what}: the other side exited or "
+                                   "was closed (check its log)")
 
 def unix_peer_pid(fd: int) -> int | None:
     """The pid of the process at the other end of the unix socket `fd` (SO_PEERCRED), or None (not one, or gone)."""

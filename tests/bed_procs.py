@@ -48,7 +48,22 @@ def whoami() -> dict:
             "routes": sorted(r.get("dst", "default") for r in routes if r.get("type", "unicast") == "unicast"),
             "env": {k: v for k, v in os.environ.items()
                     if k.endswith("_IFNAME") or k.startswith(("HCCL_IF", "HWSYNC_BED"))},
-            "pid": os.getpid()}
+            "pid": os.getpid(), "hostname": socket.gethostname()}
+
+
+def nics(peer: str) -> dict:
+    """hwsync.nic's answers in this host (loaded by path: no torch): the interface towards `peer`, the one owning
+    it, the default address; and this process's host name."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_nic", os.path.join(os.path.dirname(TESTS), "hwsync", "nic.py"))
+    nic = importlib.util.module_from_spec(spec)
+    sys.modules["_nic"] = nic  # dataclasses look their module up there
+    spec.loader.exec_module(nic)
+    towards, owning = nic.nic_towards(peer), nic.nic_owning(peer)
+    return {"towards": [towards.name, towards.address] if towards else None,
+            "owning": [owning.name, owning.address] if owning else None,
+            "pick": nic.pick_local_host(), "hostname": socket.gethostname()}
 
 
 def import_hwsync() -> dict:

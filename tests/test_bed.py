@@ -119,6 +119,9 @@ def test_host_sees_only_itself(bed3):
     assert seen["env"]["GLOO_SOCKET_IFNAME"] == dev
     assert seen["env"]["NCCL_SOCKET_IFNAME"] == seen["env"]["HCCL_SOCKET_IFNAME"] == f"={dev}"
     assert seen["env"]["HCCL_IF_IP"] == bed3.address(1)
+    assert seen["hostname"] == bed3.hostname(1) != bed_procs.whoami()["hostname"]  # a node of its own
+    bare = bed3.start(1, f"{PROCS}:whoami", interface_vars=False, env={"GLOO_SOCKET_IFNAME": "eth0"}).result(30)
+    assert set(bare["env"]) == {"HWSYNC_BED_HOST", "HWSYNC_BED_ADDRESS", "HWSYNC_BED_INTERFACE"}, bare["env"]
     # the machine's own addresses are out of reach from inside (no route: refused at once)
     for addr in [a for a in bed_procs.whoami()["addresses"] if not a.startswith("127.")][:2]:
         reach = bed3.start(1, CONNECT, addr, 22).result(30)
@@ -144,6 +147,21 @@ def test_failure_and_kill_are_reported(bed3):
     assert p.poll() == -signal.SIGKILL and process_state(p.pid) == ""
     with pytest.raises(HostProcessError, match="before writing a result"):
         p.result(1)
+
+
+def test_kill_host_kills_every_process_of_that_host_only(bed3):
+    """kill_host(2): both processes of host 2 die at once (a node losing power); host 1's lives on."""
+    victims = [bed3.start(2, f"{PROCS}:sleep_forever") for _ in range(2)]
+    bystander = bed3.start(1, f"{PROCS}:sleep_forever")
+    deadline = time.monotonic() + 20
+    while set(p.pid for p in victims) - set(bed3.kill_host(2)):  # a process counts once it is in the namespace
+        assert time.monotonic() < deadline, "host 2's processes never appeared in its namespace"
+        time.sleep(0.05)
+    for p in victims:
+        p.popen.wait(10)
+        assert p.poll() == -signal.SIGKILL
+    assert bystander.alive()
+    bystander.kill()
 
 
 def test_link_down_and_up(bed3):

@@ -52,7 +52,8 @@ def _imports(path: Path, module: str, source: str | None = None) -> set[str]:
         else:
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             found.add(base)
             found |= {f"{base}.{a.name}" for a in node.names}
     return {name for name in found if name.startswith("hwsync")}

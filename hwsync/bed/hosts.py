@@ -43,6 +43,8 @@ TBF_LATENCY_MS = 20.0
 #: 1 Gbit/s; 4-20 ms reach 0.95x, the ceiling of 1448 payload bytes in 1514 on the wire, 10-20 ms most steadily.
 #: The bucket is also the most a link sends above its rate after an idle spell (1.25 MB at 1 Gbit/s)
 TBF_BURST_MS = 10.0
+#: the collective libraries' interface variables (Bed.env sets them; start(interface_vars=False) leaves them out)
+INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HCCL_SOCKET_IFNAME", "HCCL_IF_IP", "TP_SOCKET_IFNAME")
 
 
 def tbf_args(rate_bps: float) -> list[str]:
@@ -130,6 +132,10 @@ class Bed:
         self._check(host)
         return str(self.subnet.network_address + 1 + host)
 
+    def hostname(self, host: int) -> str:
+        """The host name processes of host `host` see (their own UTS namespace): the namespace's name."""
+        return self.netns(host)
+
     def namespaces(self) -> list[str]:
         """Every namespace of this bed (the hosts', then the switch)."""
         return [self.netns(i) for i in range(self.hosts)] + [self.switch]
@@ -203,6 +209,10 @@ class Bed:
         """Host `host`'s configured rate in bits/s (None: unlimited)."""
         self._check(host)
         return self._rates[host]
+
+    def kill_host(self, host: int) -> list[int]:
+        """SIGKILL every process in host `host` (a node that lost power); their pids. Its HostProcesses stay reapable."""
+        return names.kill_inside(self.netns(host))
 
     def env(self, host: int) -> dict[str, str]:
         """Variables that make every collective library of a process in host `host` use that host's interface.
@@ -307,4 +317,4 @@ def parse_rate(text: str) -> float | None:
     return float(t)
 
 
-__all__ = ["Bed", "BedError", "BedUnavailableError", "parse_rate", "tbf_args", "unavailable_reason"]
+__all__ = ["INTERFACE_VARS", "Bed", "BedError", "BedUnavailableError", "parse_rate", "tbf_args", "unavailable_reason"]

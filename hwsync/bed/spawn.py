@@ -1,7 +1,9 @@
 """Processes inside a bed's hosts: started with `ip netns exec`, their result back as JSON, always reaped.
 
-A process in host i sees only host i's interface and address, and its environment names that
-interface to every collective library (Bed.env), so a rank cannot bind another host's interface.
+A process in host i sees only host i's interface and address, its own host name (Bed.hostname:
+a UTS namespace of its own, so hwsync's same-host checks see another node, as across machines),
+and its environment names that interface to every collective library (Bed.env), so a rank cannot
+bind another host's interface (or, with interface_vars=False, no variable: hwsync must choose).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from hwsync.bed.hosts import Bed, BedError
+from hwsync.bed.hosts import INTERFACE_VARS, Bed, BedError
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child.py")
 #: how much of a failed process's output its error carries
@@ -106,7 +108,7 @@ class HostProcess:
 
 def start_in_host(bed: Bed, host: int, target: str, *args: object, sys_path: Iterable[str] = (),
                   env: Mapping[str, str] | None = None, cwd: str | None = None, die_with_parent: bool = True,
-                  **kwargs: object) -> HostProcess:
+                  interface_vars: bool = True, own_hostname: bool = True, **kwargs: object) -> HostProcess:
     """Start `target(*args, **kwargs)` in a Python process inside host `host` of `bed`; the bed owns it.
 
     `target`: "package.module:function" or "/path/file.py:function"; its arguments and its return
@@ -114,16 +116,24 @@ def start_in_host(bed: Bed, host: int, target: str, *args: object, sys_path: Ite
     helper). `env`: extra variables (the host's interface variables from Bed.env win over them).
     `die_with_parent`: the child is SIGKILLed when the thread that started it ends (PR_SET_PDEATHSIG),
     so a SIGKILLed owner leaves no process running; turn it off to start processes from a thread
-    that ends before they do. The child is the venv's own interpreter (sys.executable).
+    that ends before they do. `interface_vars=False`: none of the collective libraries' interface
+    variables is set (those of this process are removed too), to test a program that must choose the
+    interface itself. `own_hostname`: the process gets the host's name (Bed.hostname), not the machine's.
+    The child is the venv's own interpreter (sys.executable).
     """
     workdir = tempfile.mkdtemp(prefix=f"{bed.id}-h{host}-")
     spec = {"target": target, "args": list(args), "kwargs": kwargs, "sys_path": [os.path.abspath(p) for p in sys_path],
-            "parent": os.getpid() if die_with_parent else 0}
+            "parent": os.getpid() if die_with_parent else 0, "hostname": bed.hostname(host) if own_hostname else ""}
     with open(os.path.join(workdir, "args.json"), "w") as f:
         json.dump(spec, f)
     child_env = dict(os.environ)
     child_env.update(env or {})
-    child_env.update(bed.env(host))
+    if interface_vars:
+        child_env.update(bed.env(host))
+    else:
+        for name in INTERFACE_VARS:
+            child_env.pop(name, None)
+        child_env.update({k: v for k, v in bed.env(host).items() if k not in INTERFACE_VARS})
     child_env["PYTHONUNBUFFERED"] = "1"
     with open(os.path.join(workdir, "log"), "wb") as log:
         popen = subprocess.Popen(["ip", "netns", "exec", bed.netns(host), sys.executable, CHILD, workdir],

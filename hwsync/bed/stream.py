@@ -10,18 +10,33 @@ achieved rates:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import socket
+import sys
 import time
+from types import ModuleType
 from typing import Any
+
+
+def _timing() -> ModuleType:
+    """hwsync.timing, loaded by path where the hwsync package is not imported (importing it imports torch)."""
+    if "hwsync.timing" in sys.modules:
+        return sys.modules["hwsync.timing"]
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "timing.py")
+    spec = importlib.util.spec_from_file_location("_hwbed_timing", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 #: the port a sink listens on: every host has its own namespace, so a fixed port never collides
 PORT = 5201
 CHUNK = 1 << 20
-#: how long one connection attempt to a sink may take, and the pause between attempts while it starts
-CONNECT_ATTEMPT_S = 2.0  # TODO(timing.py)
-CONNECT_RETRY_S = 0.05  # TODO(timing.py)
+CONNECT_ATTEMPT_S = _timing().BED_CONNECT_ATTEMPT_S
+CONNECT_RETRY_S = _timing().BED_CONNECT_RETRY_S
 
 
 def sink(port: int = PORT, timeout_s: float = 30.0, warmup_s: float = 0.3) -> dict[str, Any]:

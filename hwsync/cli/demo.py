@@ -20,8 +20,14 @@ from typing import Any
 import torch
 
 from hwsync.cli.demo_steps import progress_bar, reinforce, rollouts
-from hwsync.cli.toy_model import ToyModel, cpu_engine_env, engine_kwargs, engine_outputs, model_prompt_logprobs, \
-    shutdown_engine
+from hwsync.cli.toy_model import (
+    ToyModel,
+    cpu_engine_env,
+    engine_kwargs,
+    engine_outputs,
+    model_prompt_logprobs,
+    shutdown_engine,
+)
 
 COLUMNS = ("step", "reward", "sync s", "MB", "GB/s", "max |Δlogprob|", "moved", "check")
 #: LoRA ranks vLLM accepts as max_lora_rank; the demo's adapter uses one of them

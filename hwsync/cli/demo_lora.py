@@ -23,8 +23,15 @@ from typing import Any
 import torch
 
 from hwsync.cli.demo_steps import progress_bar, reinforce, rollouts
-from hwsync.cli.toy_model import ToyModel, cpu_engine_env, engine_kwargs, engine_outputs, model_prompt_logprobs, \
-    param_count, shutdown_engine
+from hwsync.cli.toy_model import (
+    ToyModel,
+    cpu_engine_env,
+    engine_kwargs,
+    engine_outputs,
+    model_prompt_logprobs,
+    param_count,
+    shutdown_engine,
+)
 
 #: the table's columns and their widths
 COLUMNS = (("step", 4), ("reward", 6), ("plan", 18), ("sent", 9), ("full sync", 9), ("sent/full", 9), ("sync s", 6),
@@ -109,6 +116,7 @@ def run_lora_demo(args: argparse.Namespace) -> int:
         full_bytes = sum(spec.nbytes for spec in model.base_manifest or [])
         _say("starting vLLM with LoRA enabled (this takes a while on a CPU)")
         llm = LLM(**engine_kwargs(model_dir), **lora_engine_kwargs(args.lora_rank))
+        assert model.adapter is not None, "peft_trainer_model always describes its adapter"
         request = lora_request(model.adapter)
         try:
             with VllmWeightSync(llm) as sync:

@@ -9,8 +9,8 @@ import multiprocessing as mp
 import torch
 
 from hwsync.colocated.receiver import WeightReceiver
-from hwsync.registry import get_backend
 from hwsync.colocated.sender import WeightSender
+from hwsync.registry import get_backend
 
 
 def _sample(megabytes: float) -> dict[str, torch.Tensor]:

@@ -51,7 +51,7 @@ class ToyModel:
 
     def save(self, path: str, seed: int) -> torch.nn.Module:
         """Build with `seed`, save as safetensors under `path`, return the model."""
-        model = self.build(seed)
+        model: Any = self.build(seed)  # a transformers LlamaForCausalLM
         os.makedirs(path, exist_ok=True)
         model.save_pretrained(path, safe_serialization=True)
         return model
@@ -123,7 +123,7 @@ def shutdown_engine(llm: Any) -> None:
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
         cleanup_dist_env_and_memory()
-    except Exception:  # best effort: a later engine start reports what is really wrong
+    except Exception:  # noqa: BLE001 - best effort: a later engine start reports what is really wrong
         pass
 
 

@@ -14,11 +14,13 @@ import time
 import torch
 
 from hwsync.bucket import as_bytes
+from hwsync.communicator import open_communicator, parse_rendezvous
 from hwsync.disaggregated.hub import Hub
 from hwsync.disaggregated.link import Link
 from hwsync.disaggregated.plan import CollectivePlan
 from hwsync.disaggregated.worker import CollectiveWorker, Result
 from hwsync.interfaces import Backend, Communicator
+from hwsync.nic import Nic, nic_owning
 from hwsync.source import NamedTensors, checked_items
 from hwsync.stats import SyncStats
 from hwsync.timing import FAILED_JOIN_S, WORKER_JOIN_S
@@ -41,6 +43,8 @@ class SenderGroup:
         self.epoch: int | None = None
         #: this rank's collective failed (its message): its buffers stay busy, the hub names the culprit
         self.failed: str | None = None
+        #: the interface the group binds (the one that holds its address), once known
+        self.nic: Nic | None = None
         self._buffers: list[torch.Tensor] = []
         #: the bucket each buffer's broadcast is sending, or None when the buffer is free
         self._inflight: list[int | None] = [None] * num_buffers
@@ -50,10 +54,11 @@ class SenderGroup:
         self.drop()
         self.worker = CollectiveWorker(f"hwsync-send-{self.rank}", self.backend.device())
         self.epoch, self.failed = epoch, None
-        self.worker.submit(("build",), self._make_group, address, world)
+        self.nic = nic_owning(parse_rendezvous(address)[0])
+        self.worker.submit(("build", address), self._make_group, address, world, self.nic)
 
-    def _make_group(self, address: str, world: int) -> Communicator:
-        return self.backend.communicator(address, 0, world, self.timeout_s)
+    def _make_group(self, address: str, world: int, nic: Nic | None) -> tuple[Communicator, str]:
+        return open_communicator(self.backend, address, 0, world, self.timeout_s, nic)
 
     def pump(self, what: str) -> None:
         """One slice of the control plane, with this rank's collective results taken."""
@@ -61,7 +66,9 @@ class SenderGroup:
             if error is not None:
                 self.failed = error  # its buffer stays busy: the control plane ends the sync and names the culprit
             elif tag[0] == "build":
-                self.comm = value
+                self.comm, note = value
+                log.info("hwsync: sender %d built its group at %s (epoch %s) on %s: %s", self.rank, tag[1], self.epoch,
+                         self.nic or "an interface it could not tell", note)
             elif tag[0] == "bcast":
                 self._inflight[tag[2]] = None
 

@@ -31,13 +31,15 @@ from typing import Any
 import zmq
 
 from hwsync.control import Endpoint, peer_alive
+from hwsync.disaggregated.progress import SyncProgress
 from hwsync.disaggregated.worker import CollectiveWorker, Result
 from hwsync.errors import ProtocolError, RemoteError, SyncError, SyncTimeoutError
 from hwsync.gate import Gate, reply_on
+from hwsync.nic import Nic
 from hwsync.protocol import PROTOCOL_VERSION, TO_HUB, TO_RANK, Abort, Alive, BadFrame, Error, Frame, Ping, \
-    PlanFrame, Pong, RankReady, Refused, Setup, Welcome, decode, encode, peek
+    PlanFrame, Pong, Progress, RankReady, Refused, Setup, Welcome, decode, encode, peek
 from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES, MAX_SENDER_FRAME_BYTES, check_size, cut
-from hwsync.sockets import ConnectionLog, bind_control, connect_control
+from hwsync.sockets import ConnectionLog, bind_control, connect_control, peer_address
 from hwsync.timing import CONTROL_SLICE_S, ERROR_LINGER_S
 
 log = logging.getLogger("hwsync")
@@ -67,6 +69,8 @@ class PeerInfo:
     epoch: int | None
     address: str | None = None
     state: dict[str, Any] = field(default_factory=dict)
+    #: the address its control connection came from (a host name alone may not tell nodes apart)
+    ip: str | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -74,7 +78,8 @@ class PeerInfo:
         return self.role, self.rank
 
     def __str__(self) -> str:
-        return f"{self.role} {self.rank} (pid {self.pid} on {self.host})"
+        at = f", {self.ip}" if self.ip and self.ip != self.host else ""
+        return f"{self.role} {self.rank} (pid {self.pid} on {self.host}{at})"
 
 
 def describe(peers: list[PeerInfo]) -> str:
@@ -110,6 +115,9 @@ class Hub:
         self._pings = 0
         self._last_alive = 0.0
         self.last_event = time.monotonic()
+        #: the current sync's data phase (begin_data), which the errors of a stuck or slow sync describe
+        self.progress: SyncProgress | None = None
+        self._peer_ip: str | None = None  # where the frame being admitted came from
 
     def _socket(self) -> zmq.Socket:
         return self._sock
@@ -139,6 +147,7 @@ class Hub:
         self.peers = [self.waiting.pop(key) for key in wanted]
         self._by_identity = {p.identity: p for p in self.peers}
         self.replies = {}
+        self.progress = None
         self._suspect, self._pings = None, 0
         self.last_event = time.monotonic()
         return self.peers
@@ -149,6 +158,22 @@ class Hub:
                           f"the hub's {frame.T} frame")
         for peer in self.peers if peers is None else peers:
             self._sock.send_multipart([peer.identity, data])
+
+    def begin_data(self, bucket_bytes: list[int], nic: Nic | None) -> None:
+        """The buckets (sizes in plan order) start moving now, from this host's interface `nic`."""
+        receivers = sum(1 for p in self.peers if p.role == "receiver")
+        self.progress = SyncProgress(bucket_bytes, receivers, self.timeout_s, nic)
+
+    def progress_note(self, advise: bool = True) -> str:
+        """' In the 3.1 s since the data began, …' (how far the data got, and with `advise` the timeout_s a link
+        that slow needs), or '' before the data began."""
+        if self.progress is None:
+            return ""
+        frames = self.replied(Progress)
+        loaded = {f"receiver {p.rank} ({p.ip or p.host})": getattr(frames.get(p.key), "k", None)
+                  for p in self.peers if p.role == "receiver"}
+        text = self.progress.describe(loaded, advise)
+        return f" {text[0].upper()}{text[1:]}."
 
     def replied(self, kind: type[Frame]) -> dict[tuple[str, int], Any]:
         """Frames of `kind` received in this sync, by (role, rank)."""
@@ -180,7 +205,9 @@ class Hub:
         self._connections.check()
         if self._sock in ready:
             while self._sock.poll(0, zmq.POLLIN):
-                got = self.gate.admit(self._sock.recv_multipart(copy=False))
+                parts = self._sock.recv_multipart(copy=False)
+                self._peer_ip = peer_address(parts[-1]) or None
+                got = self.gate.admit(parts)
                 if got is not None:
                     self._on_frame(*got)
         results = [] if worker is None else worker.results()
@@ -220,7 +247,7 @@ class Hub:
                                        "meet; set HWSYNC_BACKEND alike on every rank", fatal=True)
             return
         peer = PeerInfo(frame.role, frame.rank, identity, frame.pid, frame.host, frame.epoch, frame.address,
-                        frame.state)
+                        frame.state, self._peer_ip)
         old = self.waiting.get(peer.key)
         if old is not None and old.identity != identity and old.identity not in self._by_identity:
             self.gate.unbind(old.identity)  # a restarted rank: its old connection is gone
@@ -249,16 +276,17 @@ class Hub:
             reason = f" ({self._suspect})" if self._suspect else ""
             if silent:
                 raise SyncError(f"{describe(silent)} stopped answering while {what}{reason}: it died, stalled "
-                                f"or lost its network for over {self.timeout_s / 4:.1f}s. Check its log; the "
-                                "next sync rebuilds the group")
+                                f"or lost its network for over {self.timeout_s / 4:.1f}s.{self.progress_note(advise=False)} "
+                                "Check its log and its host's network; the next sync rebuilds the group")
             if self._suspect:
                 raise SyncError(f"the collective failed while {what}{reason}, though every rank still answers; "
-                                "check the network between the ranks")
+                                f"check the network between the ranks.{self.progress_note()}")
             self._suspect = None
         idle = now - self.last_event
         if idle > self.timeout_s:
             raise SyncTimeoutError(f"nothing moved for {self.timeout_s:.1f}s while {what}, though every rank answers "
-                              "pings: the collective is stuck (network?). Raise timeout_s for slow links")
+                                   f"pings: the collective is stuck or the link is slow.{self.progress_note()}"
+                                   + ("" if self.progress is not None else " Raise timeout_s for slow links"))
         if idle > self.timeout_s / 2 and self._suspect is None and self._pings == 0:
             self._start_round(None)
 

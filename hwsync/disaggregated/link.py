@@ -87,8 +87,9 @@ class Link:
         ready = dict(poller.poll(int(CONTROL_SLICE_S * 1000)))
         results = [] if worker is None else worker.results()
         for result in results:
-            self._heard = time.monotonic()
-            if result[2] is not None and self.reported is None:
+            if result[2] is None:  # a collective that completed: the sync moves. A failed one is no sign of the hub,
+                self._heard = time.monotonic()  # whose verdict is awaited at most timeout_s from its last word
+            elif self.reported is None:
                 # the hub finds out who is to blame; meanwhile keep answering its pings
                 self.reported = result[2]
                 self.send(Error(sync=None, kind=COLLECTIVE, message=result[2]))
@@ -99,7 +100,8 @@ class Link:
             raise SyncError(f"sender 0 (the hub, pid {self.hub[0]}) exited while {what}; restart the trainer")
         if time.monotonic() - self._heard > self.timeout_s:
             raise SyncTimeoutError(f"timed out after {self.timeout_s:.1f}s {what}: sender 0 (the hub, "
-                                   f"{self.endpoint.address}) went silent. Check its log, or raise timeout_s")
+                                   f"{self.endpoint.address}) went silent: it died or stalled, or the network between "
+                                   "this host and it is down. Check its log and the network, or raise timeout_s")
         return results
 
     def _take(self, frame: Frame) -> None:

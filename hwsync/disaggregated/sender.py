@@ -32,6 +32,7 @@ from hwsync.disaggregated.group import SenderGroup
 from hwsync.errors import SyncError
 from hwsync.interfaces import Backend
 from hwsync.manifest import TensorSpec
+from hwsync.nic import describe_addresses, local_addresses, nic_owning, pick_local_host, source_address
 from hwsync.offload import onload_during
 from hwsync.planner import TrainerModel, resolve_source
 from hwsync.protocol import Commit, Go, Joined, PlanAccept, PlanFrame, RankComplete, Sent, Setup
@@ -45,11 +46,35 @@ log = logging.getLogger("hwsync")
 
 
 def default_host() -> str:
-    """This host's address as the resolver gives it; pass group_host where that is not the right NIC."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+    """This host's address when nothing names one (hwsync.nic.pick_local_host); pass group_host where it is not
+    the right NIC."""
+    return pick_local_host()
+
+
+def endpoint_host(endpoint: str) -> str | None:
+    """The host of a tcp:// endpoint (`tcp://HOST:PORT[#...]`), or None (ipc://, or a wildcard address)."""
+    address = endpoint.partition("#")[0]
+    if not address.startswith("tcp://"):
+        return None
+    host = address[len("tcp://"):].rpartition(":")[0].strip("[]")
+    return None if host in ("", "*", "0.0.0.0", "::") else host
+
+
+def choose_group_host(group_host: str | None, rank: int, endpoint: str | None) -> str:
+    """The address this sender's group binds: `group_host` (checked to be this host's), else for sender 0 its hub's
+    address, for the others the address that routes to the hub, else default_host()."""
+    if group_host:
+        if nic_owning(group_host) is None and local_addresses() is not None:
+            raise ValueError(f"group_host={group_host!r} is not an address of this host (its addresses: "
+                             f"{describe_addresses()}); pass the address of the interface the engines reach "
+                             "this host through")
+        return group_host
+    hub = endpoint_host(endpoint) if endpoint else None
+    if hub is not None:
+        mine = hub if rank == 0 else source_address(hub)
+        if mine is not None and nic_owning(mine) is not None:
+            return mine
+    return default_host()
 
 
 def pick_port(host: str) -> int:
@@ -95,7 +120,7 @@ class CrossNodeSender:
         self.rank = rank
         self.num_senders = num_senders
         self.num_receivers = num_receivers
-        self.group_host = group_host or default_host()
+        self.group_host = choose_group_host(group_host, rank, endpoint)
         self.group_port = group_port
         self.bucket_bytes = int(bucket_bytes or DEFAULT_BUCKET_BYTES)
         if self.bucket_bytes < ALIGN:
@@ -198,6 +223,7 @@ class CrossNodeSender:
         hub.send(plan.frame(**this_process(), epoch=self._group.epoch, version=version, state={"receivers": states}))
         hub.wait_for(PlanAccept, receivers, "waiting for the receivers to accept the plan")
         hub.send(Go())
+        hub.begin_data([b.nbytes for b in plan.buckets], self._group.nic)
         with onload_during(onload, self.backend.device(), stats):
             self._group.stream(plan, pairs, stats)
         t0 = time.perf_counter()

@@ -32,7 +32,8 @@ class LoraAdapter:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"adapter name must be a non-empty str, got {self.name!r}")
         if isinstance(self.lora_id, bool) or not isinstance(self.lora_id, int) or self.lora_id < 1:
-            raise ValueError(f"adapter {self.name!r}: lora_id must be a positive int (vLLM's rule), got {self.lora_id!r}")
+            raise ValueError(f"adapter {self.name!r}: lora_id must be a positive int (vLLM's rule), "
+                             f"got {self.lora_id!r}")
         for key in ("r", "lora_alpha", "target_modules"):
             if key not in self.config:
                 raise ValueError(f"adapter {self.name!r}: its config lacks {key!r}; pass the PEFT adapter config")

@@ -75,7 +75,7 @@ def _plain(value: Any) -> Any:
 
 def peft_adapter_config(peft_model: torch.nn.Module, adapter: str = "default") -> dict[str, Any]:
     """The adapter's PEFT config as plain values (what adapter_config.json holds)."""
-    return _plain(peft_model.peft_config[adapter].to_dict())  # type: ignore[index, operator]
+    return _plain(peft_model.peft_config[adapter].to_dict())  # type: ignore[index, union-attr]
 
 
 def peft_trainer_model(peft_model: torch.nn.Module, *, name: str, lora_id: int, adapter: str = "default",

@@ -9,7 +9,8 @@ from hwsync.communicator import ProcessGroupCommunicator
 from hwsync.interfaces import Backend, Communicator, Device, Transport
 from hwsync.shm import ShmTransport
 from hwsync_cpu.device import CpuDevice
-from hwsync_cpu.gloo import GLOO_REDUCE_DTYPES, gloo_group
+from hwsync.nic import Nic
+from hwsync_cpu.gloo import GLOO_REDUCE_DTYPES, gloo_factory
 
 
 class CpuBackend(Backend):
@@ -26,10 +27,13 @@ class CpuBackend(Backend):
         """The host."""
         return self._device
 
-    def communicator(self, init_method: str, rank: int, world_size: int, timeout_s: float = GROUP_TIMEOUT_S) -> Communicator:
-        """A gloo group of its own."""
+    def communicator(self, init_method: str, rank: int, world_size: int, timeout_s: float = GROUP_TIMEOUT_S,
+                     *, nic: Nic | None = None) -> Communicator:
+        """A gloo group of its own, bound to `nic` (the interface hwsync chose) unless GLOO_SOCKET_IFNAME is set."""
+        factory, note = gloo_factory(nic)
         return ProcessGroupCommunicator(
-            "gloo", gloo_group, init_method, rank, world_size, torch.device("cpu"), GLOO_REDUCE_DTYPES, timeout_s
+            "gloo", factory, init_method, rank, world_size, torch.device("cpu"), GLOO_REDUCE_DTYPES, timeout_s,
+            interface_note=note,
         )
 
     def transports(self) -> dict[str, Transport]:

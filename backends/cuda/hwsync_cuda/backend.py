@@ -14,7 +14,8 @@ from hwsync.errors import HwsyncError
 from hwsync.interfaces import Backend, Communicator, Device, Transport
 from hwsync_cuda.device import CudaDevice
 from hwsync_cuda.ipc import CudaIpcTransport
-from hwsync_cuda.nccl import NCCL_REDUCE_DTYPES, nccl_group, nccl_missing_reason
+from hwsync.nic import Nic
+from hwsync_cuda.nccl import NCCL_REDUCE_DTYPES, nccl_group, nccl_interface, nccl_missing_reason
 
 
 class CudaBackend(Backend):
@@ -34,8 +35,10 @@ class CudaBackend(Backend):
         """The process's NVIDIA GPUs."""
         return self._device
 
-    def communicator(self, init_method: str, rank: int, world_size: int, timeout_s: float = GROUP_TIMEOUT_S) -> Communicator:
-        """An NCCL group of its own on the current GPU; one GPU per rank, as NCCL requires."""
+    def communicator(self, init_method: str, rank: int, world_size: int, timeout_s: float = GROUP_TIMEOUT_S,
+                     *, nic: Nic | None = None) -> Communicator:
+        """An NCCL group of its own on the current GPU (one GPU per rank, as NCCL requires), its sockets on `nic`
+        unless NCCL_SOCKET_IFNAME is set."""
         reason = nccl_missing_reason()
         if reason is not None:
             raise HwsyncError(f"the cuda backend's communicator needs NCCL: {reason}")
@@ -43,8 +46,10 @@ class CudaBackend(Backend):
         if not probe.usable:
             raise HwsyncError(f"the cuda backend's communicator needs a GPU: {probe.reason}")
         device = torch.device("cuda", torch.cuda.current_device())
+        note = nccl_interface(nic)
         return ProcessGroupCommunicator(
-            "nccl", nccl_group, init_method, rank, world_size, device, NCCL_REDUCE_DTYPES, timeout_s
+            "nccl", nccl_group, init_method, rank, world_size, device, NCCL_REDUCE_DTYPES, timeout_s,
+            interface_note=note,
         )
 
     def transports(self) -> dict[str, Transport]:

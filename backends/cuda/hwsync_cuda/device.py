@@ -66,7 +66,7 @@ def allocator_settings() -> str:
     """This process's caching-allocator settings as torch holds them (env or set at run time)."""
     try:
         return str(torch._C._accelerator_getAllocatorSettings())
-    except Exception:  # an older torch: what the environment says
+    except Exception:  # noqa: BLE001 - an older torch: what the environment says
         return ",".join(os.environ.get(name, "") for name in ALLOC_CONF_ENVS)
 
 
@@ -166,7 +166,7 @@ class CudaDevice(Device):
         """Whether a GPU is usable, without creating a CUDA context; never raises."""
         try:
             return probe_cuda()
-        except Exception as exc:  # a probe reports, it does not fail the caller
+        except Exception as exc:  # noqa: BLE001 - a probe reports, it does not fail the caller
             return ProbeResult(False, f"probing CUDA raised {type(exc).__name__}: {exc}")
 
     def count(self) -> int:

@@ -13,7 +13,9 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from hwsync.communicator import claim_interface_env
 from hwsync.errors import HwsyncError
+from hwsync.nic import Nic
 from hwsync_cuda.device import device_uuid
 
 # What ProcessGroupNCCL reduces natively (ncclInt8/Uint8/Int32/Int64/Float16/Bfloat16/Float32/
@@ -24,6 +26,20 @@ NCCL_REDUCE_DTYPES = frozenset(
 )
 
 _GPU_KEY = "hwsync-cuda/gpu/{rank}"
+#: NCCL's interface for its bootstrap and socket transport; a leading '=' matches the name exactly (not as a prefix)
+NCCL_IFNAME = "NCCL_SOCKET_IFNAME"
+
+
+def nccl_interface(nic: Nic | None) -> str:
+    """Point NCCL at `nic` unless the user chose (NCCL_SOCKET_IFNAME); how the interface was chosen.
+
+    torch offers no per-group interface for NCCL, and NCCL reads the variable once per process, when it
+    starts its first communicator: so it is set here, before the group is built, and logged.
+    """
+    if nic is None:
+        return ""
+    return claim_interface_env("NCCL", {NCCL_IFNAME: f"={nic.name}"}, nic,
+                               "once per process, at its first communicator")
 
 
 def nccl_missing_reason() -> str | None:

@@ -9,7 +9,8 @@ from hwsync.communicator import ProcessGroupCommunicator
 from hwsync.device_shm import DeviceShmTransport
 from hwsync.interfaces import Backend, Communicator, Device, Transport
 from hwsync_npu.device import NpuDevice
-from hwsync_npu.hccl import hccl_group, hccl_reduce_dtypes
+from hwsync.nic import Nic
+from hwsync_npu.hccl import hccl_group, hccl_interface, hccl_reduce_dtypes
 from hwsync_npu.ipc import NpuIpcTransport
 
 
@@ -33,11 +34,14 @@ class NpuBackend(Backend):
         """The NPUs visible to this process."""
         return self._device
 
-    def communicator(self, init_method: str, rank: int, world_size: int, timeout_s: float = GROUP_TIMEOUT_S) -> Communicator:
-        """An HCCL group of its own; reductions limited to what HCCL reduces on this chip."""
+    def communicator(self, init_method: str, rank: int, world_size: int, timeout_s: float = GROUP_TIMEOUT_S,
+                     *, nic: Nic | None = None) -> Communicator:
+        """An HCCL group of its own, on `nic` unless HCCL_IF_IP / HCCL_SOCKET_IFNAME are set; reductions limited
+        to what HCCL reduces on this chip."""
+        note = hccl_interface(nic)
         return ProcessGroupCommunicator(
             "hccl", hccl_group, init_method, rank, world_size, self._current_device(),
-            hccl_reduce_dtypes(self._device.soc_name()), timeout_s,
+            hccl_reduce_dtypes(self._device.soc_name()), timeout_s, interface_note=note,
         )
 
     def transports(self) -> dict[str, Transport]:

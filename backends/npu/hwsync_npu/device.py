@@ -136,22 +136,23 @@ class NpuDevice(Device):
         note = os.environ.get(NOTE_ENV)
         try:
             npu = self._npu()
-        except Exception as exc:  # RuntimeError/ImportError/OSError: whatever a broken stack raises
+        except Exception as exc:  # noqa: BLE001 - RuntimeError/ImportError/OSError: whatever a broken stack raises
             reason = import_failure_reason(exc, _installed_torch_npu_version())
             return ProbeResult(False, reason + (f" [{note}]" if note else ""), {"error": type(exc).__name__})
         try:
             # device_count asks the driver (ascend_hal) and does not initialise the ACL runtime
             count = int(npu.device_count())
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - reported as the probe's reason
             return ProbeResult(False, f"torch_npu imported but counting NPUs failed ({type(exc).__name__}: {exc}); "
                                       "check the driver with `npu-smi info`")
-        details: dict[str, Any] = {"torch_npu": self._torch_npu.__version__, "count": count,
+        version = getattr(self._torch_npu, "__version__", "unknown")  # _npu() imported torch_npu
+        details: dict[str, Any] = {"torch_npu": version, "count": count,
                                    VISIBLE_DEVICES_ENV: current_visible_value()}
         if count < 1:
-            return ProbeResult(False, f"torch_npu {self._torch_npu.__version__} sees no NPU "
+            return ProbeResult(False, f"torch_npu {version} sees no NPU "
                                       f"({VISIBLE_DEVICES_ENV}={current_visible_value()!r}); check `npu-smi info` "
                                       f"and {VISIBLE_DEVICES_ENV}", details)
-        return ProbeResult(True, f"torch_npu {self._torch_npu.__version__} sees {count} NPU(s)", details)
+        return ProbeResult(True, f"torch_npu {version} sees {count} NPU(s)", details)
 
     def count(self) -> int:
         """Number of NPUs visible to this process."""
@@ -175,7 +176,7 @@ class NpuDevice(Device):
         module = self._torch_npu if self._torch_npu is not None else sys.modules.get("torch_npu")
         try:
             return module is not None and bool(module.npu.is_initialized())
-        except Exception:  # a half-imported or stand-in torch_npu: nothing can have been queued through it
+        except Exception:  # noqa: BLE001 - a half-imported or stand-in torch_npu: nothing was queued through it
             return False
 
     def mem_get_info(self, index: int | None = None) -> tuple[int, int]:
@@ -204,14 +205,14 @@ class NpuDevice(Device):
         """The chip name (e.g. Ascend910B3), which decides the HCCL reduce dtypes."""
         try:
             return str(self._npu().get_device_name())
-        except Exception:  # an unnamed chip gets the dtypes every Ascend product reduces
+        except Exception:  # noqa: BLE001 - an unnamed chip gets the dtypes every Ascend product reduces
             return None
 
     def _registrar(self) -> HostRegister | None:
         if self._host_register is False:
             try:
                 npu = self._npu()
-            except Exception:  # no usable torch_npu: nothing to copy to, nothing to register for
+            except Exception:  # noqa: BLE001 - no usable torch_npu: nothing to copy to, nothing to register for
                 npu = None
             self._host_register = None if npu is None else open_host_register(npu)
         return self._host_register  # type: ignore[return-value]

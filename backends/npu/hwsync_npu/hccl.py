@@ -19,6 +19,8 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from hwsync.communicator import claim_interface_env
+from hwsync.nic import Nic
 from hwsync_npu.api import HCCL_MODULE, import_torch_npu
 
 # HcclAllReduce's dataType, per the CANN HCCL API reference (hcclcpp_07_0020, CANN 8.5.0):
@@ -49,6 +51,21 @@ def hccl_reduce_dtypes(soc_name: str | None) -> frozenset[torch.dtype]:
 
 
 GROUP_ID_KEY = "hwsync/hccl/group_id"
+#: HCCL's host NIC for its rendezvous: an address (wins over the name) and a name ('=' for an exact match)
+HCCL_IF_IP = "HCCL_IF_IP"
+HCCL_IFNAME = "HCCL_SOCKET_IFNAME"
+
+
+def hccl_interface(nic: Nic | None) -> str:
+    """Point HCCL at `nic` unless the user chose (HCCL_IF_IP or HCCL_SOCKET_IFNAME); how the interface was chosen.
+
+    torch_npu offers no per-group interface, and HCCL reads the variables from the process environment,
+    so they are set here, before the group is built, and logged.
+    """
+    if nic is None:
+        return ""
+    return claim_interface_env("HCCL", {HCCL_IF_IP: nic.address, HCCL_IFNAME: f"={nic.name}"}, nic,
+                               "from the process environment when it builds a communicator")
 
 
 def hccl_group_id(store: dist.Store, rank: int) -> str:

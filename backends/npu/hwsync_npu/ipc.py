@@ -81,7 +81,7 @@ def current_versions() -> tuple[str | None, str | None]:
         utils = import_torch_npu().npu.utils
         cann = utils.get_cann_version("CANN") or None  # "" below CANN 8.1.RC1 or when unknown
         driver = utils.get_cann_version("DRIVER") or None  # read from the driver's version.info
-    except Exception:  # no torch_npu, or a torch_npu without the query: read the files
+    except Exception:  # noqa: BLE001 - no torch_npu, or a torch_npu without the query: read the files
         pass
     return cann or cann_version_from_files(), driver or driver_version_from_files()
 
@@ -103,7 +103,8 @@ class NpuIpcSendBuffers(SendBuffers):
         _LOCAL_SENDERS[self.token] = self
 
     def _export_all(self) -> list[dict[str, Any]]:
-        return [share_record(b.untyped_storage()._share_npu_()) for b in self._buffers]
+        # _share_npu_, _release_ipc_counter_npu, _new_shared_npu: what torch_npu adds to torch's storages
+        return [share_record(b.untyped_storage()._share_npu_()) for b in self._buffers]  # type: ignore[attr-defined]
 
     def handles(self) -> Handles:
         """Handles for one receiver process that is not told apart from others (see handles_for)."""
@@ -138,7 +139,8 @@ class NpuIpcSendBuffers(SendBuffers):
 
 def _release_export(record: dict[str, Any]) -> None:
     # what torch_npu's rebuild_npu_tensor does for an export it does not map
-    torch.UntypedStorage._release_ipc_counter_npu(record["ref_counter_handle"], record["ref_counter_offset"])
+    torch.UntypedStorage._release_ipc_counter_npu(  # type: ignore[attr-defined]
+        record["ref_counter_handle"], record["ref_counter_offset"])
 
 
 class NpuIpcReceiveBuffers(ReceiveBuffers):
@@ -150,12 +152,12 @@ class NpuIpcReceiveBuffers(ReceiveBuffers):
         self._torch_npu = import_torch_npu()
         local = _LOCAL_SENDERS.get(str(handles.get("token")))
         if local is not None and handles.get("pid") == os.getpid():  # the runtime cannot open its own export
-            self._views = list(local._buffers)
+            self._views: list[torch.Tensor] = list(local._buffers)
             return
-        self._views: list[torch.Tensor] = []
+        self._views = []
         device = torch.device("npu", int(self._torch_npu.npu.current_device()))  # this receiver's own NPU
         for record in handles["buffers"]:
-            storage = torch.UntypedStorage._new_shared_npu(
+            storage = torch.UntypedStorage._new_shared_npu(  # type: ignore[attr-defined]
                 device.index, record["handle"], record["storage_bytes"], record["storage_offset"],
                 record["ref_counter_handle"], record["ref_counter_offset"],
                 record["event_handle"], record["event_sync_required"],

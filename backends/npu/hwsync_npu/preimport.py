@@ -17,7 +17,7 @@ from __future__ import annotations
 import glob
 import os
 import sys
-from collections.abc import Container
+from collections.abc import Container, Mapping, MutableMapping
 
 from hwsync_npu.api import AUTOLOAD_ENV, torch_npu_installed
 
@@ -30,7 +30,7 @@ NOTE_ENV = "HWSYNC_NPU_AUTOLOAD_NOTE"
 CANN_PROBE_LIBRARY = "libhccl.so"
 
 
-def _library_dirs(environ: dict[str, str]) -> list[str]:
+def _library_dirs(environ: Mapping[str, str]) -> list[str]:
     """Where the dynamic loader would look for CANN: LD_LIBRARY_PATH, then the toolkit's lib64."""
     dirs = [d for d in environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if d]
     for key in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH"):
@@ -39,7 +39,7 @@ def _library_dirs(environ: dict[str, str]) -> list[str]:
     return dirs
 
 
-def cann_library_found(environ: dict[str, str] | None = None) -> bool:
+def cann_library_found(environ: Mapping[str, str] | None = None) -> bool:
     """Whether libhccl.so is in a directory the loader searches (or in the ld.so cache)."""
     env = os.environ if environ is None else environ
     if any(glob.glob(os.path.join(d, CANN_PROBE_LIBRARY + "*")) for d in _library_dirs(env)):
@@ -51,7 +51,8 @@ def cann_library_found(environ: dict[str, str] | None = None) -> bool:
         return False
 
 
-def prepare_torch_import(environ: dict[str, str] | None = None, modules: Container[str] | None = None) -> str | None:
+def prepare_torch_import(environ: MutableMapping[str, str] | None = None,
+                         modules: Container[str] | None = None) -> str | None:
     """Disable torch's device-backend autoload when torch_npu cannot load; return why, or None."""
     env = os.environ if environ is None else environ
     if "torch" in (sys.modules if modules is None else modules) or AUTOLOAD_ENV in env or not torch_npu_installed():

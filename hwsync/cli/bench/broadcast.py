@@ -6,6 +6,10 @@ group after a warm-up sync that builds the group; the figure is the median. Alon
 the same run: the same sync stop-and-wait (one buffer per rank, so broadcast and load never
 overlap), and the host's own copy bandwidth, because figures from shared machines are only
 comparable as ratios.
+
+With `--hosts H --link RATE [RATE ...]` the ranks run instead in the hosts of a bed (hwsync.bed: network
+namespaces, links limited to RATE; needs root), trainer on host 0 and engines on the others, and each row
+is compared with the link's line rate (broadcast_bed.py).
 """
 
 from __future__ import annotations
@@ -112,7 +116,8 @@ def copy_gbps(size: int) -> float:
 def add_bench_broadcast_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `hwsync bench broadcast`."""
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[256], help="sync sizes in MB (1e6 bytes)")
-    parser.add_argument("--receivers", type=int, nargs="+", default=[1, 2, 3], help="receiver counts N")
+    parser.add_argument("--receivers", type=int, nargs="+", default=None,
+                        help="receiver counts N (default 1 2 3; with --hosts: engine hosts, 1 and H-1)")
     parser.add_argument("--senders", type=int, nargs="+", default=[1, 2], help="sender counts (striping)")
     parser.add_argument("--bucket-mb", type=float, default=32.0, help="bucket size in MiB")
     parser.add_argument("--repeat", type=int, default=3, help="timed syncs per configuration (median)")
@@ -120,13 +125,28 @@ def add_bench_broadcast_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="timeout_s of every rank")
     parser.add_argument("--backend", default=None, help="backend (default: HWSYNC_BACKEND or auto)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--hosts", type=int, default=0,
+                        help="run on a bed of this many hosts (trainer on host 0, engines on the others; needs root)")
+    parser.add_argument("--link", nargs="+", default=["1gbit", "10gbit"],
+                        help="with --hosts: the rates of the bed's links (e.g. 1gbit 10gbit; none: unlimited)")
 
 
 def run_bench_broadcast(args: argparse.Namespace) -> int:
     """Run every configuration, print a table (or JSON); 0 on success."""
     from hwsync.registry import get_backend
 
+    if args.hosts:
+        from hwsync.bed import unavailable_reason
+        from hwsync.cli.bench.broadcast_bed import print_bed_table, run_on_bed
+
+        reason = unavailable_reason()
+        if reason:
+            print(f"hwsync bench broadcast --hosts needs the multi-host bed: {reason}")
+            return 2
+        print_bed_table(run_on_bed(args), args)
+        return 0
     backend = args.backend or get_backend().name
+    args.receivers = args.receivers or [1, 2, 3]
     bucket = int(args.bucket_mb * (1 << 20))
     rows = []
     for size_mb in args.sizes_mb:

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -94,10 +95,14 @@ def _hash_rates(tensors: list[torch.Tensor], repeat: int) -> dict[str, float]:
     try:
         import blake3
 
-        ways["blake3_1_thread"] = lambda t: blake3.blake3(memoryview(t.view(-1).view(torch.uint8).numpy())).digest()
+        ways["blake3_1_thread"] = lambda t: blake3.blake3(t.view(-1).view(torch.uint8).numpy().data).digest()
     except ImportError:
         pass
-    return {k: total / _best(lambda: [f(t) for t in tensors], repeat) / 1e9 for k, f in ways.items()}
+    return {k: total / _best(partial(_each, f, tensors), repeat) / 1e9 for k, f in ways.items()}
+
+
+def _each(f: Callable[[torch.Tensor], Any], tensors: list[torch.Tensor]) -> list[Any]:
+    return [f(t) for t in tensors]
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -120,14 +125,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             base_bytes = sum(b.numel() * 2 for b in bases)
             deltas: list[Any] = []
 
-            def diff() -> None:
+            # the closures take this iteration's lists as defaults (bound now, freed by the `del` below)
+            def diff(news: list[torch.Tensor] = news, deltas: list[Any] = deltas) -> None:
                 deltas[:] = [encoder.encode(n, b, base_digest=d) for n, b, d in zip(news, bases, digests)]
 
             diff_s = _best(diff, args.repeat)
             for dest, base in zip(dests, bases):
                 dest.copy_(base)
 
-            def apply() -> None:
+            def apply(deltas: list[Any] = deltas) -> None:
                 for dest, d in zip(dests, deltas):
                     apply_into(dest, d.header, d.payload)
 
@@ -149,7 +155,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "hash_gbps": base_bytes / hash_s / 1e9, "payload_bytes": sizes, "codes": codes,
                 "wire_floor_s": {f"{g}gbit": sizes["chosen"] * 8 / (g * 1e9) for g in _LINKS_GBIT},
             })
-            del news, deltas
+            del news, deltas, diff, apply  # the closures hold the lists too
     return {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": args.threads,
             "elements": sum(numels), "tensors": len(bases), "chunk_elems": encoder.chunk_elems,
             "engine": "numba" if encoder.uses_native(torch.device("cpu")) else "torch",

@@ -7,8 +7,8 @@ single-buffer stop-and-wait sender (stop_and_wait.py: pack one bucket, send a fr
 for the ack: what peers ship), the device's copy bandwidth (single-thread on the host), and two
 such copies in two processes at once (half their sum bounds any pipeline that copies each byte
 twice). Tensors live on the selected backend's device, so on a GPU machine this measures a
-colocated sync over the backend's default transport (CUDA IPC) against device-to-device copies. Both receivers copy every
-tensor into preallocated destination tensors, as an engine does. Syncs after the first are
+colocated sync over the backend's default transport (CUDA IPC) against device-to-device copies. Both
+receivers copy every tensor into preallocated destination tensors, as an engine does. Syncs after the first are
 timed and the median taken; figures from shared machines are only comparable as ratios.
 """
 
@@ -29,10 +29,18 @@ import torch
 import zmq
 
 from hwsync.cli.bench.stop_and_wait import StopAndWait, await_reply, pack
-from hwsync.cli.bench.transfer_parts import Spec, _receiver_main, bench_device, build, concurrent_copy_gbps, \
-    copy_gbps, host_to_device_gbps
+from hwsync.cli.bench.transfer_parts import (
+    Spec,
+    _receiver_main,
+    bench_device,
+    build,
+    concurrent_copy_gbps,
+    copy_gbps,
+    host_to_device_gbps,
+)
 from hwsync.control import private_ipc_dir, remove_ipc_dir
 from hwsync.manifest import dtype_name
+
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # a ~1.5B-parameter transformer (Qwen2.5-1.5B geometry): hidden, mlp, vocab, kv width, layers
 _HIDDEN, _MLP, _VOCAB, _KV, _LAYERS = 1536, 8960, 151936, 256, 28
@@ -76,7 +84,9 @@ def model_spec(total_bytes: int, dtype: str, tensors: int | None = None) -> Spec
         layout = _transformer(_HIDDEN, _MLP, _VOCAB, _KV, max(1, round((total_bytes - embed) / layer)))
     else:  # too small for one real layer: shrink every width, keep 2 layers
         f = math.sqrt(total_bytes / (embed + 2 * layer))
-        r = lambda n: max(64, int(n * f) // 64 * 64)  # noqa: E731
+        def r(n: int) -> int:
+            return max(64, int(n * f) // 64 * 64)
+
         layout = _transformer(r(_HIDDEN), r(_MLP), r(_VOCAB), r(_KV), 2)
     return [(name, shape, dt(m)) for name, shape, m in layout]
 
@@ -201,7 +211,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "syncs": args.syncs, "hwsync_gbps": hw, "stop_and_wait_gbps": sw, "copy_gbps": memcpy,
         "concurrent_copy_gbps": both, "host_to_device_gbps": h2d,
         "hwsync_vs_host_to_device": hw / h2d if h2d else None, "two_copy_ceiling_gbps": both / 2,
-        "hwsync_vs_copy": hw / memcpy, "hwsync_vs_two_copy_ceiling": hw / (both / 2), "hwsync_vs_stop_and_wait": hw / sw,
+        "hwsync_vs_copy": hw / memcpy, "hwsync_vs_two_copy_ceiling": hw / (both / 2),
+        "hwsync_vs_stop_and_wait": hw / sw,
         "hwsync_s": hw_s, "stop_and_wait_s": sw_s,
         "one_copy_gbps": oc, "one_copy_s": oc_s, "one_copy_vs_copy": oc / memcpy if oc else None,
         "one_copy_vs_packed": oc / hw if oc else None, "one_copy_seconds": [s.total_s for s in one_copy],
@@ -221,7 +232,8 @@ def add_bench_transfer_arguments(parser: argparse.ArgumentParser) -> None:
                         help="N equal tensors instead of the ~1.5B transformer's shapes")
     parser.add_argument("--syncs", type=int, default=8, help="syncs per transfer; the median excludes the first")
     parser.add_argument("--bucket-mb", type=float, default=None,
-                        help="hwsync's bucket size in MiB (default: the transport's, for how the receiver takes tensors)")
+                        help="hwsync's bucket size in MiB (default: the transport's, for how the receiver takes "
+                             "tensors)")
     parser.add_argument("--num-buffers", type=int, default=None,
                         help="hwsync's buffers (default: the transport's; the baseline has 1)")
     parser.add_argument("--baseline-bucket-mb", type=float, default=32.0,
@@ -245,7 +257,8 @@ def add_bench_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verl-bucket-mb", type=int, nargs="+", default=None,
                         help="verl's bucket sizes in MiB (default: its default, 1024, 512, the smallest holding the "
                              "largest tensor, and one below it)")
-    parser.add_argument("--verl-syncs", type=int, default=4, help="syncs per verl bucket size; the median excludes the first")
+    parser.add_argument("--verl-syncs", type=int, default=4,
+                        help="syncs per verl bucket size; the median excludes the first")
 
 
 def run_bench_transfer(args: argparse.Namespace) -> int:

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 import zmq
 
-from hwsync.sizes import MiB
 from hwsync.cli.bench.stop_and_wait import await_reply, pack
 from hwsync.control import private_ipc_dir, remove_ipc_dir
 from hwsync.manifest import dtype_from_name
+from hwsync.sizes import MiB
 
 if importlib.util.find_spec("verl") is None:
     raise SystemExit("hwsync bench transfer --peer verl needs verl: pip install 'hwsync[verl]', or run it in "
@@ -81,7 +81,7 @@ def _receiver_main(handle: str, reply: str, spec_json: str, syncs: int, threads:
         for _ in range(syncs):
             seen: list[str] = []
 
-            def load(weights: list[tuple[str, torch.Tensor]], is_last: bool) -> None:
+            def load(weights: list[tuple[str, torch.Tensor]], is_last: bool, seen: list[str] = seen) -> None:
                 for name, tensor in weights:  # what an engine's load does: copy out of the bucket
                     dest[name].copy_(tensor)
                     seen.append(name)
@@ -194,6 +194,7 @@ def print_peer(r: dict[str, Any]) -> None:
         else:
             print(f"{label:44} {run['gbps']:>8.2f} {run['median_s']:>8.3f} "
                   f"{run['median_s'] / r['hwsync_s']:>9.2f}x")
-    for key, what in (("hwsync_vs_verl_default", "verl's default bucket"), ("hwsync_vs_verl_best", "verl's best bucket")):
+    for key, what in (("hwsync_vs_verl_default", "verl's default bucket"),
+                      ("hwsync_vs_verl_best", "verl's best bucket")):
         if v[key]:
             print(f"hwsync vs {what}: {v[key]:.2f}x faster")

@@ -31,8 +31,7 @@ from typing import Any
 
 import torch
 
-from hwsync.cli.toy_model import ToyModel, cpu_engine_env, engine_kwargs, engine_outputs, \
-    param_count, shutdown_engine
+from hwsync.cli.toy_model import ToyModel, cpu_engine_env, engine_kwargs, engine_outputs, param_count, shutdown_engine
 from hwsync.integrations.vllm.worker import HwsyncWorkerExtension
 
 METHODS = ("hwsync", "one-copy", "native", "reload", "safetensors", "floor")
@@ -56,7 +55,8 @@ class BenchWorkerExtension(HwsyncWorkerExtension):
         """The engine's own layerwise reload of the staged tensors; returns its seconds."""
         assert self._hwsync_bench_staged is not None, "call hwsync_bench_stage first"
         t0 = time.perf_counter()
-        self.model_runner.reload_weights(weights_iterator=iter(self._hwsync_bench_staged))
+        self.model_runner.reload_weights(  # type: ignore[attr-defined]  # vLLM's worker, which this extends
+            weights_iterator=iter(self._hwsync_bench_staged))
         return time.perf_counter() - t0
 
 
@@ -93,7 +93,6 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     from safetensors.torch import save_file
     from vllm import LLM
-
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 

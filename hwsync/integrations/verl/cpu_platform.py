@@ -18,11 +18,20 @@ from collections.abc import Iterator
 import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry, get_platform
 
-#: what verl calls on `get_torch_device()`: torch.cpu has synchronize but no allocator cache to empty
+def _host_memory() -> tuple[int, int]:
+    """(free, total) bytes of host memory, what verl's memory log asks a device for."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+#: what verl calls on `get_torch_device()`: torch.cpu has synchronize but no allocator cache to empty, and
+#: no allocator statistics (verl's memory log in its colocated update reads them: zeros, host memory)
 CPU_MODULE = types.SimpleNamespace(
     synchronize=torch.cpu.synchronize, empty_cache=lambda: None, ipc_collect=lambda: None,
     current_device=lambda: 0, device_count=lambda: 1, is_available=lambda: True, set_device=lambda index: None,
     manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed,
+    memory_allocated=lambda *a: 0, memory_reserved=lambda *a: 0, max_memory_allocated=lambda *a: 0,
+    max_memory_reserved=lambda *a: 0, mem_get_info=lambda *a: _host_memory(),
 )
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -61,7 +61,7 @@ class AdapterSpec:
                 raise LoraError(f"adapter {name!r}: {key} must be a positive int, got {value!r}")
         if not isinstance(config, dict):
             raise LoraError(f"adapter {name!r}: config must be the PEFT adapter config as a dict")
-        return cls(name, lora_id, config, tensors)
+        return cls(name, cast(int, lora_id), config, cast(int, tensors))  # checked above
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (msgpack/JSON)."""
@@ -138,7 +138,8 @@ class EngineAdapters:
                                 f"{other.spec.name!r}; give each adapter its own id")
         if len({n for n in self.held if n != spec.name}) + 1 > am.capacity:
             raise LoraError(f"adapter {spec.name!r} would be adapter {len(self.held) + 1} held in memory, but the "
-                            f"engine's CPU cache holds {am.capacity}; start it with max_cpu_loras >= {len(self.held) + 1}")
+                            f"engine's CPU cache holds {am.capacity}; start it with max_cpu_loras >= "
+                            f"{len(self.held) + 1}")
         _peft_helper(spec, vllm_config)
         mapper, packed = _weights_mapper(model), am.packed_modules_mapping
         wrapped: dict[str, tuple[torch.nn.Module, int | None]] = {}  # module name -> (LoRA wrapper, packed slice)

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, \
-    WeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from hwsync.errors import HwsyncError
 from hwsync.integrations.vllm.adapters import AdapterSpec

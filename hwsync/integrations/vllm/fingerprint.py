@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,14 +44,14 @@ def _empty_weight(module: torch.nn.Module) -> bool:
     return isinstance(weight, torch.Tensor) and weight.numel() == 0
 
 
-def _probe(name: str, layer: torch.nn.Module, count: int) -> torch.Tensor:
+def _probe(name: str, layer: Any, count: int) -> torch.Tensor:  # a vLLM linear layer
     """The layer's own kernel output on a fixed input row (seeded by its name), `count` values of it."""
     device = next((t.device for t in layer.parameters()), torch.device("cpu"))
     dtype = getattr(layer, "params_dtype", None) or torch.float32
     generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     width = getattr(layer, "input_size_per_partition", None) or layer.input_size  # replicated layers have no partition
     row = torch.randn(1, int(width), generator=generator).to(device=device, dtype=dtype)
-    out = layer.quant_method.apply(layer, row)  # type: ignore[union-attr, operator]
+    out = layer.quant_method.apply(layer, row)
     return _spaced(out[0] if isinstance(out, tuple) else out, count)
 
 
@@ -76,7 +77,7 @@ class Fingerprint:
             if isinstance(module, LinearBase) and _empty_weight(module) and hasattr(module, "quant_method"):
                 try:
                     part = _probe(name, module, samples)
-                except Exception as exc:  # a kernel that cannot run alone is left out, the same way every time
+                except Exception as exc:  # noqa: BLE001 - a kernel that cannot run alone is left out, every time
                     log.debug("hwsync: fingerprint does not probe %s: %s", name, exc)
                     continue
                 names.append(f"{name}#kernel")

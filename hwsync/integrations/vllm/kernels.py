@@ -42,7 +42,7 @@ def reset_moe_kernels(model: torch.nn.Module) -> SavedKernels:
     """Forget the prepared kernel of every fused-MoE layer whose experts transform their weights."""
     saved: SavedKernels = []
     for module in model.modules():
-        method = getattr(module, "quant_method", None)
+        method: Any = getattr(module, "quant_method", None)
         kernel = getattr(method, "moe_kernel", None)
         if kernel is not None and _transforms_weights(getattr(kernel, "fused_experts", None)):
             saved.append((method, kernel))
@@ -85,4 +85,5 @@ def tied_heads(model: torch.nn.Module) -> list[torch.nn.Module]:
 def prepare_tied_heads(heads: list[torch.nn.Module]) -> None:
     """Rebuild each tied head's kernel from its (shared, reloaded) weight."""
     for head in heads:
-        head.quant_method.process_weights_after_loading(head)
+        quant_method: Any = head.quant_method  # vLLM's, on every linear layer
+        quant_method.process_weights_after_loading(head)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -37,11 +37,11 @@ class LoaderVerdict:
 
 
 @contextmanager
-def recording_loaders(model: torch.nn.Module) -> Iterator[dict[int, torch.dtype]]:
+def recording_loaders(model: torch.nn.Module) -> Iterator[dict[int, torch.dtype | None]]:
     """Swap every parameter's and buffer's weight_loader for a recorder of the tensors handed to it: id of each
     tensor handed over -> the dtype of the parameter it was handed to."""
-    seen: dict[int, torch.dtype] = {}
-    saved: list[tuple[torch.Tensor, Any]] = []
+    seen: dict[int, torch.dtype | None] = {}
+    saved: list[tuple[Any, Any]] = []
     done: set[int] = set()
 
     def record(*args: Any, **kwargs: Any) -> Any:
@@ -51,7 +51,7 @@ def recording_loaders(model: torch.nn.Module) -> Iterator[dict[int, torch.dtype]
         # expert loaders are asked whether they took the tensor (return_success=True)
         return True if kwargs.get("return_success") else None
 
-    tensors = [t for _, t in model.named_parameters(remove_duplicate=False)]
+    tensors: list[Any] = [t for _, t in model.named_parameters(remove_duplicate=False)]  # given a weight_loader
     tensors += [t for _, t in model.named_buffers(remove_duplicate=False)]
     try:
         for tensor in tensors:
@@ -77,11 +77,11 @@ def dry_run(model: torch.nn.Module, announced: list[TensorSpec], vllm_config: An
     pairs = [(s.name, torch.empty(s.shape, dtype=dtype_from_name(s.dtype), device="meta")) for s in announced]
     try:
         with _config(vllm_config), recording_loaders(model) as seen, torch.no_grad():
-            model.load_weights(weights=iter(pairs))
-    except Exception as exc:  # any refusal counts: the message is the engine's own
+            cast(Any, model).load_weights(weights=iter(pairs))  # a vLLM model's
+    except Exception as exc:  # noqa: BLE001 - any refusal counts: the message is the engine's own
         return LoaderVerdict(error=f"{type(exc).__name__}: {exc}")
-    dtypes = {name: dtype_name(seen[id(t)]) for name, t in pairs
-              if isinstance(seen.get(id(t)), torch.dtype) and seen[id(t)].is_floating_point}
+    dtypes = {name: dtype_name(dtype) for name, t in pairs
+              if isinstance(dtype := seen.get(id(t)), torch.dtype) and dtype.is_floating_point}
     return LoaderVerdict(error=None, skipped=frozenset(name for name, t in pairs if id(t) not in seen), dtypes=dtypes)
 
 

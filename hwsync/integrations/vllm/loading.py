@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -121,7 +121,7 @@ class LayerwiseReload:
         if self._copy_buckets:  # an unknown vLLM: never keep views of a buffer
             tensors = [(n, t.clone()) for n, t in tensors]
         with self.target.context(), torch.no_grad():
-            model.load_weights(weights=iter(tensors))
+            cast(Any, model).load_weights(weights=iter(tensors))  # a vLLM model's
         if not self._copy_buckets:
             keep_pending_layers(tensors)
 
@@ -290,7 +290,8 @@ class WorkerSync:
             return True, False, (f"{len(changed)} of {seen['tensors'] + seen['kernels']} observed entries "
                                  f"({seen['tensors']} sampled tensors, {seen['kernels']} probed kernels) differ from "
                                  f"the last complete sync, e.g. {changed[0]!r}")
-        return True, True, f"unchanged since the last complete sync ({seen['tensors']} tensors, {seen['kernels']} kernels)"
+        return True, True, (f"unchanged since the last complete sync ({seen['tensors']} tensors, "
+                            f"{seen['kernels']} kernels)")
 
     def state(self, target: Target | None = None, check_base: bool = True) -> dict[str, Any]:
         """What this worker holds: versions, whether a sync broke midway, and for a model the planner's

@@ -11,11 +11,12 @@ What `sync()` takes is normalised by sources.py (an HF module goes under its che
 names, a vLLM WeightSource as it says). A planner `TrainerModel` is planned by the sender
 against each worker's reported state (the base only when the engine lacks it; the plan and its
 reason in `stats.notes["plan"]`); an unmerged LoRA one (`LoraTrainerModel`, e.g. from
-hwsync.integrations.peft) delivers its adapter from memory, served to `lora_request(adapter)`. `sync()` starts `hwsync_receive` on every worker
-through `collective_rpc` (on a thread, since it blocks), drives the WeightSender meanwhile,
-resets the engine's prefix cache (cached KV blocks were computed with the old weights) and
-returns the sender's SyncStats. A refused or failed sync raises with the engine's own message.
-Nothing here is specific to a device. vLLM's own weight-transfer API is native.py's.
+hwsync.integrations.peft) delivers its adapter from memory, served to `lora_request(adapter)`.
+`sync()` starts `hwsync_receive` on every worker through `collective_rpc` (on a thread, since it
+blocks), drives the WeightSender meanwhile, resets the engine's prefix cache (cached KV blocks were
+computed with the old weights) and returns the sender's SyncStats. A refused or failed sync raises
+with the engine's own message. Nothing here is specific to a device. vLLM's own weight-transfer API
+is native.py's.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -37,8 +38,8 @@ from hwsync.integrations.lora import LoraAdapter
 from hwsync.integrations.vllm.sources import SyncParts, Weights, sync_parts
 from hwsync.manifest import TensorSpec
 from hwsync.planner import TrainerModel
-from hwsync.stats import SyncStats
 from hwsync.sizes import DEFAULT_BUCKET_BYTES, MiB
+from hwsync.stats import SyncStats
 from hwsync.timing import DEFAULT_TIMEOUT_S, RPC_GRACE_S
 
 #: the value for vLLM's `worker_extension_cls`
@@ -105,7 +106,7 @@ class _EngineCall:
         """Call the RPC; keep its results, or its error, for the sending thread."""
         try:
             self.results = self.rpc()
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - handed to the sending thread, which raises it
             self.error = exc
 
 
@@ -118,7 +119,7 @@ def send_while(rpc: Callable[[], Any], sender: WeightSender, source: Iterable[tu
     stats = send_exc = None
     try:
         stats = sender.send(source, version=version, manifest=manifest)
-    except Exception as exc:  # the trainer's source too: the engine's side must still be waited for
+    except Exception as exc:  # noqa: BLE001 - the trainer's source too: the engine's side must still be waited for
         send_exc = exc
     thread.join(timeout_s + RPC_GRACE_S)
     if thread.is_alive():
@@ -161,7 +162,7 @@ class _EngineSync:
         if self.sender is not None:
             self.sender.close()
 
-    def __enter__(self) -> "_EngineSync":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -230,7 +231,8 @@ class AsyncVllmWeightSync(_EngineSync):
     def __init__(self, engine: Any, num_workers: int, **kwargs: Any) -> None:
         self.engine = engine
         super().__init__(num_workers, kwargs.pop("sender", None), kwargs.pop("timeout_s", DEFAULT_TIMEOUT_S),
-                         kwargs.pop("bucket_bytes", None), kwargs.pop("allow_partial", False), kwargs.pop("delta", False))
+                         kwargs.pop("bucket_bytes", None), kwargs.pop("allow_partial", False),
+                         kwargs.pop("delta", False))
 
     @classmethod
     async def create(cls, engine: Any, *, sender: WeightSender | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -253,11 +255,11 @@ class AsyncVllmWeightSync(_EngineSync):
         stats = send_exc = rpc_exc = results = None
         try:
             stats = await asyncio.to_thread(sender.send, parts.source, version=version, manifest=parts.manifest)
-        except Exception as exc:  # the trainer's source too: the engine's side is still awaited
+        except Exception as exc:  # noqa: BLE001 - the trainer's source too: the engine's side is still awaited
             send_exc = exc
         try:
             results = await asyncio.wait_for(rpc, self.timeout_s + RPC_GRACE_S)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - settled with the sender's outcome below
             rpc_exc = exc
         await self.engine.reset_prefix_cache()  # also after a failure: a broken sync changed some layers
         self.engine_stats = results or []
