@@ -165,15 +165,19 @@ class Frame:
         """Rules across fields (overridden where a frame has some)."""
 
 
-def frame(tag: str) -> Callable[[type], type]:
+_F = typing.TypeVar("_F", bound=type)
+
+
+@typing.dataclass_transform(frozen_default=True)
+def frame(tag: str) -> Callable[[_F], _F]:
     """Make a frozen dataclass frame with wire tag `tag` and compile its field checks."""
 
-    def wrap(cls: type) -> type:
-        cls = dataclass(frozen=True)(cls)
-        cls.T = tag
-        hints = typing.get_type_hints(cls, include_extras=True)  # keeps Count
-        cls._checks = tuple((f.name, checker(hints[f.name])) for f in dataclasses.fields(cls))
-        return cls
+    def wrap(cls: _F) -> _F:
+        made = typing.cast(_F, dataclass(frozen=True)(cls))
+        made.T = tag  # type: ignore[attr-defined]
+        hints = typing.get_type_hints(made, include_extras=True)  # keeps Count
+        made._checks = tuple((f.name, checker(hints[f.name])) for f in dataclasses.fields(made))  # type: ignore[attr-defined]
+        return made
 
     return wrap
 
