@@ -16,7 +16,7 @@ import signal
 import subprocess
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hwsync.bed import names
 from hwsync.bed.subnets import default_candidates, in_use, pick_subnet
@@ -211,7 +211,8 @@ class Bed:
         return self._rates[host]
 
     def kill_host(self, host: int) -> list[int]:
-        """SIGKILL every process in host `host` (a node that lost power); their pids. Its HostProcesses stay reapable."""
+        """SIGKILL every process in host `host` (a node that lost power); their pids. Its HostProcesses stay
+        reapable."""
         return names.kill_inside(self.netns(host))
 
     def env(self, host: int) -> dict[str, str]:
@@ -225,7 +226,7 @@ class Bed:
                 "HCCL_IF_IP": self.address(host), "TP_SOCKET_IFNAME": dev, "HWSYNC_BED_HOST": str(host),
                 "HWSYNC_BED_ADDRESS": self.address(host), "HWSYNC_BED_INTERFACE": dev}
 
-    def start(self, host: int, target: str, *args: object, **kwargs: object) -> HostProcess:
+    def start(self, host: int, target: str, *args: object, **kwargs: Any) -> HostProcess:
         """Run `target` ("module:function" or "/path/file.py:function") in a process of host `host`.
 
         See hwsync.bed.spawn.start_in_host for the keyword options; the bed kills it at close().

@@ -37,7 +37,7 @@ def bed_sender(rank: int, phases: list[dict], timeout_s: float) -> list[dict]:
     from hwsync.nic import interface_bytes
 
     torch.set_num_threads(1)
-    out = []
+    out: list[dict] = []
     for phase in phases:
         if rank >= phase["senders"]:
             out.append({})
@@ -66,7 +66,7 @@ def bed_receiver(rank: int, phases: list[dict], timeout_s: float) -> list[dict]:
     from hwsync.disaggregated import CrossNodeReceiver
 
     torch.set_num_threads(1)
-    out = []
+    out: list[dict] = []
     for phase in phases:
         if rank >= phase["receivers"]:
             out.append({})
