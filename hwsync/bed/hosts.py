@@ -19,18 +19,11 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from hwsync.bed import names
+from hwsync.bed.common import INTERFACE_VARS, BedError, BedUnavailableError
 from hwsync.bed.subnets import default_candidates, in_use, pick_subnet
 
 if TYPE_CHECKING:
     from hwsync.bed.spawn import HostProcess
-
-
-class BedError(RuntimeError):
-    """A bed command failed; the message carries the command and what `ip`/`tc` said."""
-
-
-class BedUnavailableError(BedError):
-    """This machine cannot hold a bed (not root, no `ip`, namespaces refused); the message says which."""
 
 
 #: the bridge inside the switch namespace
@@ -43,8 +36,6 @@ TBF_LATENCY_MS = 20.0
 #: 1 Gbit/s; 4-20 ms reach 0.95x, the ceiling of 1448 payload bytes in 1514 on the wire, 10-20 ms most steadily.
 #: The bucket is also the most a link sends above its rate after an idle spell (1.25 MB at 1 Gbit/s)
 TBF_BURST_MS = 10.0
-#: the collective libraries' interface variables (Bed.env sets them; start(interface_vars=False) leaves them out)
-INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HCCL_SOCKET_IFNAME", "HCCL_IF_IP", "TP_SOCKET_IFNAME")
 
 
 def tbf_args(rate_bps: float) -> list[str]:
