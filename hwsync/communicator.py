@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 import torch
@@ -33,9 +33,9 @@ from hwsync.timing import FAILED_JOIN_S, GROUP_TIMEOUT_S, WORKER_JOIN_S
 log = logging.getLogger("hwsync")
 
 #: builds a ProcessGroup from (store, rank, world_size, timeout)
-GroupFactory = Callable[[dist.Store, int, int, datetime.timedelta], object]
+GroupFactory = Callable[[dist.Store, int, int, datetime.timedelta], Any]
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+_REDUCE_OPS: dict[str, Any] = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
 def parse_rendezvous(init_method: str) -> tuple[str, int]:
@@ -74,8 +74,8 @@ class ProcessGroupCommunicator(Communicator):
         #: how the group's interface was chosen (the backend's words), for the one log line per group build
         self.interface_note = interface_note
         # Rank 0 hosts the store; the prefix keeps several groups on one store apart.
-        self._store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
-        self._group = make_group(dist.PrefixStore(f"hwsync/{library}", self._store), rank, world_size, timeout)
+        self._store: Any = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
+        self._group: Any = make_group(dist.PrefixStore(f"hwsync/{library}", self._store), rank, world_size, timeout)
         self._last_work: Any = None  # the latest collective: destroy() aborts while it is unfinished
         self._failed = False
         self._barriers = 0
@@ -228,7 +228,8 @@ def open_communicator(backend: Backend, init_method: str, rank: int, world_size:
     """`backend.communicator(...)` on interface `nic` where the backend takes `nic=`; (it, how the interface was
     chosen). A backend without `nic=` leaves the choice to its library (its own variables, or its guess)."""
     if nic is not None and _takes_nic(backend):
-        comm = backend.communicator(init_method, rank, world_size, timeout_s, nic=nic)
+        # Backend.communicator's declared signature has no nic= yet: the backends that take it say so themselves
+        comm = cast(Any, backend).communicator(init_method, rank, world_size, timeout_s, nic=nic)
         return comm, getattr(comm, "interface_note", "") or "bound"
     comm = backend.communicator(init_method, rank, world_size, timeout_s)
     if nic is None:

@@ -86,5 +86,5 @@ def main(workdir: str) -> int:
 if __name__ == "__main__":
     # run by path, sys.path[0] is this folder: its modules must not shadow top-level names
     sys.path.pop(0)
-    sys.stdout.reconfigure(line_buffering=True)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # a TextIOWrapper here
     sys.exit(main(sys.argv[1]))

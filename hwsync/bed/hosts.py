@@ -16,21 +16,14 @@ import signal
 import subprocess
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hwsync.bed import names
+from hwsync.bed.common import INTERFACE_VARS, BedError, BedUnavailableError
 from hwsync.bed.subnets import default_candidates, in_use, pick_subnet
 
 if TYPE_CHECKING:
     from hwsync.bed.spawn import HostProcess
-
-
-class BedError(RuntimeError):
-    """A bed command failed; the message carries the command and what `ip`/`tc` said."""
-
-
-class BedUnavailableError(BedError):
-    """This machine cannot hold a bed (not root, no `ip`, namespaces refused); the message says which."""
 
 
 #: the bridge inside the switch namespace
@@ -43,8 +36,6 @@ TBF_LATENCY_MS = 20.0
 #: 1 Gbit/s; 4-20 ms reach 0.95x, the ceiling of 1448 payload bytes in 1514 on the wire, 10-20 ms most steadily.
 #: The bucket is also the most a link sends above its rate after an idle spell (1.25 MB at 1 Gbit/s)
 TBF_BURST_MS = 10.0
-#: the collective libraries' interface variables (Bed.env sets them; start(interface_vars=False) leaves them out)
-INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HCCL_SOCKET_IFNAME", "HCCL_IF_IP", "TP_SOCKET_IFNAME")
 
 
 def tbf_args(rate_bps: float) -> list[str]:
@@ -211,7 +202,8 @@ class Bed:
         return self._rates[host]
 
     def kill_host(self, host: int) -> list[int]:
-        """SIGKILL every process in host `host` (a node that lost power); their pids. Its HostProcesses stay reapable."""
+        """SIGKILL every process in host `host` (a node that lost power); their pids. Its HostProcesses stay
+        reapable."""
         return names.kill_inside(self.netns(host))
 
     def env(self, host: int) -> dict[str, str]:
@@ -225,7 +217,7 @@ class Bed:
                 "HCCL_IF_IP": self.address(host), "TP_SOCKET_IFNAME": dev, "HWSYNC_BED_HOST": str(host),
                 "HWSYNC_BED_ADDRESS": self.address(host), "HWSYNC_BED_INTERFACE": dev}
 
-    def start(self, host: int, target: str, *args: object, **kwargs: object) -> HostProcess:
+    def start(self, host: int, target: str, *args: object, **kwargs: Any) -> HostProcess:
         """Run `target` ("module:function" or "/path/file.py:function") in a process of host `host`.
 
         See hwsync.bed.spawn.start_in_host for the keyword options; the bed kills it at close().

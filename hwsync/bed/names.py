@@ -89,7 +89,9 @@ def sweep() -> list[str]:
     """
     swept = []
     for name in bed_namespaces():
-        _, pid, start = parse(name)
+        parsed = parse(name)
+        assert parsed is not None  # bed_namespaces lists only names parse() accepts
+        _, pid, start = parsed
         if not owner_alive(pid, start):
             delete_netns(name)
             swept.append(name)

@@ -17,9 +17,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hwsync.bed.hosts import INTERFACE_VARS, Bed, BedError
+from hwsync.bed.common import INTERFACE_VARS, BedError
+
+if TYPE_CHECKING:
+    from hwsync.bed.hosts import Bed
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child.py")
 #: how much of a failed process's output its error carries

@@ -32,13 +32,13 @@ def networks_of(netns: str | None = None) -> list[Net]:
     for link in _ip_json(*ns, "-4", "addr", "show"):
         for a in link.get("addr_info", []):
             if a.get("family") == "inet":
-                nets.append(ipaddress.ip_network(f"{a['local']}/{a['prefixlen']}", strict=False))
+                nets.append(Net(f"{a['local']}/{a['prefixlen']}", strict=False))
     for route in _ip_json(*ns, "-4", "route", "show", "table", "all"):
         dst = route.get("dst", "default")
         if dst == "default":
             continue
         try:
-            nets.append(ipaddress.ip_network(dst if "/" in dst else f"{dst}/32", strict=False))
+            nets.append(Net(dst if "/" in dst else f"{dst}/32", strict=False))
         except ValueError:  # a route type without an IPv4 destination
             continue
     return nets
@@ -68,7 +68,7 @@ def pick_subnet(candidates: Iterable[str], used: list[Net], hosts: int) -> tuple
     """The first candidate that overlaps nothing in `used` and holds `hosts` addresses; (it, the skipped ones)."""
     skipped = []
     for text in candidates:
-        net = ipaddress.ip_network(text, strict=True)
+        net = Net(text, strict=True)
         if not net.is_private:
             raise ValueError(f"subnet {text} is not a private range: a bed uses private addresses only "
                              "(10/8, 172.16/12, 192.168/16)")

@@ -18,7 +18,7 @@ from hwsync.communicator import open_communicator, parse_rendezvous
 from hwsync.disaggregated.hub import Hub
 from hwsync.disaggregated.link import Link
 from hwsync.disaggregated.plan import CollectivePlan
-from hwsync.disaggregated.worker import CollectiveWorker, Result
+from hwsync.disaggregated.worker import CollectiveWorker
 from hwsync.interfaces import Backend, Communicator
 from hwsync.nic import Nic, nic_owning
 from hwsync.source import NamedTensors, checked_items

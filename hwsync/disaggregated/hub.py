@@ -24,7 +24,6 @@ import logging
 import os
 import socket
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,10 +35,20 @@ from hwsync.disaggregated.worker import CollectiveWorker, Result
 from hwsync.errors import ProtocolError, RemoteError, SyncError, SyncTimeoutError
 from hwsync.gate import Gate, reply_on
 from hwsync.nic import Nic
-from hwsync.protocol import PROTOCOL_VERSION, TO_HUB, TO_RANK, Abort, Alive, BadFrame, Error, Frame, Ping, \
-    PlanFrame, Pong, Progress, RankReady, Refused, Setup, Welcome, decode, encode, peek
-from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES, MAX_SENDER_FRAME_BYTES, check_size, cut
-from hwsync.sockets import ConnectionLog, bind_control, connect_control, peer_address
+from hwsync.protocol import (
+    TO_HUB,
+    Abort,
+    Alive,
+    Error,
+    Frame,
+    Ping,
+    Pong,
+    Progress,
+    RankReady,
+    encode,
+)
+from hwsync.protocol.limits import MAX_SENDER_FRAME_BYTES, check_size, cut
+from hwsync.sockets import ConnectionLog, bind_control, peer_address
 from hwsync.timing import CONTROL_SLICE_S, ERROR_LINGER_S
 
 log = logging.getLogger("hwsync")
@@ -243,8 +252,8 @@ class Hub:
             return
         if frame.backend != self.backend:
             self.gate.refuse(identity, f"{frame.role} {frame.rank} (pid {frame.pid} on {frame.host}) runs backend "
-                                       f"{frame.backend!r} and sender 0 runs {self.backend!r}: their collectives cannot "
-                                       "meet; set HWSYNC_BACKEND alike on every rank", fatal=True)
+                                       f"{frame.backend!r} and sender 0 runs {self.backend!r}: their collectives "
+                                       "cannot meet; set HWSYNC_BACKEND alike on every rank", fatal=True)
             return
         peer = PeerInfo(frame.role, frame.rank, identity, frame.pid, frame.host, frame.epoch, frame.address,
                         frame.state, self._peer_ip)
@@ -275,8 +284,9 @@ class Hub:
             silent = [p for p in self.peers if getattr(pongs.get(p.key), "n", None) != self._pings]
             reason = f" ({self._suspect})" if self._suspect else ""
             if silent:
+                figures = self.progress_note(advise=False)
                 raise SyncError(f"{describe(silent)} stopped answering while {what}{reason}: it died, stalled "
-                                f"or lost its network for over {self.timeout_s / 4:.1f}s.{self.progress_note(advise=False)} "
+                                f"or lost its network for over {self.timeout_s / 4:.1f}s.{figures} "
                                 "Check its log and its host's network; the next sync rebuilds the group")
             if self._suspect:
                 raise SyncError(f"the collective failed while {what}{reason}, though every rank still answers; "

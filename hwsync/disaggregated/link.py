@@ -21,8 +21,25 @@ from hwsync.control import Endpoint, peer_alive
 from hwsync.disaggregated.hub import COLLECTIVE, close_socket
 from hwsync.disaggregated.worker import CollectiveWorker, Result
 from hwsync.errors import ProtocolError, RemoteError, SyncError, SyncTimeoutError
-from hwsync.protocol import PROTOCOL_VERSION, TO_RANK, Abort, Alive, BadFrame, Error, Frame, Ping, PlanFrame, Pong, \
-    RankReady, Refused, Setup, Welcome, decode, encode, peek
+from hwsync.protocol import (
+    PROTOCOL_VERSION,
+    TO_RANK,
+    Abort,
+    Alive,
+    BadFrame,
+    Error,
+    Frame,
+    Ping,
+    PlanFrame,
+    Pong,
+    RankReady,
+    Refused,
+    Setup,
+    Welcome,
+    decode,
+    encode,
+    peek,
+)
 from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES, check_size, cut
 from hwsync.sockets import connect_control
 from hwsync.timing import CONTROL_SLICE_S

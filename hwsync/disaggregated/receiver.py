@@ -28,8 +28,8 @@ from hwsync.bucket import BucketReader, IntoFn, LoadFn, StartFn
 from hwsync.communicator import open_communicator, parse_rendezvous
 from hwsync.disaggregated.link import Link
 from hwsync.disaggregated.plan import CollectivePlan
-from hwsync.disaggregated.worker import CollectiveWorker
 from hwsync.disaggregated.progress import rate, size
+from hwsync.disaggregated.worker import CollectiveWorker
 from hwsync.errors import SyncError, SyncTimeoutError
 from hwsync.interfaces import Backend, Communicator
 from hwsync.manifest import TensorSpec
@@ -45,7 +45,8 @@ log = logging.getLogger("hwsync")
 
 
 class CrossNodeReceiver:
-    """The cross-node path's receiver: one engine rank, connected to sender 0's endpoint, fed over the senders' groups."""
+    """The cross-node path's receiver: one engine rank, connected to sender 0's endpoint, fed over the senders'
+    groups."""
 
     def __init__(self, endpoint: str, *, rank: int, num_buffers: int = DEFAULT_NUM_BUFFERS,
                  timeout_s: float = DEFAULT_TIMEOUT_S, backend: Backend | None = None) -> None:

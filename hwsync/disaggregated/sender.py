@@ -25,10 +25,10 @@ import torch
 
 from hwsync.bucket import ALIGN
 from hwsync.control import new_token
+from hwsync.disaggregated.group import SenderGroup
 from hwsync.disaggregated.hub import Hub, PeerInfo, this_process
 from hwsync.disaggregated.link import Link
 from hwsync.disaggregated.plan import CollectivePlan, make_plan
-from hwsync.disaggregated.group import SenderGroup
 from hwsync.errors import SyncError
 from hwsync.interfaces import Backend
 from hwsync.manifest import TensorSpec
@@ -154,7 +154,8 @@ class CrossNodeSender:
 
     @property
     def endpoint(self) -> str:
-        """Sender 0's control endpoint (address, token, CURVE key): pass it to every other rank. A secret: never log it."""
+        """Sender 0's control endpoint (address, token, CURVE key): pass it to every other rank. A secret: never
+        log it."""
         if self._hub is None:
             raise ValueError("only sender rank 0 has the endpoint; the other ranks connect to it")
         return self._hub.endpoint

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from hwsync.timing import GROUP_TIMEOUT_S
 from hwsync.communicator import ProcessGroupCommunicator
 from hwsync.interfaces import Backend, Communicator, Device, Transport
-from hwsync.shm import ShmTransport
-from hwsync_cpu.device import CpuDevice
 from hwsync.nic import Nic
+from hwsync.shm import ShmTransport
+from hwsync.timing import GROUP_TIMEOUT_S
+from hwsync_cpu.device import CpuDevice
 from hwsync_cpu.gloo import GLOO_REDUCE_DTYPES, gloo_factory
 
 

@@ -44,7 +44,7 @@ def gloo_factory(nic: Nic | None) -> tuple[GroupFactory, str]:
         return gloo_group, f"{GLOO_IFNAME}={theirs} set by the user, kept"
 
     def on_nic(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> object:
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in torch's stubs
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=nic.address)]
         return dist.ProcessGroupGloo(store, rank, size, options)

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from hwsync.timing import GROUP_TIMEOUT_S
 from hwsync.communicator import ProcessGroupCommunicator
 from hwsync.device_shm import DeviceShmTransport
 from hwsync.errors import HwsyncError
 from hwsync.interfaces import Backend, Communicator, Device, Transport
+from hwsync.nic import Nic
+from hwsync.timing import GROUP_TIMEOUT_S
 from hwsync_cuda.device import CudaDevice
 from hwsync_cuda.ipc import CudaIpcTransport
-from hwsync.nic import Nic
 from hwsync_cuda.nccl import NCCL_REDUCE_DTYPES, nccl_group, nccl_interface, nccl_missing_reason
 
 

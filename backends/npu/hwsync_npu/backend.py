@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from hwsync.timing import GROUP_TIMEOUT_S
 from hwsync.communicator import ProcessGroupCommunicator
 from hwsync.device_shm import DeviceShmTransport
 from hwsync.interfaces import Backend, Communicator, Device, Transport
-from hwsync_npu.device import NpuDevice
 from hwsync.nic import Nic
+from hwsync.timing import GROUP_TIMEOUT_S
+from hwsync_npu.device import NpuDevice
 from hwsync_npu.hccl import hccl_group, hccl_interface, hccl_reduce_dtypes
 from hwsync_npu.ipc import NpuIpcTransport
 

@@ -24,17 +24,7 @@ from typing import Any
 
 import torch
 
-TENSOR_BYTES = 16 << 20  # the benchmark model: fp32 tensors of 16 MB, the last one shorter
-
-
-def _model(total: int) -> list[tuple[str, torch.Tensor]]:
-    out, left, i = [], total, 0
-    while left > 0:
-        n = min(TENSOR_BYTES, left) // 4
-        out.append((f"layer{i}.weight", torch.full((n,), float(i), dtype=torch.float32)))
-        left -= n * 4
-        i += 1
-    return out
+from hwsync.cli.bench.broadcast_model import state_dict as _model
 
 
 def _receiver(endpoint: str, rank: int, buffers: int, runs: int, timeout_s: float, backend: str) -> None:

@@ -32,12 +32,12 @@ def bed_sender(rank: int, phases: list[dict], timeout_s: float) -> list[dict]:
     """Sender `rank` in host 0: for each phase it is part of, its syncs' seconds, uplink bytes and CPU seconds."""
     import torch
 
-    from hwsync.cli.bench.broadcast import _model
+    from hwsync.cli.bench.broadcast_model import state_dict as _model
     from hwsync.disaggregated import CrossNodeSender
     from hwsync.nic import interface_bytes
 
     torch.set_num_threads(1)
-    out = []
+    out: list[dict] = []
     for phase in phases:
         if rank >= phase["senders"]:
             out.append({})
@@ -66,7 +66,7 @@ def bed_receiver(rank: int, phases: list[dict], timeout_s: float) -> list[dict]:
     from hwsync.disaggregated import CrossNodeReceiver
 
     torch.set_num_threads(1)
-    out = []
+    out: list[dict] = []
     for phase in phases:
         if rank >= phase["receivers"]:
             out.append({})

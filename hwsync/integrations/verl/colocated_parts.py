@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from hwsync.integrations.lora import LoraAdapter, LoraTrainerModel
-from hwsync.integrations.vllm.checkpoint import checkpoint_manifest, resolve_checkpoint_dir, safetensors_files
 from hwsync.integrations.verl.worker_extension import EXTENSION_CLS
+from hwsync.integrations.vllm.checkpoint import checkpoint_manifest, resolve_checkpoint_dir, safetensors_files
 from hwsync.manifest import TensorSpec
 from hwsync.planner import SyncMode
 from hwsync.sizes import MiB
@@ -140,7 +140,7 @@ def checkpoint_base(model_path: str) -> tuple[Callable[[], Iterator[tuple[str, t
 
         for path in safetensors_files(resolve_checkpoint_dir(model_path)):
             with safe_open(path, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                for name in f.keys():
                     yield name, f.get_tensor(name)
 
     return read, manifest

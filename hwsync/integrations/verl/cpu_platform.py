@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 from verl.plugin.platform import PlatformBase, PlatformRegistry, get_platform
 
+
 def _host_memory() -> tuple[int, int]:
     """(free, total) bytes of host memory, what verl's memory log asks a device for."""
     page = os.sysconf("SC_PAGE_SIZE")

@@ -23,12 +23,11 @@ import torch
 
 from hwsync.disaggregated import CrossNodeReceiver
 from hwsync.errors import SyncError, SyncTimeoutError
+from hwsync.integrations.verl.topology import RolloutPlace, rollout_metadata
+from hwsync.integrations.verl.trainer import END, Options
 from hwsync.manifest import TensorSpec
 from hwsync.registry import get_backend
 from hwsync.stats import SyncStats
-
-from hwsync.integrations.verl.topology import RolloutPlace, rollout_metadata
-from hwsync.integrations.verl.trainer import END, Options
 
 log = logging.getLogger("hwsync")
 Bucket = list[tuple[str, torch.Tensor]]
@@ -167,9 +166,9 @@ class RolloutSide:
             while True:
                 last = False
 
-                def on_start(version: int, manifest: list[TensorSpec]) -> None:
+                def on_start(version: int, manifest: list[TensorSpec] | None) -> None:
                     nonlocal last
-                    last = bool(manifest) and manifest[-1].name == END
+                    last = manifest is not None and len(manifest) > 0 and manifest[-1].name == END
 
                 def load(tensors: Bucket) -> None:
                     bucket = [(name, t) for name, t in tensors if name != END]

@@ -161,11 +161,11 @@ class HwsyncServerAdapter(ServerAdapter):
         try:
             # on the actor's event loop, as verl's generator expects (its gathers run on this thread's device)
             stats = sender.send(parts.source, version=version, manifest=parts.manifest)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the engine's side is still awaited; settle() raises one of them
             send_exc = exc
         try:
             await asyncio.wait_for(update, self.options.timeout_s + RPC_GRACE_S)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - Ray's error carrying the engine's message; settle() raises it
             rpc_exc = exc
         if rpc_exc is None:  # vLLM's worker closed the update itself after a failed update_weights
             await self._rpc("finish_weight_update")

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hwsync.control import new_token
-from hwsync.sockets import curve_key_pair
 from hwsync.disaggregated.sender import default_host, pick_port
+from hwsync.sockets import curve_key_pair
 
 #: a metadata dict made by this engine carries this key; its value is the metadata layout's version
 MARK = "hwsync"

@@ -25,15 +25,14 @@ from typing import Any
 
 import torch
 
-from hwsync.sizes import MiB
 from hwsync.disaggregated import CrossNodeSender
 from hwsync.errors import SourceError
+from hwsync.integrations.verl.topology import TrainerPlace, fresh_endpoint, trainer_metadata
 from hwsync.manifest import TensorSpec
 from hwsync.registry import get_backend
+from hwsync.sizes import MiB
 from hwsync.source import named_tensor
 from hwsync.stats import SyncStats
-
-from hwsync.integrations.verl.topology import TrainerPlace, fresh_endpoint, trainer_metadata
 
 log = logging.getLogger("hwsync")
 
@@ -133,7 +132,7 @@ class TrainerSide:
 
     def metadata(self, is_master: bool) -> dict[str, Any]:
         """prepare(): this rank's host; rank 0 adds its current hub and a fresh endpoint for a new one."""
-        master = None
+        master: dict[str, Any] | None = None
         if is_master:
             self._fresh = fresh_endpoint(self.options.host)
             master = {"fresh": self._fresh[0]}

@@ -131,6 +131,7 @@ def problem(need: Need, cache: dict[str, ast.Module]) -> str | None:
         if node is None:
             return f"{need.module}.{need.what} is missing"
         body = getattr(node, "body", [])
+    assert node is not None  # the loop above returned otherwise
     if need.calls is not None:
         keywords = _call_keywords(node, need.calls)
         if keywords is None:
