@@ -79,6 +79,15 @@ class SenderGroup:
             self.pump(what)
         return time.perf_counter() - t0
 
+    @staticmethod
+    def walk(source: NamedTensors) -> None:
+        """Take every tensor of the source without sending any (a delta sync: sender 0 sends every payload); a
+        DTensor is still gathered, in order, as sender 0 gathers it (FSDP's full_tensor() is a collective)."""
+        for item in source:
+            tensor = item[1] if isinstance(item, (tuple, list)) and len(item) == 2 else None
+            if hasattr(tensor, "full_tensor"):
+                as_bytes(tensor)
+
     def stream(self, plan: CollectivePlan, source: NamedTensors, stats: SyncStats) -> None:
         """Pack this rank's buckets from the source and broadcast each as soon as it is full.
 

@@ -47,10 +47,12 @@ class CollectivePlan:
                 out[position[entry.name]].append((k, entry))
         return out
 
-    def frame(self, *, pid: int, host: str, epoch: int, version: int, state: dict[str, Any]) -> PlanFrame:
+    def frame(self, *, pid: int, host: str, epoch: int, version: int, state: dict[str, Any],
+              delta: dict[str, Any] | None = None) -> PlanFrame:
         """The PlanFrame that announces this plan."""
         return PlanFrame(pid=pid, host=host, epoch=epoch, version=version, bucket_bytes=self.bucket_bytes,
-                         num_senders=self.num_senders, manifest=self.manifest, buckets=self.buckets, state=state)
+                         num_senders=self.num_senders, manifest=self.manifest, buckets=self.buckets, state=state,
+                         delta=delta)
 
     @classmethod
     def from_frame(cls, frame: PlanFrame) -> CollectivePlan:
@@ -86,9 +88,11 @@ def assign_owners(sizes: list[int], num_senders: int) -> list[int]:
     return owners
 
 
-def make_plan(manifest: list[TensorSpec], bucket_bytes: int, num_senders: int) -> CollectivePlan:
-    """The whole plan of one sync (called on sender rank 0 only, then announced)."""
+def make_plan(manifest: list[TensorSpec], bucket_bytes: int, num_senders: int, owner: int | None = None
+              ) -> CollectivePlan:
+    """The whole plan of one sync (called on sender rank 0 only, then announced); `owner`: one sender sends all."""
     layout = pack_layout(manifest, bucket_bytes)
-    owners = assign_owners([bucket.nbytes for bucket in layout], num_senders)
+    sizes = [bucket.nbytes for bucket in layout]
+    owners = assign_owners(sizes, num_senders) if owner is None else [owner] * len(sizes)
     buckets = [BucketSpec(owner, bucket.nbytes, tuple(bucket.entries)) for owner, bucket in zip(owners, layout)]
     return CollectivePlan(bucket_bytes, num_senders, list(manifest), buckets)

@@ -26,6 +26,7 @@ import torch
 
 from hwsync.bucket import BucketReader, IntoFn, LoadFn, StartFn
 from hwsync.communicator import open_communicator, parse_rendezvous
+from hwsync.delta.receiver import ReceiverDeltas
 from hwsync.disaggregated.link import Link
 from hwsync.disaggregated.plan import CollectivePlan
 from hwsync.disaggregated.progress import rate, size
@@ -35,6 +36,7 @@ from hwsync.interfaces import Backend, Communicator
 from hwsync.manifest import TensorSpec
 from hwsync.nic import Nic, nic_towards
 from hwsync.owners import sweep_dead_owners
+from hwsync.protocol.delta import plan_targets
 from hwsync.protocol import Commit, Go, Joined, PlanAccept, PlanFrame, Progress, RankComplete, Setup
 from hwsync.registry import get_backend
 from hwsync.sizes import DEFAULT_NUM_BUFFERS, MIN_NUM_BUFFERS
@@ -67,6 +69,8 @@ class CrossNodeReceiver:
         self._buffers: list[list[torch.Tensor]] = []
         #: buckets whose broadcast landed: bucket -> (sender, buffer)
         self._arrived: dict[int, tuple[int, int]] = {}
+        #: what this receiver holds of sender 0's baseline, and the copies it keeps to apply deltas on
+        self._deltas = ReceiverDeltas()
         #: last version received completely, or None
         self.version: int | None = None
         #: True when a sync broke after some bucket was loaded: the model holds a mix
@@ -100,7 +104,7 @@ class CrossNodeReceiver:
         link = self._link
         try:
             self._data = []
-            link.ready("receiver", self.rank, self.group_epoch, state=state or {})
+            link.ready("receiver", self.rank, self.group_epoch, state={**(state or {}), **self._deltas.report()})
             frame = link.next((Setup, PlanFrame), "waiting for sender 0's plan")
             if isinstance(frame, Setup):
                 self._join(frame)
@@ -110,14 +114,17 @@ class CrossNodeReceiver:
                 raise SyncError(f"sender 0 planned for group epoch {frame.epoch} but this rank has {self._epoch}")
             plan = CollectivePlan.from_frame(frame)
             version = frame.version
+            # a delta sync's buckets carry payloads: the tensors the engine ends up holding are its targets
+            targets = plan_targets(frame.delta) if frame.delta is not None and frame.delta["headers"] else plan.manifest
+            self._deltas.begin(frame.delta, targets)  # a delta only on what this receiver holds
             if check_manifest is not None:
-                check_manifest(plan.manifest)
+                check_manifest(targets)
             if on_start is not None:
-                on_start(version, plan.manifest)
+                on_start(version, targets)
             stats.version, stats.bucket_bytes, stats.num_buffers = version, plan.bucket_bytes, self.num_buffers
             link.send(PlanAccept())
             link.next((Go,), "waiting for sender 0's go", self._worker)
-            self._stream(plan, load, into, stats)
+            self._stream(plan, *self._deltas.intake(load, into), stats)
             if on_done is not None:
                 t0 = time.perf_counter()
                 on_done()
@@ -126,6 +133,7 @@ class CrossNodeReceiver:
             stats.total_s = time.perf_counter() - start
             link.send(RankComplete(version=version, stats=stats.to_dict()))
             link.next((Commit,), f"waiting for every rank to confirm version {version}", self._worker)
+            self._deltas.complete()  # committed everywhere: this receiver holds sender 0's new baseline
         except BaseException as exc:
             link.report(exc)
             log.warning("hwsync cross-node receive failed on receiver %d: %s", self.rank, exc)

@@ -34,6 +34,8 @@ from hwsync.interfaces import Backend
 from hwsync.manifest import TensorSpec
 from hwsync.nic import describe_addresses, local_addresses, nic_owning, pick_local_host, source_address
 from hwsync.offload import onload_during
+from hwsync.casting import EngineDtypes
+from hwsync.delta.sender import SenderDeltas
 from hwsync.planner import TrainerModel, resolve_source
 from hwsync.protocol import Commit, Go, Joined, PlanAccept, PlanFrame, RankComplete, Sent, Setup
 from hwsync.registry import get_backend
@@ -109,6 +111,8 @@ class CrossNodeSender:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         backend: Backend | None = None,
         secret_key: str | None = None,
+        delta: bool = False,
+        delta_on_device: bool = False,
     ) -> None:
         if not 0 <= rank < num_senders:
             raise ValueError(f"rank {rank} is outside num_senders={num_senders}")
@@ -151,6 +155,9 @@ class CrossNodeSender:
         control = self._hub if self._hub is not None else self._link
         assert control is not None
         self._group = SenderGroup(rank, self.backend, control, num_buffers, timeout_s)
+        #: send only what changed since what every receiver holds (sender 0 decides; `send(delta=...)` overrides)
+        self.delta = delta
+        self._deltas = SenderDeltas(self.backend.device(), on_device=delta_on_device)
 
     @property
     def endpoint(self) -> str:
@@ -172,6 +179,7 @@ class CrossNodeSender:
         version: int,
         manifest: list[TensorSpec] | None = None,
         onload: torch.nn.Module | Iterable[torch.Tensor] | None = None,
+        delta: bool | None = None,
     ) -> SyncStats:
         """Send one sync; returns when every receiver confirmed `version`, raises SyncError otherwise.
 
@@ -179,16 +187,18 @@ class CrossNodeSender:
         them, or a TrainerModel, planned against every receiver's state; every rank walks the same
         source in the same order. Sender 0 needs the manifest before the first tensor (given, or from
         the TrainerModel, or the pairs as a list). `onload`: parameters to bring from host memory to
-        the device for the sync, and back.
+        the device for the sync, and back. `delta` (sender 0; None: its setting): send only what changed since
+        what every receiver holds, as WeightSender does; sender 0 then sends every payload and keeps the baseline.
         """
         start = time.perf_counter()
         stats = SyncStats(version=version, num_buffers=self.num_buffers, transport=f"collective/{self.backend.name}")
         try:
             if self._hub is not None:
-                self._lead(source, version, manifest, onload, stats)
+                self._lead(source, version, manifest, onload, self.delta if delta is None else delta, stats)
             else:
                 self._follow(source, version, onload, stats)
         except BaseException as exc:
+            self._deltas.abort()
             if self._hub is not None:
                 self._hub.abort(f"{type(exc).__name__}: {exc}")
             elif self._link is not None:
@@ -202,7 +212,7 @@ class CrossNodeSender:
     # -- sender rank 0 ---------------------------------------------------------------------------
 
     def _lead(self, source: TensorSource | TrainerModel, version: int, manifest: list[TensorSpec] | None,
-              onload: torch.nn.Module | Iterable[torch.Tensor] | None, stats: SyncStats) -> None:
+              onload: torch.nn.Module | Iterable[torch.Tensor] | None, delta: bool, stats: SyncStats) -> None:
         hub = self._hub
         assert hub is not None
         t0 = time.perf_counter()
@@ -216,17 +226,22 @@ class CrossNodeSender:
                                                          "produced")
         if self._group.comm is None or any(p.epoch != self._group.epoch for p in peers):
             self._setup(hub, peers, followers)
-        t0 = time.perf_counter()
-        plan = make_plan(manifest, self.bucket_bytes, self.num_senders)
-        stats.plan_s += time.perf_counter() - t0
-        # the receivers' states travel with the plan: every sender rank resolves its source from them alike
-        assert self._group.epoch is not None
-        hub.send(plan.frame(**this_process(), epoch=self._group.epoch, version=version, state={"receivers": states}))
-        hub.wait_for(PlanAccept, receivers, "waiting for the receivers to accept the plan")
-        hub.send(Go())
-        hub.begin_data([b.nbytes for b in plan.buckets], self._group.nic)
         with onload_during(onload, self.backend.device(), stats):
-            self._group.stream(plan, pairs, stats)
+            sync = self._deltas.prepare(pairs, manifest, EngineDtypes(states), delta, states, stats)
+            assert sync.stream_manifest is not None
+            t0 = time.perf_counter()
+            # a delta's payloads are small: sender 0, which encoded them, sends them all
+            plan = make_plan(sync.stream_manifest, self.bucket_bytes, self.num_senders, 0 if sync.deltas else None)
+            stats.plan_s += time.perf_counter() - t0
+            wire = sync.wire if sync.wire is None else {**sync.wire, "targets": [s.to_wire() for s in sync.targets or []]}
+            # the receivers' states travel with the plan: every sender rank resolves its source from them alike
+            assert self._group.epoch is not None
+            hub.send(plan.frame(**this_process(), epoch=self._group.epoch, version=version, state={"receivers": states},
+                                delta=wire))
+            hub.wait_for(PlanAccept, receivers, "waiting for the receivers to accept the plan")
+            hub.send(Go())
+            hub.begin_data([b.nbytes for b in plan.buckets], self._group.nic)
+            self._group.stream(plan, sync.source, stats)
         t0 = time.perf_counter()
         what = f"waiting for the receivers to confirm version {version}"
         while not (hub.all_replied(RankComplete, receivers) and hub.all_replied(Sent, followers)):
@@ -236,6 +251,7 @@ class CrossNodeSender:
             if frame.version != version:  # a receiver confirming another version is a protocol bug
                 raise SyncError(f"{key[0]} {key[1]} confirmed version {frame.version}, not {version}")
         hub.send(Commit(version=version))
+        self._deltas.commit()
         reports = [hub.replied(RankComplete)[p.key].stats for p in receivers]
         stats.peer = {"receivers": reports}
         stats.load_s = max((r.get("load_s", 0.0) for r in reports), default=0.0)
@@ -276,9 +292,13 @@ class CrossNodeSender:
         link.next((Go,), "waiting for the receivers to accept the plan", group.worker)
         stats.wait_s += time.perf_counter() - t0
         plan = CollectivePlan.from_frame(frame)
-        pairs, _ = resolve_source(source, receiver_states(frame), plan.manifest, stats)
+        states = receiver_states(frame)
+        pairs, _ = resolve_source(source, states, None, stats)
         with onload_during(onload, self.backend.device(), stats):
-            self._group.stream(plan, pairs, stats)
+            if frame.delta is not None and frame.delta.get("headers") is not None:
+                self._group.walk(pairs)  # sender 0 sends every payload of a delta sync
+            else:  # each tensor cast as sender 0 announced it (the receivers' engines' dtypes)
+                self._group.stream(plan, EngineDtypes(states).pairs(pairs), stats)
         if group.failed is not None:
             link.next((Commit,), f"waiting for sender 0 to name the rank at fault (this rank's broadcast failed: "
                                  f"{group.failed})")

@@ -4,7 +4,9 @@
 
 `base` is the baseline the sync applies on (None: a full sync, after which receivers hold `next`);
 `headers`, one per announced tensor in the manifest's order, describe a delta sync's payloads
-(hwsync.delta.header). Checked whole before a receiver acts on any of it.
+(hwsync.delta.header). A PlanFrame's field also has `targets` ([name, dtype, shape] each): its
+manifest lists what its buckets carry, so the tensors the receivers end up holding are named here.
+Checked whole before a receiver acts on any of it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,17 @@ def check_delta(delta: dict[str, Any], manifest: list[TensorSpec] | None) -> Non
             raise BadFrame(str(exc)) from None
         if header.dtype != spec.dtype or header.numel != _numel(spec.shape):
             raise BadFrame(f"{short(spec.name)}: its delta header does not match its announcement")
+
+
+def plan_targets(delta: dict[str, Any]) -> list[TensorSpec]:
+    """The tensors a cross-node delta sync's receivers end up holding (its `targets`), checked; BadFrame otherwise."""
+    targets = delta.get("targets")
+    if not isinstance(targets, list):
+        raise BadFrame("a plan's delta field names its targets: the tensors as the receivers hold them")
+    try:
+        return [TensorSpec.from_wire(item) for item in targets]
+    except ValueError as exc:
+        raise BadFrame(f"a plan's delta targets: {exc}") from None
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 from hwsync.manifest import TensorSpec
+from hwsync.protocol.delta import check_delta, plan_targets
 from hwsync.protocol.fields import BadFrame, Count, Frame, Map, frame
 from hwsync.protocol.layout import BucketSpec
 
@@ -116,15 +117,20 @@ class PlanFrame(Frame):
     buckets: list[BucketSpec]
     #: the receivers' reported state, for a callable source on every sender rank
     state: Map
+    #: a sender in delta mode (hwsync.protocol.delta), with `targets`: the tensors as receivers hold them (the
+    #: manifest and buckets then carry a delta sync's payloads)
+    delta: Map | None = None
     #: the hub's sync id (Hub.send and Link.send fill it in)
     sync: Count = 0
 
     def validate(self) -> None:
-        """Owners are sender ranks and buckets fit the bucket size."""
+        """Owners are sender ranks, buckets fit the bucket size, the delta field is whole."""
         for bucket in self.buckets:
             if bucket.owner >= self.num_senders or bucket.nbytes > self.bucket_bytes:
                 raise BadFrame(f"planned bucket of owner {bucket.owner} and {bucket.nbytes} bytes does not fit "
                                f"{self.num_senders} senders of {self.bucket_bytes}-byte buckets")
+        if self.delta is not None:
+            check_delta({k: v for k, v in self.delta.items() if k != "targets"}, plan_targets(self.delta))
 
 
 @frame("go")

@@ -78,7 +78,7 @@ def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, 
                          secret_key=secret) as sender:
         def sync(step: int, delta: bool) -> None:
             t0 = time.perf_counter()
-            stats = sender.send(model.state_dict().items(), version=2 * step + (not delta), delta=delta)
+            stats = sender.send(list(model.state_dict().items()), version=2 * step + (not delta), delta=delta)
             note = stats.notes.get("delta", {})
             out["syncs"].append({"step": step, "mode": note.get("mode"), "seconds": time.perf_counter() - t0,
                                  "bytes": stats.bytes, "density": note.get("density"), "diff_s": note.get("diff_s"),

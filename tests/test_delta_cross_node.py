@@ -1,0 +1,107 @@
+"""Delta syncs on the cross-node path (CrossNodeSender / CrossNodeReceiver over gloo on 127.0.0.1), real processes.
+
+Two striped sender ranks (rank 0 here, rank 1 spawned) and two spawned receivers that hold the model in
+bf16 (they say so) and receive into it; the trainer keeps fp32 masters. Every sync after the first is a
+delta that sender 0 sends alone; the receivers stay bit-exact with the engine loader's own cast; a
+receiver whose copy changed behind hwsync's back fails the check and the next sync is full again.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from hwsync import CrossNodeReceiver, CrossNodeSender
+from hwsync.casting import engine_dtypes
+from hwsync.errors import SyncError
+from placement import need_devices, place
+
+import delta_procs
+import transfer_procs as procs
+
+HOST = "127.0.0.1"
+TIMEOUT = 30.0
+STEPS = 4
+
+
+def _engine(step: int) -> dict[str, torch.Tensor]:
+    return {n: torch.empty(t.shape, dtype=torch.bfloat16).copy_(t) for n, t in delta_procs.stepped(step).items()}
+
+
+def _receiver(endpoint: str, out, where: tuple[str, int], rank: int, flip_before: int | None) -> None:
+    place(*where)
+    from hwsync.registry import get_backend
+
+    device = get_backend().device().torch_device()
+    held = {n: torch.empty(t.shape, dtype=torch.bfloat16, device=device) for n, t in delta_procs.stepped(1).items()}
+    state = {"dtypes": engine_dtypes(held.items())}
+    with CrossNodeReceiver(endpoint, rank=rank, timeout_s=TIMEOUT) as rx:
+        out.put(("up", rank))
+        for step in range(1, STEPS + 1):
+            if step == flip_before:
+                held["w2"].view(-1).view(torch.uint8)[5] ^= 0x04  # w2 does not change at this step
+            try:
+                rx.receive(into=lambda name, dtype, shape: held[name], state=state)
+                out.put((rank, step, procs.digests({n: t.cpu() for n, t in held.items()})))
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                out.put((rank, step, f"{type(exc).__name__}: {exc}"))
+
+
+def _follower(endpoint: str, out, where: tuple[str, int]) -> None:
+    place(*where)
+    with CrossNodeSender(endpoint, rank=1, num_senders=2, num_receivers=2, group_host=HOST, timeout_s=TIMEOUT,
+                         bucket_bytes=1 << 14) as tx:
+        out.put(("up", "sender"))
+        for step in range(1, STEPS + 1):
+            try:
+                tx.send(list(delta_procs.stepped(step).items()), version=step)
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                out.put(("sender", step, f"{type(exc).__name__}: {exc}"))
+
+
+@pytest.mark.parametrize("flip", [None, 3], ids=["clean", "a byte flipped before step 3"])
+def test_cross_node_deltas_stay_exact_and_a_bad_copy_is_caught(backend, flip):
+    need_devices(backend, 4)
+    if backend.name != "cpu":
+        backend.device().set_index(0)  # sender 0, here
+    devices = [(backend.name, index) for index in range(4)]  # sender 0, receivers 0 and 1, sender 1
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with CrossNodeSender(f"tcp://{HOST}:0", num_senders=2, num_receivers=2, group_host=HOST, timeout_s=TIMEOUT,
+                         bucket_bytes=1 << 14, delta=True) as tx:
+        procs_ = [ctx.Process(target=_receiver, args=(tx.endpoint, out, devices[1 + r], r, flip if r == 1 else None))
+                  for r in range(2)]
+        procs_.append(ctx.Process(target=_follower, args=(tx.endpoint, out, devices[3])))
+        for p in procs_:
+            p.start()
+        assert {out.get(timeout=120)[:2] for _ in procs_} == {("up", 0), ("up", 1), ("up", "sender")}
+        modes = []
+        for step in range(1, STEPS + 1):
+            try:
+                stats = tx.send(list(delta_procs.stepped(step).items()), version=step)
+                modes.append(stats.notes["delta"]["mode"])
+                if modes[-1] == "delta":
+                    assert stats.notes["sent_buckets"] == stats.buckets, "sender 0 sends every payload of a delta"
+            except SyncError as exc:
+                modes.append(f"failed: {exc}")
+            results: dict = {}
+            while len(results) < 2:  # the follower reports only its failures: those are not the receivers'
+                rank, at, got = out.get(timeout=120)
+                if rank != "sender":
+                    assert at == step, (rank, at, got)
+                    results[rank] = got
+            if flip is not None and step == flip:
+                assert "does not have the sender's digest" in modes[-1], modes
+                assert any("DeltaCheckError" in str(r) for r in results.values()), results
+                continue
+            for got in results.values():
+                assert got == procs.digests(_engine(step)), f"step {step}: {got}"
+        expected = ["full"] + ["delta"] * (STEPS - 1)
+        if flip is not None:
+            expected[flip - 1] = modes[flip - 1]
+            expected[flip] = "full"  # after the failed check: what the receivers hold is unknown
+        assert modes == expected, modes
+        for p in procs_:
+            p.join(60)
