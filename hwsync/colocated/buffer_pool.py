@@ -85,8 +85,8 @@ class BufferPool:
             if self._try_buckets == 1:  # the switch's own bucket: time the try from here
                 self._window_start, self._window_filled = now, 0
                 return
-            other = self.cost[COLD if self.mode == HOT else HOT]
-            losing = other is not None and (now - self._window_start) / self._window_filled > LOSING * other
+            rival = self.cost[COLD if self.mode == HOT else HOT]
+            losing = rival is not None and (now - self._window_start) / self._window_filled > LOSING * rival
             if self._window_filled < self._probe_bytes and not losing:
                 return
         cost = (now - self._window_start) / self._window_filled

@@ -134,7 +134,7 @@ class Doorbell:
         """Drop the counters, then unmap (and unlink, on the sender)."""
         self._posted = None  # type: ignore[assignment]
         self._released = []
-        self._map = None
+        self._map = None  # type: ignore[assignment]
         self.segment.close()
 
 

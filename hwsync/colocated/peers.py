@@ -71,9 +71,9 @@ class PeerTable:
     def _on_ready(self, identity: bytes, ready: Ready) -> None:
         if self._transport not in ready.transports:
             self._refuse(identity, f"the receiver (pid {ready.pid} on {ready.host}) runs backend {ready.backend!r}, "
-                                   f"whose transports {sorted(ready.transports)} lack this sender's {self._transport!r} "
-                                   f"(backend {self._backend!r}); set HWSYNC_BACKEND alike on both sides, or give the "
-                                   "sender a transport both have", fatal=True)
+                                   f"whose transports {sorted(ready.transports)} lack this sender's "
+                                   f"{self._transport!r} (backend {self._backend!r}); set HWSYNC_BACKEND alike on both "
+                                   "sides, or give the sender a transport both have", fatal=True)
             return
         peer = Peer(identity, ready.pid, ready.host, ready.instance, ready.state, ready.doorbell, ready.into)
         for other in [p for p in self.bound.values() if p.instance == peer.instance and p.identity != identity]:

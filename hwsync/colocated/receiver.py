@@ -41,8 +41,7 @@ from hwsync.interfaces import Backend, Handles, ReceiveBuffers
 from hwsync.manifest import TensorSpec
 from hwsync.memory import local_memory
 from hwsync.owners import sweep_dead_owners
-from hwsync.protocol import PROTOCOL_VERSION, Accept, Bucket, Complete, Done, Frame, Offer, Ready, Refs, Release, \
-    decode
+from hwsync.protocol import PROTOCOL_VERSION, Accept, Bucket, Complete, Done, Frame, Offer, Ready, Refs, Release, decode
 from hwsync.registry import get_backend
 from hwsync.stats import SyncStats
 from hwsync.timing import CLOSE_LINGER_S, DEFAULT_TIMEOUT_S, ERROR_LINGER_S

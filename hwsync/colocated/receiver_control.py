@@ -14,8 +14,21 @@ import zmq
 
 from hwsync.control import CloseSignal, Endpoint, raise_if_exited, receive_frame
 from hwsync.errors import ProtocolError, RemoteError
-from hwsync.protocol import TO_RECEIVER, Abort, BadFrame, Done, Error, Frame, Gone, Refs, Refused, Welcome, decode, \
-    encode, peek
+from hwsync.protocol import (
+    TO_RECEIVER,
+    Abort,
+    BadFrame,
+    Done,
+    Error,
+    Frame,
+    Gone,
+    Refs,
+    Refused,
+    Welcome,
+    decode,
+    encode,
+    refused_reason,
+)
 from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES, check_size, cut
 from hwsync.sockets import ConnectionWatch, connect_control
 from hwsync.stats import SyncStats
@@ -61,10 +74,10 @@ class ReceiverControl:
         try:
             frame = decode(parts[0], TO_RECEIVER)
         except BadFrame:
-            raw = peek(parts[0])
-            if raw is None or raw.get("t") != Refused.T or not isinstance(raw.get("reason"), str):
+            reason = refused_reason(parts[0])
+            if reason is None:
                 raise
-            frame = Refused(reason=raw["reason"])
+            frame = Refused(reason=reason)
         if isinstance(frame, Refused):
             self.refused = True
             raise ProtocolError(f"the sender refused this receiver: {frame.reason}")

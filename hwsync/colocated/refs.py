@@ -22,7 +22,6 @@ import ctypes
 import logging
 import os
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch

@@ -25,6 +25,7 @@ import torch
 import zmq
 
 from hwsync.bucket import ALIGN
+from hwsync.casting import EngineDtypes
 from hwsync.colocated.buffer_pool import BufferPool
 from hwsync.colocated.doorbell import Doorbell, doorbell_supported
 from hwsync.colocated.geometry import bucket_geometry
@@ -32,7 +33,6 @@ from hwsync.colocated.links import BucketLink, DoorbellLink, FrameLink
 from hwsync.colocated.peers import Peer
 from hwsync.colocated.sender_control import SenderControl, SyncReceivers
 from hwsync.colocated.stream import BucketStream
-from hwsync.casting import EngineDtypes
 from hwsync.control import Lifetime, new_token, private_ipc_dir, remove_ipc_dir
 from hwsync.delta.sender import Prepared, SenderDeltas
 from hwsync.interfaces import Backend, SendBuffers, Transport

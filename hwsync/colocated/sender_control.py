@@ -76,8 +76,9 @@ class SenderControl:
                 died = self._connections.deaths
                 if not died:
                     raise
-                raise SyncTimeoutError(f"{exc} Process {', '.join(map(str, died))} connected to this sender and exited "
-                                       "without presenting the token: a receiver killed before its ready frame?") from None
+                raise SyncTimeoutError(f"{exc} Process {', '.join(map(str, died))} connected to this sender and "
+                                       "exited without presenting the token: a receiver killed before its ready "
+                                       "frame?") from None
         stats.wait_s += time.perf_counter() - t0
         return self.peers.start_sync()
 

@@ -11,9 +11,9 @@ bits (bit packing with torch ops), native (the host kernels, compiled by numba w
 """
 
 from hwsync.delta.diff import CHUNK_ELEMS, SPAN_ELEMS, Delta, DeltaEncoder, encode, to_engine_dtype
-from hwsync.delta.patch import advance, apply_into, apply_to_copy, verify
 from hwsync.delta.digest import tensor_digest
 from hwsync.delta.header import BITMAP, BLOCK, BLOCKS, CODES, DENSE, SAME, DeltaHeader, payload_bytes, smallest_code
+from hwsync.delta.patch import advance, apply_into, apply_to_copy, verify
 
 __all__ = ["BITMAP", "BLOCK", "BLOCKS", "CHUNK_ELEMS", "CODES", "SPAN_ELEMS", "DENSE", "SAME", "Delta", "DeltaEncoder",
            "DeltaHeader", "advance", "apply_into", "apply_to_copy", "encode", "payload_bytes", "smallest_code",

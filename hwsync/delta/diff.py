@@ -17,8 +17,18 @@ from typing import Iterator
 import torch
 
 from hwsync.delta import bits, digest as dg, native
-from hwsync.delta.header import BITMAP, BLOCKS, DENSE, SAME, DeltaHeader, blocks, int_view, pad8, payload_bytes, \
-    smallest_code
+from hwsync.delta.header import (
+    BITMAP,
+    BLOCKS,
+    DENSE,
+    SAME,
+    DeltaHeader,
+    blocks,
+    int_view,
+    pad8,
+    payload_bytes,
+    smallest_code,
+)
 from hwsync.manifest import dtype_name
 
 #: elements per chunk of the diff (a multiple of 65536): 2 Mi bf16 elements, 4 MiB per operand, stay in cache
@@ -156,7 +166,7 @@ class DeltaEncoder:
 
     def _scan_torch(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
                     s: _Scratch, cap: int, digest: bool) -> _Scan | None:
-        n, size = base_i.numel(), base_i.element_size()
+        n = base_i.numel()
         out = _Scan(packed=s.bits_for(n))
         for span0 in range(0, n, self.span_elems):
             span1 = min(n, span0 + self.span_elems)

@@ -93,7 +93,7 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
                 packed[g >> 3] |= 1 << (g & 7)
                 if digest:
                     gain += term(g, a[i], b[i], size, keys, rows)
-        return k, gain
+        return k, gain  # type: ignore[return-value]  # numba's int64
 
     @numba.njit(nogil=True, cache=True)
     def scatter_bits(packed: Any, values: Any, dest: Any) -> int:
@@ -132,7 +132,7 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
             for j in range(lanes.size - (whole << 16)):
                 part += lanes[(whole << 16) + j] * keys[j]
             total += part * rows[whole]
-        return total
+        return total  # type: ignore[return-value]  # numba's int64
 
     return scan, scatter_bits, digest_lanes
 

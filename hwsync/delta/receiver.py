@@ -85,14 +85,12 @@ class ReceiverDeltas:
             raise ProtocolError(f"the sender sent a payload for {name!r}, which its delta sync did not announce")
         dtype = dtype_from_name(spec.dtype)
         dest = into(name, dtype, spec.shape) if into is not None else None
-        result = dest
-        if dest is None:
-            result = self._kept.get(name)
-            if result is None:
-                if header.code != "dense":
-                    raise ProtocolError(f"{name}: a {header.code} delta, but this receiver keeps no copy of it to "
-                                        "apply it on; refused (the sender's next sync is full)")
-                result = self._kept[name] = torch.empty(spec.shape, dtype=dtype, device=payload.device)
+        result = dest if dest is not None else self._kept.get(name)
+        if result is None:
+            if header.code != "dense":
+                raise ProtocolError(f"{name}: a {header.code} delta, but this receiver keeps no copy of it to "
+                                    "apply it on; refused (the sender's next sync is full)")
+            result = self._kept[name] = torch.empty(spec.shape, dtype=dtype, device=payload.device)
         apply_into(result, header, payload.to(result.device), name=name)
         if not verify(result, header):
             raise DeltaCheckError(f"{name} does not have the sender's digest after its {header.code} delta was "

@@ -125,7 +125,8 @@ class SenderDeltas:
             self._pending = Prepared(dtypes.pairs(pairs), dtypes.manifest(manifest), dtypes.manifest(manifest), None)
             return self._pending
         use, reason = self.decide(states) if delta else (False, "this sync asked for a full sync (delta=False)")
-        note: dict[str, Any] = {"mode": "delta" if use else "full", "reason": reason, "base": self.base_id if use else None}
+        note: dict[str, Any] = {"mode": "delta" if use else "full", "reason": reason,
+                                "base": self.base_id if use else None}
         stats.notes["delta"] = note
         if not use:
             self.base_id, self._digests = None, {}  # overwritten while this full sync streams
@@ -168,7 +169,7 @@ class SenderDeltas:
             target_dtype = dtypes.target(name, tensor.dtype)
             base = self._tensors.get(name)
             if base is None or base.shape != tensor.shape or base.dtype != target_dtype:
-                found = dense(tensor, target_dtype)  # new to the baseline (or reshaped): receivers hold nothing to patch
+                found = dense(tensor, target_dtype)  # new to the baseline (or reshaped): nothing to patch
             else:
                 found = self._encoder.encode(tensor, base, base_digest=self._digests.get(name), name=name)
             deltas[name] = found
@@ -193,7 +194,8 @@ class SenderDeltas:
         for name, found in pending.deltas.items():
             spec, kept = shapes[name], self._tensors.get(name)
             if kept is None or tuple(kept.shape) != spec.shape or dtype_name(kept.dtype) != spec.dtype:
-                kept = self._tensors[name] = self._allocate(spec.shape, dtype_from_name(spec.dtype), found.payload.device)
+                kept = self._allocate(spec.shape, dtype_from_name(spec.dtype), found.payload.device)
+                self._tensors[name] = kept
             advance(kept, found.header, found.payload, name=name)  # the changes only; dense: the whole tensor
             self._digests[name] = found.header.digest
         first = self.base_id is None

@@ -163,7 +163,8 @@ class Hub:
 
     def send(self, frame: Frame, peers: list[PeerInfo] | None = None) -> None:
         """Send a frame of the current sync to `peers` (all of this sync's peers by default)."""
-        data = check_size(encode(dataclasses.replace(frame, sync=self.sync)), MAX_SENDER_FRAME_BYTES,
+        data = check_size(encode(dataclasses.replace(frame, sync=self.sync)),  # type: ignore[type-var]
+                          MAX_SENDER_FRAME_BYTES,
                           f"the hub's {frame.T} frame")
         for peer in self.peers if peers is None else peers:
             self._sock.send_multipart([peer.identity, data])

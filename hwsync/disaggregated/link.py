@@ -38,7 +38,7 @@ from hwsync.protocol import (
     Welcome,
     decode,
     encode,
-    peek,
+    refused_reason,
 )
 from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES, check_size, cut
 from hwsync.sockets import connect_control
@@ -65,7 +65,7 @@ class Link:
 
     def send(self, frame: Frame) -> None:
         """Send a frame, tagged with the current sync."""
-        self._send(dataclasses.replace(frame, sync=self.sync))
+        self._send(dataclasses.replace(frame, sync=self.sync))  # type: ignore[type-var]  # frames are dataclasses
 
     def _send(self, frame: Frame) -> None:
         self._sock.send(check_size(encode(frame), MAX_PEER_FRAME_BYTES, f"this rank's {frame.T} frame"))
@@ -126,7 +126,8 @@ class Link:
         if isinstance(frame, Welcome):
             self.hub = (frame.pid, frame.host)
             return
-        if frame.sync is not None and frame.sync < self.sync:
+        sync = getattr(frame, "sync", None)
+        if sync is not None and sync < self.sync:
             return  # left over from an earlier sync
         self._heard = time.monotonic()
         if isinstance(frame, (Setup, PlanFrame, Abort)):
@@ -145,10 +146,10 @@ class Link:
         try:
             frame = decode(data, TO_RANK)
         except BadFrame:
-            raw = peek(data)
-            if raw is None or raw.get("t") != Refused.T or not isinstance(raw.get("reason"), str):
+            reason = refused_reason(data)
+            if reason is None:
                 raise
-            frame = Refused(reason=raw["reason"])
+            frame = Refused(reason=reason)
         if isinstance(frame, Refused):
             self.refused = True
             raise ProtocolError(f"sender 0 (the hub) refused this rank: {frame.reason}")

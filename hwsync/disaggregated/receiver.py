@@ -36,8 +36,8 @@ from hwsync.interfaces import Backend, Communicator
 from hwsync.manifest import TensorSpec
 from hwsync.nic import Nic, nic_towards
 from hwsync.owners import sweep_dead_owners
-from hwsync.protocol.delta import plan_targets
 from hwsync.protocol import Commit, Go, Joined, PlanAccept, PlanFrame, Progress, RankComplete, Setup
+from hwsync.protocol.delta import plan_targets
 from hwsync.registry import get_backend
 from hwsync.sizes import DEFAULT_NUM_BUFFERS, MIN_NUM_BUFFERS
 from hwsync.stats import SyncStats

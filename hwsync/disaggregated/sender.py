@@ -24,7 +24,9 @@ from collections.abc import Iterable
 import torch
 
 from hwsync.bucket import ALIGN
+from hwsync.casting import EngineDtypes
 from hwsync.control import new_token
+from hwsync.delta.sender import SenderDeltas
 from hwsync.disaggregated.group import SenderGroup
 from hwsync.disaggregated.hub import Hub, PeerInfo, this_process
 from hwsync.disaggregated.link import Link
@@ -34,8 +36,6 @@ from hwsync.interfaces import Backend
 from hwsync.manifest import TensorSpec
 from hwsync.nic import describe_addresses, local_addresses, nic_owning, pick_local_host, source_address
 from hwsync.offload import onload_during
-from hwsync.casting import EngineDtypes
-from hwsync.delta.sender import SenderDeltas
 from hwsync.planner import TrainerModel, resolve_source
 from hwsync.protocol import Commit, Go, Joined, PlanAccept, PlanFrame, RankComplete, Sent, Setup
 from hwsync.registry import get_backend
@@ -233,7 +233,7 @@ class CrossNodeSender:
             # a delta's payloads are small: sender 0, which encoded them, sends them all
             plan = make_plan(sync.stream_manifest, self.bucket_bytes, self.num_senders, 0 if sync.deltas else None)
             stats.plan_s += time.perf_counter() - t0
-            wire = sync.wire if sync.wire is None else {**sync.wire, "targets": [s.to_wire() for s in sync.targets or []]}
+            wire = None if sync.wire is None else {**sync.wire, "targets": [s.to_wire() for s in sync.targets or []]}
             # the receivers' states travel with the plan: every sender rank resolves its source from them alike
             assert self._group.epoch is not None
             hub.send(plan.frame(**this_process(), epoch=self._group.epoch, version=version, state={"receivers": states},

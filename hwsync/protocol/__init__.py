@@ -33,10 +33,36 @@ from typing import Any
 
 import msgpack
 
-from hwsync.protocol.colocated import Abort, Accept, Bucket, Complete, Done, Error, Gone, Offer, Ready, Refs, \
-    Refused, Release, Welcome
-from hwsync.protocol.disaggregated import Alive, Commit, Go, Joined, Ping, PlanAccept, PlanFrame, Pong, Progress, \
-    RankComplete, RankReady, Sent, Setup
+from hwsync.protocol.colocated import (
+    Abort,
+    Accept,
+    Bucket,
+    Complete,
+    Done,
+    Error,
+    Gone,
+    Offer,
+    Ready,
+    Refs,
+    Refused,
+    Release,
+    Welcome,
+)
+from hwsync.protocol.disaggregated import (
+    Alive,
+    Commit,
+    Go,
+    Joined,
+    Ping,
+    PlanAccept,
+    PlanFrame,
+    Pong,
+    Progress,
+    RankComplete,
+    RankReady,
+    Sent,
+    Setup,
+)
 from hwsync.protocol.fields import BadFrame, Count, Frame, Map, short, value_to_wire
 from hwsync.protocol.layout import BucketSpec, Entry, Ref, SegmentSpec
 
@@ -104,9 +130,8 @@ def peek(data: bytes | memoryview) -> dict[str, str | int | float | bool | bytes
 def refused_reason(data: bytes | memoryview) -> str | None:
     """The reason of a Refused frame of any protocol version in `data`, or None if it is not one."""
     raw = peek(data)
-    if raw is None or raw.get("t") != Refused.T or type(raw.get("reason")) is not str:
-        return None
-    return raw["reason"]
+    reason = None if raw is None or raw.get("t") != Refused.T else raw.get("reason")
+    return reason if isinstance(reason, str) else None
 
 
 def decode(data: bytes | memoryview, expected: dict[str, type[Frame]]) -> Frame:

@@ -19,8 +19,16 @@ from __future__ import annotations
 from hwsync.manifest import TensorSpec
 from hwsync.protocol.delta import check_delta
 from hwsync.protocol.fields import BadFrame, Count, Frame, Map, frame
-from hwsync.protocol.layout import Entry, Ref, SegmentSpec, check_doorbell_handle, check_shm_handles, entries_within, \
-    refs_within
+from hwsync.protocol.layout import (
+    Entry,
+    Ref,
+    SegmentSpec,
+    check_doorbell_handle,
+    check_shm_handles,
+    entries_within,
+    refs_within,
+)
+
 
 @frame("ready")
 class Ready(Frame):

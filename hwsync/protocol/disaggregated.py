@@ -22,6 +22,7 @@ from hwsync.protocol.delta import check_delta, plan_targets
 from hwsync.protocol.fields import BadFrame, Count, Frame, Map, frame
 from hwsync.protocol.layout import BucketSpec
 
+
 @frame("ready")
 class RankReady(Frame):
     """A sender rank > 0 or a receiver is ready; `epoch` names the groups it still holds."""

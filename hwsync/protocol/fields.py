@@ -96,9 +96,9 @@ def _scalar(kind: type) -> Callable[[Any, str], Any]:
     def check(value: Any, what: str) -> Any:
         # bool is an int to Python but not to the protocol; an int is a fine float
         if type(value) is kind or (kind is float and type(value) is int):
-            if kind is int and not INT_MIN <= value <= INT_MAX:
+            if kind is int and not INT_MIN <= value <= INT_MAX:  # type: ignore[operator]  # an int, checked above
                 raise BadFrame(f"{what}: {short(value)} is outside the 64-bit signed range")
-            if kind is float and not math.isfinite(value):
+            if kind is float and not math.isfinite(value):  # type: ignore[arg-type]  # a number, checked above
                 raise BadFrame(f"{what}: expected a finite number, got {short(value)}")
             return value
         raise BadFrame(f"{what}: expected {kind.__name__}, got {type(value).__name__}")

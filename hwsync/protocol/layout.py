@@ -13,6 +13,7 @@ from hwsync.manifest import WIRE_DTYPES, dtype_from_name
 from hwsync.owners import OWNER
 from hwsync.protocol.fields import BadFrame, short, wire_count, wire_shape
 
+
 @dataclass(frozen=True)
 class Entry:
     """Where one tensor (or one chunk of it) sits in a bucket."""
