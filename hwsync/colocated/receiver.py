@@ -312,6 +312,7 @@ class WeightReceiver:
             self._shared.close()
         self._close_buffers()
         self._reader.clear()  # reassembly scratch may live in device memory
+        self._deltas.clear()
         self._control.close(CLOSE_LINGER_S)
         if not self._ctx.closed:
             self._ctx.term()

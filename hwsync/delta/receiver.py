@@ -17,7 +17,9 @@ repacks tensors (vLLM's fused qkv, MoE experts) need the whole tensor.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -39,6 +41,7 @@ class ReceiverDeltas:
         self._wire: Mapping[str, Any] | None = None
         self._headers: dict[str, DeltaHeader] = {}
         self._targets: dict[str, TensorSpec] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
     def report(self) -> dict[str, Any]:
         """What goes into the receiver's state for the sender: the id it holds (nothing when none)."""
@@ -78,34 +81,49 @@ class ReceiverDeltas:
             return (None if load is None else _KeepThenLoad(self._kept, load)), into
         return _ApplyDelta(self, load, into), _no_destination
 
-    def apply(self, name: str, payload: torch.Tensor, into: IntoFn | None) -> torch.Tensor | None:
-        """Apply one tensor's payload where its result lives and check it; the whole tensor for `load`, or None."""
+    def target(self, name: str, payload: torch.Tensor, into: IntoFn | None) -> tuple[torch.Tensor, bool]:
+        """Where one tensor's delta applies: the caller's own tensor (`into`; True) or the copy kept for `load`."""
         header, spec = self._headers.get(name), self._targets.get(name)
         if header is None or spec is None:
             raise ProtocolError(f"the sender sent a payload for {name!r}, which its delta sync did not announce")
         dtype = dtype_from_name(spec.dtype)
         dest = into(name, dtype, spec.shape) if into is not None else None
-        result = dest if dest is not None else self._kept.get(name)
-        if result is None:
+        if dest is not None:
+            return dest, True
+        kept = self._kept.get(name)
+        if kept is None:
             if header.code != "dense":
                 raise ProtocolError(f"{name}: a {header.code} delta, but this receiver keeps no copy of it to "
                                     "apply it on; refused (the sender's next sync is full)")
-            result = self._kept[name] = torch.empty(spec.shape, dtype=dtype, device=payload.device)
+            kept = self._kept[name] = torch.empty(spec.shape, dtype=dtype, device=payload.device)
+        return kept, False
+
+    def apply(self, name: str, payload: torch.Tensor, result: torch.Tensor) -> None:
+        """Apply one tensor's payload on `result` (its base) and check the digest (any thread)."""
+        header = self._headers[name]
         apply_into(result, header, payload.to(result.device), name=name)
         if not verify(result, header):
             raise DeltaCheckError(f"{name} does not have the sender's digest after its {header.code} delta was "
                                   "applied: this receiver's copy was not the declared base (changed behind hwsync's "
                                   "back?) or the apply was torn; the next sync is full")
-        return None if dest is not None else result
 
     def complete(self) -> None:
         """The sync completed and every tensor checked out: this receiver holds the sender's new baseline."""
         if self._wire is not None:
             self.held = self._wire["next"]
 
+    def pool(self) -> ThreadPoolExecutor:
+        """Threads that apply and check tensors side by side (made at the first delta sync, kept)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="hwsync-apply")
+        return self._pool
+
     def clear(self) -> None:
-        """Drop the copies kept for `load` (and with them what this receiver holds)."""
+        """Drop the copies kept for `load` (and with them what this receiver holds) and the threads."""
         self._kept, self.held = {}, None
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -142,8 +160,14 @@ class _ApplyDelta:
         self._deltas, self._load, self._into = deltas, load, into
 
     def __call__(self, payloads: list[tuple[str, torch.Tensor]]) -> None:
-        whole = [(name, t) for name, payload in payloads
-                 if (t := self._deltas.apply(name, payload, self._into)) is not None]
+        targets = [self._deltas.target(name, payload, self._into) for name, payload in payloads]  # user code: here
+        pool = self._deltas.pool()
+        jobs = [pool.submit(self._deltas.apply, name, payload, result)
+                for (name, payload), (result, _) in zip(payloads, targets)]
+        wait(jobs)  # the payloads are views of the bucket: every apply ends before this call returns, failed or not
+        for job in jobs:
+            job.result()
+        whole = [(name, result) for (name, _), (result, own) in zip(payloads, targets) if not own]
         if whole:
             if self._load is None:
                 raise ValueError(f"into() returned None for {whole[0][0]!r} and no load was given; return "

@@ -16,8 +16,10 @@ the sync streamed).
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 
 from hwsync.casting import EngineDtypes
-from hwsync.delta.diff import Delta, DeltaEncoder, to_engine_dtype
+from hwsync.delta.diff import Delta, encode, to_engine_dtype
 from hwsync.delta.digest import tensor_digest
 from hwsync.delta.header import DENSE, DeltaHeader
 from hwsync.delta.patch import advance
@@ -78,7 +80,8 @@ class SenderDeltas:
         self._pinned: list[torch.Tensor] = []
         #: why the next sync cannot be a delta though every receiver may hold the baseline
         self._lost = "the first sync: no baseline yet"
-        self._encoder = DeltaEncoder()
+        #: threads that encode tensors side by side (the trainer waits for the sync meanwhile)
+        self.threads = max(1, min(4, os.cpu_count() or 1))
         self._pending: Prepared | None = None
         self._next: str | None = None
         #: a sync asked for a delta: from then on the sender keeps a baseline
@@ -147,6 +150,8 @@ class SenderDeltas:
             if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
                 kept = self._tensors[name] = self._allocate(tuple(tensor.shape), tensor.dtype, tensor.device)
             kept.copy_(tensor)
+            # the next delta's digests follow from the changes alone: without this one it hashes every tensor
+            self._digests[name] = tensor_digest(kept)
             yield name, tensor
 
     def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, source: torch.device) -> torch.Tensor:
@@ -164,14 +169,21 @@ class SenderDeltas:
         deltas: dict[str, Delta] = {}
         payload_specs, targets, headers = [], [], []
         changed = total = 0
-        for position, item in enumerate(pairs):
-            name, tensor = named_tensor(position, item)
-            target_dtype = dtypes.target(name, tensor.dtype)
-            base = self._tensors.get(name)
-            if base is None or base.shape != tensor.shape or base.dtype != target_dtype:
-                found = dense(tensor, target_dtype)  # new to the baseline (or reshaped): nothing to patch
-            else:
-                found = self._encoder.encode(tensor, base, base_digest=self._digests.get(name), name=name)
+        jobs = []
+        # tensors are taken from the source in order on this thread (a DTensor gathers here); each is encoded on one
+        # of `threads` threads: the host kernel and torch's ops release the GIL, so they run side by side
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="hwsync-delta") as pool:
+            for position, item in enumerate(pairs):
+                name, tensor = named_tensor(position, item)
+                target_dtype = dtypes.target(name, tensor.dtype)
+                base = self._tensors.get(name)
+                if base is None or base.shape != tensor.shape or base.dtype != target_dtype:
+                    job = pool.submit(dense, tensor, target_dtype)  # new to the baseline (or reshaped): no patch
+                else:
+                    job = pool.submit(encode, tensor, base, base_digest=self._digests.get(name), name=name)
+                jobs.append((name, tensor, target_dtype, job))
+        for name, tensor, target_dtype, job in jobs:
+            found = job.result()
             deltas[name] = found
             changed += found.changed if found.changed is not None else found.header.numel
             total += found.header.numel

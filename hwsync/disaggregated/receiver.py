@@ -273,6 +273,7 @@ class CrossNodeReceiver:
         """Tear down groups, buffers and the control socket; safe to call twice."""
         self._drop_groups()
         self._buffers = []
+        self._deltas.clear()
         self._link.close()
 
     def __enter__(self) -> "CrossNodeReceiver":
