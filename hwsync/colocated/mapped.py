@@ -105,8 +105,10 @@ class MappedSources:
             return None
         if hasattr(tensor, "full_tensor") or not tensor.is_contiguous():  # a DTensor gathers a copy; strided: packed
             return None
+        if not segments.held_elsewhere(tensor):  # first: cheaper than finding its segment
+            return None
         where = segments.locate(tensor)
-        if where is None or not segments.held_elsewhere(tensor):
+        if where is None:
             return None
         segment = self._by_key.get(where.key)
         if segment is None or segment.size != where.size or not segments.alive(segment.anchor):

@@ -279,17 +279,24 @@ class CudaIpcTransport(Transport):
         self._logged = False
         self._segments = CudaDeviceSegments()
 
-    def available(self) -> ProbeResult:
-        """Usable where a GPU is, the kernel is not WSL's (no CUDA IPC), and the allocator shares plain handles."""
+    def _ipc_reason(self) -> str | None:
+        """Why CUDA IPC cannot be used here at all (no GPU, WSL), or None."""
         probe = self._device.probe()
         if not probe.usable:
-            return ProbeResult(False, f"no usable GPU: {probe.reason}")
+            return f"no usable GPU: {probe.reason}"
         try:
             with open("/proc/version") as f:
                 if "microsoft" in f.read().lower():
-                    return ProbeResult(False, "CUDA IPC is not supported under WSL; use the 'shm' transport")
+                    return "CUDA IPC is not supported under WSL; use the 'shm' transport"
         except OSError:
             pass
+        return None
+
+    def available(self) -> ProbeResult:
+        """Usable where a GPU is, the kernel is not WSL's (no CUDA IPC), and the allocator shares plain handles."""
+        reason = self._ipc_reason()
+        if reason is not None:
+            return ProbeResult(False, reason)
         reason = expandable_segments_reason()
         if reason is not None:
             if not self._logged:  # the backend falls back to shm: say why, once
@@ -312,8 +319,7 @@ class CudaIpcTransport(Transport):
 
     def device_segments(self) -> DeviceSegments | None:
         """The trainer's caching-allocator segments, mapped in place by receivers; None where CUDA IPC cannot be used
-        (its reason is available()'s: WSL, expandable segments) and device tensors then go packed."""
-        if not self.available().usable:
-            return None
-        return self._segments
+        at all (no GPU, WSL). Expandable segments are never exported (locate skips them; a sender with them on uses
+        shm, whose tensors go packed), but a receiver with them on still maps a sender's plain segments."""
+        return self._segments if self._ipc_reason() is None else None
 
