@@ -46,9 +46,22 @@ def test_a_tensors_segment_is_found_in_the_allocators_snapshot_taken_once_per_sy
     assert segments._segment_of(0, (64 << 20) + 8) is None, "expandable segments are shared by fd, never exported"
     assert segments._segment_of(0, 40 << 20) is None
     assert len(calls) == 1, "one snapshot until the next collect"
+
+    class Ref:  # a StorageWeakRef stand-in
+        def __init__(self, live: bool) -> None:
+            self.live = live
+
+        def expired(self) -> bool:
+            return not self.live
+
+    segments._anchors = {(0, 8 << 20): [Ref(True)], (0, 1 << 20): [Ref(False)]}
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     segments.collect()
-    assert segments._segment_of(0, 40 << 20) is None and len(calls) == 2
+    assert segments._segment_of(0, (8 << 20) + 1) == (8 << 20, 20 << 20) and len(calls) == 1, \
+        "a segment a live anchor vouches for stays known"
+    snapshot[0]["total_size"] = 1 << 20  # freed by empty_cache and made again at the same address, smaller
+    assert segments._segment_of(0, (1 << 20) + 17) == (1 << 20, 1 << 20) and len(calls) == 2, \
+        "a range no live anchor vouches for is looked up again"
 
 
 @pytest.mark.parametrize("record", [

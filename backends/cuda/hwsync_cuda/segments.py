@@ -6,8 +6,7 @@ and what is built on it here:
   holds a storage: the IPC handle is the segment base's, with the storage's offset in it, plus a fresh
   ref-counter slot (one consumer) and, while torch has IPC events left, an event the consumer's stream
   waits for once. The segment's size comes from the allocator's snapshot (torch.cuda.memory_snapshot:
-  its segments' `address` and `total_size`), looked up again only for a tensor outside every segment
-  known since the last collect;
+  its segments' `address` and `total_size`; hwsync.colocated.allocator_segments says when it is taken);
 - the receiver calls `UntypedStorage._new_shared_cuda(device, handle, segment size, 0, ...)`: one
   storage over the whole segment, mapped on its own current GPU (cudaIpcOpenMemHandle, cached per
   handle inside torch, so a second export of a segment it maps opens nothing), whose deleter waits for
@@ -25,14 +24,14 @@ torch 2.11 / 2.13 (their sources above); the simulated accelerator models the sa
 
 from __future__ import annotations
 
-import bisect
 import os
 from typing import Any, cast
 
 import torch
 
+from hwsync.colocated.allocator_segments import AllocatorSegments
 from hwsync.errors import HwsyncError
-from hwsync.interfaces import DeviceSegments, Record, SegmentPlace
+from hwsync.interfaces import Record, SegmentPlace
 
 KIND = "cuda_segment"
 _BYTES_FIELDS = ("handle", "ref_counter_handle")
@@ -46,70 +45,17 @@ def _snapshot_segments() -> list[dict[str, Any]]:
         return torch.cuda.memory_snapshot()
 
 
-class CudaDeviceSegments(DeviceSegments):
-    """torch's caching-allocator segments, shared through CUDA IPC."""
+class CudaDeviceSegments(AllocatorSegments):
+    """torch's caching-allocator segments, shared through CUDA IPC (finding them: AllocatorSegments)."""
 
-    def __init__(self) -> None:
-        #: per device: sorted segment bases and their sizes, as the last snapshot showed them
-        self._bases: dict[int, list[int]] = {}
-        self._sizes: dict[int, dict[int, int]] = {}
-        self._fresh = False  # a snapshot was taken since the last collect()
+    device_type = "cuda"
 
-    def _refresh(self) -> None:
-        bases: dict[int, list[int]] = {}
-        sizes: dict[int, dict[int, int]] = {}
-        for segment in _snapshot_segments():
-            if segment.get("is_expandable"):
-                continue  # shared as file descriptors, not by cudaIpcGetMemHandle
-            index, base = int(segment["device"]), int(segment["address"])
-            sizes.setdefault(index, {})[base] = int(segment["total_size"])
-        for index, found in sizes.items():
-            bases[index] = sorted(found)
-        self._bases, self._sizes, self._fresh = bases, sizes, True
-
-    def _segment_of(self, index: int, ptr: int) -> tuple[int, int] | None:
-        for attempt in range(2):
-            bases = self._bases.get(index, [])
-            i = bisect.bisect_right(bases, ptr) - 1
-            if i >= 0 and ptr < bases[i] + self._sizes[index][bases[i]]:
-                return bases[i], self._sizes[index][bases[i]]
-            if attempt or self._fresh:
-                return None
-            self._refresh()  # a segment made since the last look
-        return None
-
-    def locate(self, tensor: torch.Tensor) -> SegmentPlace | None:
-        """The cudaMalloc segment of a plain CUDA tensor (a Parameter counts), from the allocator's snapshot."""
-        if tensor.device.type != "cuda" or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-            return None
-        index, ptr = tensor.device.index, tensor.data_ptr()
-        found = self._segment_of(index, ptr)
-        if found is None:
-            return None
-        base, size = found
-        return SegmentPlace(("cuda", index, base), size, ptr - base)
-
-    def held_elsewhere(self, tensor: torch.Tensor) -> bool:
-        """A Parameter, or a storage another tensor shares (a state_dict() entry shares its parameter's)."""
-        if isinstance(tensor, torch.nn.Parameter):
-            return True
-        use_count = getattr(torch._C, "_storage_Use_Count", None)
-        # this tensor and the temporary Python storage object count 2; a third holder keeps it past the sync
-        return use_count is not None and use_count(tensor.untyped_storage()._cdata) >= 3
-
-    def anchor(self, tensor: torch.Tensor) -> Any:
-        """A weak reference to the tensor's storage."""
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        return StorageWeakRef(tensor.untyped_storage())
-
-    def alive(self, anchor: Any) -> bool:
-        """Whether the storage still lives."""
-        return not anchor.expired()
+    def _snapshot(self) -> list[dict[str, Any]]:
+        return _snapshot_segments()
 
     def export(self, anchor: Any, place: SegmentPlace) -> Record:
         """`_share_cuda_()` of the anchor's storage, for its whole segment (one ref-counter slot: one consumer)."""
-        storage = torch.UntypedStorage._new_with_weak_ptr(anchor.cdata)
+        storage = self._storage(anchor)
         if storage is None:
             raise HwsyncError(f"cuda: device segment {place.key} was freed before it could be exported")
         _, index, base = cast(tuple[str, int, int], place.key)  # locate's key
@@ -154,8 +100,8 @@ class CudaDeviceSegments(DeviceSegments):
             return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index)).set_(storage, 0, (size,), (1,))
 
     def collect(self) -> None:
-        """torch.cuda.ipc_collect(): free blocks receivers have let go; the next unknown tensor takes a snapshot."""
-        self._fresh = False
+        """torch.cuda.ipc_collect(): free blocks receivers have let go; forget ranges no live anchor vouches for."""
+        super().collect()
         if torch.cuda.is_initialized():
             torch.cuda.ipc_collect()
 

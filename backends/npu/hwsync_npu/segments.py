@@ -19,77 +19,40 @@ tests/test_npu_api_conformance.py (hwsync_npu.api lists them).
 
 from __future__ import annotations
 
-import bisect
 import os
 from types import ModuleType
 from typing import Any, cast
 
 import torch
 
+from hwsync.colocated.allocator_segments import AllocatorSegments
 from hwsync.errors import HwsyncError
-from hwsync.interfaces import DeviceSegments, Record, SegmentPlace
+from hwsync.interfaces import Record, SegmentPlace
 from hwsync_npu.api import import_torch_npu
 
 KIND = "npu_segment"
 
 
-class NpuDeviceSegments(DeviceSegments):
-    """torch_npu's caching-allocator segments, shared through NPU IPC."""
+class NpuDeviceSegments(AllocatorSegments):
+    """torch_npu's caching-allocator segments, shared through NPU IPC (finding them: AllocatorSegments)."""
+
+    device_type = "npu"
 
     def __init__(self) -> None:
+        super().__init__()
         self._torch_npu: ModuleType | None = None
-        self._bases: dict[int, list[int]] = {}
-        self._sizes: dict[int, dict[int, int]] = {}
-        self._fresh = False  # a snapshot was taken since the last collect()
 
     def _npu(self) -> Any:
         if self._torch_npu is None:
             self._torch_npu = import_torch_npu()
         return self._torch_npu.npu
 
-    def _refresh(self) -> None:
-        sizes: dict[int, dict[int, int]] = {}
-        for segment in self._npu().memory_snapshot():
-            if segment.get("is_expandable"):
-                continue
-            sizes.setdefault(int(segment["device"]), {})[int(segment["address"])] = int(segment["total_size"])
-        self._sizes, self._bases, self._fresh = sizes, {i: sorted(s) for i, s in sizes.items()}, True
-
-    def locate(self, tensor: torch.Tensor) -> SegmentPlace | None:
-        """The allocator segment of a plain NPU tensor (a Parameter counts), from the allocator's snapshot."""
-        if tensor.device.type != "npu" or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-            return None
-        index, ptr = tensor.device.index, tensor.data_ptr()
-        for attempt in range(2):
-            bases = self._bases.get(index, [])
-            i = bisect.bisect_right(bases, ptr) - 1
-            if i >= 0 and ptr < bases[i] + self._sizes[index][bases[i]]:
-                return SegmentPlace(("npu", index, bases[i]), self._sizes[index][bases[i]], ptr - bases[i])
-            if attempt or self._fresh:
-                return None
-            self._refresh()
-        return None
-
-    def held_elsewhere(self, tensor: torch.Tensor) -> bool:
-        """A Parameter, or a storage another tensor shares (see hwsync_cuda.segments)."""
-        if isinstance(tensor, torch.nn.Parameter):
-            return True
-        use_count = getattr(torch._C, "_storage_Use_Count", None)
-        return use_count is not None and use_count(tensor.untyped_storage()._cdata) >= 3
-
-    def anchor(self, tensor: torch.Tensor) -> Any:
-        """A weak reference to the tensor's storage."""
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        return StorageWeakRef(tensor.untyped_storage())
-
-    def alive(self, anchor: Any) -> bool:
-        """Whether the storage still lives."""
-        return not anchor.expired()
+    def _snapshot(self) -> list[dict[str, Any]]:
+        return list(self._npu().memory_snapshot())
 
     def export(self, anchor: Any, place: SegmentPlace) -> Record:
         """`_share_npu_()` of the anchor's storage, for its whole segment (one ref-counter slot: one consumer)."""
-        storage = torch.UntypedStorage._new_with_weak_ptr(anchor.cdata)
+        storage = self._storage(anchor)
         if storage is None:
             raise HwsyncError(f"npu: device segment {place.key} was freed before it could be exported")
         _, index, base = cast(tuple[str, int, int], place.key)  # locate's key
@@ -128,8 +91,8 @@ class NpuDeviceSegments(DeviceSegments):
         return torch.empty(0, dtype=torch.uint8, device=torch.device("npu", index)).set_(storage, 0, (size,), (1,))
 
     def collect(self) -> None:
-        """torch_npu.npu.ipc_collect(); the next unknown tensor takes a fresh snapshot."""
-        self._fresh = False
+        """torch_npu.npu.ipc_collect(); forget ranges no live anchor vouches for."""
+        super().collect()
         if self._torch_npu is not None:
             self._torch_npu.npu.ipc_collect()
 
