@@ -35,7 +35,7 @@ class ProbeResult:
 
 
 class DeviceEvent(Protocol):
-    """A point in a device stream (torch.cuda.Event, torch.npu.Event, the sim's): the host may wait for it."""
+    """A point in a device stream (a CUDA or NPU event, the sim's): the host may wait for it."""
 
     def synchronize(self) -> None:
         """Block the host until the work queued before the event has run."""
@@ -274,7 +274,7 @@ class DeviceSegments(ABC):
         `size` bytes. Dropping every view of it unmaps it, after this process's queued work on it."""
 
     def collect(self) -> None:
-        """Free blocks that were parked for receivers which have since let go (torch.cuda.ipc_collect)."""
+        """Free blocks that were parked for receivers which have since let go (torch's ipc_collect)."""
 
 
 class Transport(ABC):

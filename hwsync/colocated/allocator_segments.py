@@ -1,4 +1,4 @@
-"""The segments of torch's caching allocator (CUDA's, torch_npu's, built alike), as mapped sources find them.
+"""The segments of torch's caching allocator (CUDA's, and the NPU plugin's built alike), as mapped sources find them.
 
 Shared by hwsync_cuda.segments and hwsync_npu.segments, which add how a segment is exported, mapped
 and released. Here: which tensors count as kept by something else, and in which segment a tensor
