@@ -6,7 +6,8 @@ Two rules that only an accelerator shows (the CPU backend hides both):
   the device of the thread that made it (`start_on_this_device`, `DeviceOwner`), so its
   allocations, communicators and synchronizations land where the owner's do;
 - device copies run asynchronously. A buffer another process will refill may be handed back
-  only once this process's queued reads of it have finished (`synchronize_for`).
+  only once this process's queued reads of it have finished (`synchronize_for`: the whole device;
+  `wait_for_queued`: the current stream, by an event where the backend records them).
 """
 
 from __future__ import annotations
@@ -34,6 +35,18 @@ def synchronize_for(device: Device, where: torch.device) -> None:
         device.synchronize()
     finally:
         device.set_index(current)
+
+
+def wait_for_queued(device: Device, where: torch.device) -> None:
+    """Wait until the work this process queued on the current stream of device `where` has run: an event where
+    the backend records them (the trainer's other streams are not waited for), else the whole device."""
+    if where.type == "cpu" or where.type != device.torch_type:
+        return
+    event = device.record_event(where.index)
+    if event is None:
+        synchronize_for(device, where)
+    else:
+        event.synchronize()
 
 
 class DeviceOwner:

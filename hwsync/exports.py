@@ -11,6 +11,14 @@ are at 0 (until then it is parked, and `ipc_collect()` retries). So:
 - two receivers never share one export: the first to close would free the block under the other.
 A transport's SendBuffers keeps one ReceiverExports and says how to export one buffer and how to
 release one export.
+
+The same counting holds for device segments a sender's tensors lie in (mapped sources,
+hwsync.colocated.mapped), kept by SegmentExports: one export per (receiver process, segment), made when
+the receiver first needs it, mid-sync. Which exports a receiver mapped is known for sure only once it
+completed a sync (`confirm`); after a failed sync every receiver of it unmaps all it mapped, and the
+sender releases the exports that sync made (`release_unconfirmed`: a frame carrying them may never have
+been read), so none keeps a block parked. Releasing twice (the receiver unmapped, the sender released)
+takes a counter below zero, which torch treats as released.
 """
 
 from __future__ import annotations
@@ -67,3 +75,71 @@ class ReceiverExports:
         """The buffers are gone: live receivers release what they map when they close it."""
         self.release_dead()
         self._by_receiver = {}
+
+
+@dataclass
+class _SegmentExports:
+    pid: int | None
+    host: str | None
+    records: dict[int, Record] = field(default_factory=dict)
+    #: segments exported to this receiver in the running sync (not yet known to be mapped)
+    unconfirmed: set[int] = field(default_factory=set)
+
+
+class SegmentExports:
+    """Device segments exported to each receiver process, one export per (receiver, segment id)."""
+
+    def __init__(self, release_one: Callable[[Record], None]) -> None:
+        self._release_one = release_one
+        self._by_receiver: dict[str, _SegmentExports] = {}
+
+    def record_for(self, receiver: str, pid: int | None, host: str | None, segment: int,
+                   make: Callable[[], Record]) -> Record | None:
+        """A new export of `segment` for the receiver, made by `make()`; None when it has one already."""
+        exports = self._by_receiver.get(receiver)
+        if exports is None:
+            exports = self._by_receiver[receiver] = _SegmentExports(pid, host)
+        if segment in exports.records:
+            return None
+        record = exports.records[segment] = make()
+        exports.unconfirmed.add(segment)
+        return record
+
+    def count(self) -> int:
+        """Exports alive now, over every receiver."""
+        return sum(len(e.records) for e in self._by_receiver.values())
+
+    def confirm(self) -> None:
+        """Every receiver completed the sync: it maps every export it was sent."""
+        for exports in self._by_receiver.values():
+            exports.unconfirmed.clear()
+
+    def release_unconfirmed(self, receivers: list[str]) -> None:
+        """A sync of these receivers failed, and each unmaps all it mapped: release the exports that sync made for
+        them (a frame carrying one may never have been read) and forget theirs; other receivers keep theirs."""
+        for receiver in receivers:
+            exports = self._by_receiver.pop(receiver, None)
+            if exports is not None:
+                for segment in exports.unconfirmed:
+                    self._release_one(exports.records[segment])
+
+    def release(self, receiver: str) -> None:
+        """The receiver died with its mappings: release every export it had."""
+        exports = self._by_receiver.pop(receiver, None)
+        if exports is not None:
+            for record in exports.records.values():
+                self._release_one(record)
+
+    def release_dead(self) -> None:
+        """Release the exports of receivers whose process is gone."""
+        for receiver, exports in list(self._by_receiver.items()):
+            if not peer_alive(exports.pid, exports.host):
+                self.release(receiver)
+
+    def drop(self, segment: int) -> None:
+        """The sender stopped sharing `segment`: live receivers unmap it when told; dead ones are released."""
+        for exports in self._by_receiver.values():
+            record = exports.records.pop(segment, None)
+            if record is not None and not peer_alive(exports.pid, exports.host):
+                self._release_one(record)
+            exports.unconfirmed.discard(segment)

@@ -12,8 +12,9 @@ Rules every backend follows (the conformance test checks the shape, reviews chec
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -31,6 +32,16 @@ class ProbeResult:
     usable: bool
     reason: str
     details: dict[str, Any] = field(default_factory=dict)
+
+
+class DeviceEvent(Protocol):
+    """A point in a device stream (a CUDA or NPU event, the sim's): the host may wait for it."""
+
+    def synchronize(self) -> None:
+        """Block the host until the work queued before the event has run."""
+
+    def query(self) -> bool:
+        """Whether that work has run (never waits)."""
 
 
 class Device(ABC):
@@ -91,6 +102,18 @@ class Device(ABC):
 
     def unpin_host_memory(self, tensor: torch.Tensor) -> None:
         """Undo pin_host_memory (call only after it returned True)."""
+
+    def record_event(self, index: int | None = None) -> DeviceEvent | None:
+        """An event recorded now on the current stream of device `index` (this thread's current device when None):
+        done once the work queued on that stream so far has run. None where the backend has none (the default;
+        the CPU queues nothing): callers then synchronize the device. Waiting on it waits for that stream only,
+        not for the trainer's other streams (its collectives, its prefetches), as a device synchronize would."""
+        return None
+
+    def counters(self) -> dict[str, int] | None:
+        """What this process's device work counted so far (copies, bytes, exports, opens), where a backend counts
+        it: the simulated accelerator does, for tests and benchmarks; None elsewhere (the default)."""
+        return None
 
     def runtime_in_use(self) -> bool:
         """Whether this process has started the device runtime, so device work may be in flight; never starts it.
@@ -191,6 +214,69 @@ class ReceiveBuffers(ABC):
         """Detach from the buffers; safe to call twice."""
 
 
+#: one export of device memory for one receiver process, as msgpack-safe values (the backend's own fields)
+Record = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SegmentPlace:
+    """Where a device tensor's bytes lie: in allocator segment `key` (`size` bytes), from byte `offset` on."""
+
+    #: the segment, in this process, while it lives (the sim: its allocation; CUDA: device and base address)
+    key: Hashable
+    size: int
+    offset: int
+
+
+class DeviceSegments(ABC):
+    """Device memory receiver processes read in place: the allocator segments that hold a sender's tensors.
+
+    A backend whose IPC maps device memory offers this (Transport.device_segments); the core's rules
+    (hwsync.colocated.mapped) are:
+    - an allocator segment (one cudaMalloc of torch's caching allocator; one allocation on the sim) is
+      exported once per receiver process, through one block in it (the anchor), and the export covers the
+      whole segment; every export has one consumer, as torch counts IPC (hwsync.exports);
+    - the anchor is held weakly: a freed anchor that a receiver still maps stays allocated (torch's IPC
+      limbo), so the segment cannot go back to the driver under the receiver; the sender notices the death at
+      its next sync and drops the segment on both sides, and collect() then frees the block;
+    - a receiver maps each export once, on its own current device, and keeps it until the sender drops it.
+    """
+
+    @abstractmethod
+    def locate(self, tensor: torch.Tensor) -> SegmentPlace | None:
+        """The segment holding `tensor`'s bytes; None where it lies in none that can be shared (another device
+        type, memory the allocator does not own, a tensor subclass the backend cannot export)."""
+
+    @abstractmethod
+    def held_elsewhere(self, tensor: torch.Tensor) -> bool:
+        """Whether something besides `tensor` keeps its memory (it is a Parameter, or another tensor shares its
+        storage): only such tensors outlive the source's next step; a cast or a gathered copy does not."""
+
+    @abstractmethod
+    def anchor(self, tensor: torch.Tensor) -> Any:
+        """A weak reference to the block that holds `tensor` (it keeps nothing alive)."""
+
+    @abstractmethod
+    def alive(self, anchor: Any) -> bool:
+        """Whether the anchor's block still belongs to a live tensor."""
+
+    @abstractmethod
+    def export(self, anchor: Any, place: SegmentPlace) -> Record:
+        """One export of the anchor's whole segment (`place.size` bytes) for one receiver process."""
+
+    @abstractmethod
+    def release_export(self, record: Record) -> None:
+        """Release an export for a receiver that will never unmap it (it never mapped it, or died)."""
+
+    @abstractmethod
+    def open(self, record: Record, size: int) -> torch.Tensor:
+        """Map another process's export on this thread's current device: a flat uint8 tensor of the segment's
+        `size` bytes. Dropping every view of it unmaps it, after this process's queued work on it."""
+
+    def collect(self) -> None:
+        """Free blocks that were parked for receivers which have since let go (torch's ipc_collect)."""
+
+
 class Transport(ABC):
     """How one bucket's bytes get from a sender to its receiver(s)."""
 
@@ -212,6 +298,11 @@ class Transport(ABC):
     @abstractmethod
     def open_receiver(self, handles: Handles, owner_pid: int | None = None) -> ReceiveBuffers:
         """Attach to buffers a sender announced; `owner_pid`, the sender's pid, where the buffers name its process."""
+
+    def device_segments(self) -> DeviceSegments | None:
+        """How receivers read the sender's device memory in place through this transport's IPC (mapped sources);
+        None where they cannot (the default: host memory, or no IPC), and device tensors then go packed."""
+        return None
 
 
 class Backend(ABC):

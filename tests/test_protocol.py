@@ -28,6 +28,7 @@ from hwsync.protocol import (
     decode,
     encode,
 )
+from hwsync.protocol.layout import DeviceRef, DeviceSegment
 
 ENTRY = Entry("w", "float32", (2, 3), 0, 0, 24, 24)
 #: segment names as hwsync makes them: hwsync-<pid>-<start>-<pidns>-[params-]<16 hex> (pid 1 here, as in _example)
@@ -40,6 +41,8 @@ OFFER = Offer(sync=1, proto=3, backend="cpu", transport="shm", handles={"kind": 
               rank=0, segments=[], delta=None)
 SEGMENT = SegmentSpec(PARAMS, 4096)
 REF = Ref("w", "float32", (2, 3), 0, 256, 24)
+DEVICE_SEGMENT = DeviceSegment(7, 1 << 20, {"kind": "cuda_ipc", "handle": b"\x01" * 64, "slot": 3})
+DEVICE_REF = DeviceRef("w", "bfloat16", (2, 3), 7, 512)
 DOORBELL = {"name": f"{OWNER}{'f' * 16}", "bytes": 4096 + 2 * 65536, "receivers": 2, "slots": 2}
 
 
@@ -49,7 +52,13 @@ def _example(cls):
     kwargs = {}
     for f in dataclasses.fields(cls):
         kind = str(f.type)
-        if "SegmentSpec" in kind:
+        if "DeviceSegment" in kind:
+            kwargs[f.name] = [DEVICE_SEGMENT]
+        elif "DeviceRef" in kind:
+            kwargs[f.name] = [DEVICE_REF]
+        elif kind == "list[Count]":
+            kwargs[f.name] = [7]
+        elif "SegmentSpec" in kind:
             kwargs[f.name] = [SEGMENT]
         elif "Ref" in kind:
             kwargs[f.name] = [REF]
@@ -166,10 +175,44 @@ def test_ready_and_error_keep_their_fields():
 ])
 def test_shared_tensor_references_are_checked(segments, refs, match):
     with pytest.raises(BadFrame, match=match):
-        decode(_raw(t="refs", sync=1, segments=segments, refs=refs), TO_RECEIVER)
+        decode(_raw(t="refs", sync=1, segments=segments, refs=refs, device_segments=[], device_refs=[]), TO_RECEIVER)
 
 
 def test_refs_come_back_as_refs():
     frame = Refs(sync=3, segments=[SEGMENT], refs=[REF])
     back = decode(encode(frame), TO_RECEIVER)
     assert back == frame and back.segments[0].pid == 1 and back.refs[0].shape == (2, 3)
+
+
+def test_device_references_and_exports_round_trip():
+    frame = Refs(sync=3, segments=[], refs=[], device_segments=[DEVICE_SEGMENT], device_refs=[DEVICE_REF])
+    back = decode(encode(frame), TO_RECEIVER)
+    assert back == frame and back.device_refs[0].nbytes == 12 and back.device_segments[0].export["slot"] == 3
+    offer = decode(encode(dataclasses.replace(OFFER, device_segments=[1, 5])), TO_RECEIVER)
+    assert offer.device_segments == [1, 5]
+
+
+@pytest.mark.parametrize("segments,refs,match", [
+    ([], [["w", "bfloat16", [2, 3], 7, 513]], "not aligned for bfloat16"),
+    ([], [["w", "bfloat16", [2, 3], 7]], "list of 5 fields"),
+    ([], [["w", "bfloat99", [2, 3], 7, 0]], "bad name or dtype"),
+    ([], [["w", "float32", [2, -3], 7, 0]], "non-negative ints"),
+    ([], [["w", "float32", [2, 3], -7, 0]], "non-negative int"),
+    ([], [["w", "float32", [1 << 40, 1 << 40], 7, 0]], "larger than any segment"),
+    ([[7, 1024, {}]], [["w", "float32", [2, 3], 7, 1024 - 16]], "past the 1024 bytes of device segment 7"),
+    ([[7, 1024, {}], [7, 2048, {}]], [], "exported twice"),
+    ([[7, 0, {}]], [], "has no bytes"),
+    ([[7, 1024, []]], [], "export must be a map"),
+    ([[7, 1024, {1: 2}]], [], "export must be a map"),
+    ([[7, 1024]], [], r"\[id, size, export\]"),
+])
+def test_device_references_are_checked(segments, refs, match):
+    with pytest.raises(BadFrame, match=match):
+        decode(_raw(t="refs", sync=1, segments=[], refs=[], device_segments=segments, device_refs=refs), TO_RECEIVER)
+
+
+def test_a_reference_to_a_segment_exported_earlier_is_left_to_the_receiver():
+    """Decode checks what the frame itself says; an id exported in an earlier frame is checked against the mapping."""
+    frame = decode(_raw(t="refs", sync=1, segments=[], refs=[], device_segments=[],
+                        device_refs=[["w", "float32", [4], 9, 1 << 30]]), TO_RECEIVER)
+    assert frame.device_refs[0].segment == 9

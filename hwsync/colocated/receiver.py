@@ -35,7 +35,7 @@ from hwsync.colocated.receiver_control import ReceiverControl
 from hwsync.colocated.refs import SharedReader
 from hwsync.control import Endpoint, Lifetime, peer_alive, remove_ipc_dir
 from hwsync.delta.receiver import ReceiverDeltas
-from hwsync.devices import synchronize_for
+from hwsync.devices import wait_for_queued
 from hwsync.errors import ProtocolError, SyncError
 from hwsync.interfaces import Backend, Handles, ReceiveBuffers
 from hwsync.manifest import TensorSpec
@@ -179,7 +179,8 @@ class WeightReceiver:
             self._doorbell = Doorbell.attach(bell, owner_pid=offer.pid, rank=offer.rank)
         if self._shared is None:
             self._shared = SharedReader(self.backend.device())
-        self._shared.retain(offer.segments)  # unmap what the sender no longer has
+        # unmap what the sender no longer has (host and device segments); device ones it exports later map by this
+        self._shared.retain(offer.segments, offer.device_segments, transports[offer.transport])
         self._deltas.begin(offer.delta, offer.manifest)  # a delta only on what this receiver holds
         if offer.manifest is not None and check_manifest is not None:
             check_manifest(offer.manifest)
@@ -266,8 +267,9 @@ class WeightReceiver:
 
     def _release_bucket(self, offer: Offer, buf: int, seq: int, bell: Doorbell | None, where: torch.device) -> None:
         assert self._buffers is not None
-        # this process's device reads of the buffer (reassembly, into=, load) may still be queued
-        synchronize_for(self.backend.device(), where)
+        # this process's device reads of the buffer (reassembly, into=, load) may still be queued: an event on the
+        # stream that runs them, not a device-wide synchronize (which would also wait for the engine's other work)
+        wait_for_queued(self.backend.device(), where)
         self._buffers.release(buf)
         if bell is not None:
             bell.release(offer.rank, seq)

@@ -9,6 +9,9 @@ an accelerator) or to `load` as views of the shared memory, valid during that ca
 sender's trainer leaves the memory alone until this receiver's Complete, so every copy and
 every queued device read finishes (`finish`) before Complete is sent.
 
+Device references in the same frames (the trainer's own device memory) are mapped_reader.py's:
+mapped once per segment, kept across syncs, unmapped when an offer stops listing them.
+
 Host-to-host copies are memmoves on the data pointers, cut into COPY_CHUNK_BYTES pieces and
 queued on `copy_threads` threads (2 by default) that run across batches: during a one-copy sync
 the sender has nothing to do, so the receiver may use the core the packed path would have spent
@@ -27,9 +30,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from hwsync.bucket import IntoFn, LoadFn, checked_destination, copy_bytes
-from hwsync.devices import synchronize_for
+from hwsync.colocated.mapped_reader import MappedReader
+from hwsync.devices import wait_for_queued
 from hwsync.errors import ProtocolError
-from hwsync.interfaces import Device
+from hwsync.interfaces import Device, Transport
 from hwsync.manifest import dtype_from_name
 from hwsync.protocol import Refs, SegmentSpec
 from hwsync.protocol.layout import SHARED_SEGMENT_NAME
@@ -77,11 +81,16 @@ class SharedReader:
         self._copies: list[Future] = []
         self._mapped: dict[str, SharedSegment] = {}
         self._pinned: dict[str, torch.Tensor] = {}
-        #: devices this sync's copies were queued on (synchronized by finish())
+        #: devices this sync's copies were queued on (waited for by finish())
         self._queued: set[torch.device] = set()
+        #: the sender's device segments, mapped in place
+        self.device_segments = MappedReader(device)
 
-    def retain(self, segments: list[SegmentSpec]) -> None:
-        """Keep only the mappings of segments the sender still has (its offer lists them)."""
+    def retain(self, segments: list[SegmentSpec], device_segments: list[int] | None = None,
+               transport: Transport | None = None) -> None:
+        """Keep only the mappings of segments the sender still has (its offer lists them, host and device ones);
+        `transport`, the offer's, maps device segments exported later."""
+        self.device_segments.retain(device_segments or [], transport)
         keep = {s.name for s in segments}
         for name in [n for n in self._mapped if n not in keep]:
             self._unmap(name)
@@ -109,6 +118,7 @@ class SharedReader:
 
     def read(self, frame: Refs, sender_pid: int | None, into: IntoFn | None) -> list[tuple[str, torch.Tensor]]:
         """Copy every referenced tensor `into` names; the others as views of shared memory, for `load`."""
+        self.device_segments.map(frame.device_segments)  # first: an export is mapped or released, never left
         segments = [self._segment(spec, sender_pid).tensor for spec in frame.segments]
         out: list[tuple[str, torch.Tensor]] = []
         host_copies: list[tuple[int, int, int]] = []  # (dst, src, nbytes) on data pointers
@@ -128,7 +138,7 @@ class SharedReader:
             else:
                 out.append((ref.name, torch.empty(ref.shape, dtype=dtype)))
         self._copy(host_copies)
-        return out
+        return out + self.device_segments.read(frame.device_refs, into)
 
     def _copy(self, jobs: list[tuple[int, int, int]]) -> None:
         """Run host memmoves: a small batch here, a large one queued in pieces on the copy threads."""
@@ -157,8 +167,8 @@ class SharedReader:
                                  "a destination for every tensor or pass load")
             load(tensors)
         stats.load_s += time.perf_counter() - t0
-        stats.tensors += len(frame.refs)
-        stats.bytes += sum(r.nbytes for r in frame.refs)
+        stats.tensors += len(frame.refs) + len(frame.device_refs)
+        stats.bytes += sum(r.nbytes for r in frame.refs) + sum(r.nbytes for r in frame.device_refs)
         return bool(tensors)
 
     def finish(self, loaded_views: bool, stats: SyncStats | None = None) -> None:
@@ -176,8 +186,9 @@ class SharedReader:
         if loaded_views and self.device.torch_type != "cpu":
             self._queued.add(self.device.torch_device())
         for where in self._queued:
-            synchronize_for(self.device, where)
+            wait_for_queued(self.device, where)
         self._queued.clear()
+        self.device_segments.finish()
 
     def _unmap(self, name: str) -> None:
         if self._copies:  # a failed sync's copies may still read the mapping: never unmap under them
@@ -198,8 +209,9 @@ class SharedReader:
             self._pool = None
         try:  # a failed sync may have device copies from the mappings still queued: never unmap under them
             self._finish(False)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the mappings go anyway; the failure was the sync's
             log.warning("hwsync: waiting for device copies before unmapping shared segments failed: %s", exc)
+        self.device_segments.close()
         for name in list(self._mapped):
             self._unmap(name)
             if dead_sender is not None and SegmentSpec(name, 0).pid == dead_sender:

@@ -30,6 +30,7 @@ from hwsync.colocated.buffer_pool import BufferPool
 from hwsync.colocated.doorbell import Doorbell, doorbell_supported
 from hwsync.colocated.geometry import bucket_geometry
 from hwsync.colocated.links import BucketLink, DoorbellLink, FrameLink
+from hwsync.colocated.mapped import MappedSources
 from hwsync.colocated.peers import Peer
 from hwsync.colocated.sender_control import SenderControl, SyncReceivers
 from hwsync.colocated.stream import BucketStream
@@ -66,6 +67,7 @@ class WeightSender:
         backend: Backend | None = None,
         delta: bool = False,
         delta_on_device: bool = False,
+        stable_sources: bool = True,
     ) -> None:
         #: neither size given: the transport's defaults, chosen at the first send from how receivers take tensors
         self._default_geometry = bucket_bytes is None and num_buffers is None
@@ -113,6 +115,10 @@ class WeightSender:
         self._syncs = 0
         #: whether every receiver accepted the current offer (and so maps the buffers it was given)
         self._accepted = False
+        #: False: sources reuse or change a tensor's memory after yielding it, so each is copied at once, none mapped
+        self.stable_sources = stable_sources
+        #: device segments receivers read in place (mapped sources)
+        self._mapped = MappedSources(self.transport, self.backend.device(), enabled=stable_sources)
         #: send only what changed since what every receiver holds (a per-sync `send(delta=...)` overrides it)
         self.delta = delta
         self._deltas = SenderDeltas(self.backend.device(), on_device=delta_on_device)
@@ -151,8 +157,10 @@ class WeightSender:
         `source`: (name, tensor) pairs, a function of the first receiver's reported state returning
         them, or a TrainerModel, planned against every receiver's state. `manifest` announces the
         tensors before any byte moves. `onload`: parameters to bring from host memory to the device
-        for the sync, and back. Tensors in shared parameter memory (hwsync.SharedParameters) go as
-        references that receivers read in place: they are done with them when this returns.
+        for the sync, and back. Tensors in shared parameter memory (hwsync.SharedParameters), and device
+        tensors a module keeps (its parameters: colocated/mapped.py), go as references that receivers read in
+        place: they are done with them when this returns. A tensor the source yielded must stay as it was
+        until then (WeightSender(stable_sources=False) for a source that reuses a staging buffer).
         `delta`: for this sync, send only what changed (None: the sender's setting); it is a delta only
         where every receiver holds the sender's baseline, else full, and stats.notes["delta"] says why.
         Tensors go in the dtype the receivers' engines hold them in, where they report it (hwsync.casting).
@@ -195,7 +203,9 @@ class WeightSender:
         here = socket.gethostname()  # references into our segments only for receivers that can map them
         stream = BucketStream(link, self._buffers, self._pool, self.bucket_bytes, receivers.sync, self._seq, stats,
                               dense=all(p.into for p in receivers.peers),
-                              refs_to=receivers if all(p.host == here for p in receivers.peers) else None)
+                              refs_to=receivers if all(p.host == here for p in receivers.peers) else None,
+                              mapped=self._mapped if self._mapped.usable_for(receivers.peers) else None,
+                              stable=self.stable_sources)
         self._seq = stream.run(sync.source, sync.stream_manifest)
 
     def _open_buffers(self, peers: list[Peer], stats: SyncStats) -> None:
@@ -222,7 +232,7 @@ class WeightSender:
             tensors=None if sync.stream_manifest is None else len(sync.stream_manifest),
             total_bytes=None if sync.stream_manifest is None else sum(s.nbytes for s in sync.stream_manifest),
             first=self._seq, doorbell=None if bell is None else bell.handle(), rank=0, segments=live_segments(),
-            delta=sync.wire)
+            device_segments=self._mapped.shared_ids(), delta=sync.wire)
         self._accepted = False
         for rank, peer in enumerate(receivers.peers):
             # each receiver its own handles: shared device memory is exported once per receiver process
@@ -240,6 +250,7 @@ class WeightSender:
     def _finish(self, receivers: SyncReceivers, stats: SyncStats) -> None:
         receivers.broadcast(Done(sync=receivers.sync, buckets=stats.buckets, tensors=stats.tensors, bytes=stats.bytes))
         replies = receivers.await_each(Complete, "waiting for receivers to finish loading", stats)
+        self._mapped.complete()  # every receiver's copies from our device memory have run
         reports = [r.stats for r in replies]
         if self._pool is not None and self._pool.adaptive:
             stats.notes["pool"] = self._pool.to_dict()
@@ -252,6 +263,7 @@ class WeightSender:
         The bound socket stays: it is the session's address, and a receiver reconnecting after
         the failure must find it. Frames of the failed sync are told apart by their sync id.
         """
+        self._mapped.abort(receivers.peers if receivers is not None else [])
         if receivers is not None:
             receivers.abort(exc)
             if self._buffers is not None and not self._accepted:  # some never mapped what they were offered
@@ -277,6 +289,7 @@ class WeightSender:
         self._lifetime.close()
 
     def _release(self) -> None:
+        self._mapped.close()
         self._close_buffers()
         self._control.close()
         if not self._ctx.closed:

@@ -5,10 +5,19 @@ split tensors' tails end their bucket, or, when every receiver copies straight i
 tensors (receive(into=...)), buckets are packed dense. A buffer is taken only when the first
 byte goes into it, and only once the bucket it held before has been released.
 
-Tensors that lie whole in this process's shared parameter segments (hwsync.shared_params) are
-not packed at all: they are sent as references, batched into Refs frames, which receivers read
+Tensors that lie whole in this process's shared parameter segments (hwsync.shared_params), and
+device tensors that lie in the trainer's own allocator segments (mapped.py: a model's parameters),
+are not packed at all: they are sent as references, batched into Refs frames, which receivers read
 in place (one copy per byte). A batch goes out before the next packed tensor, when it holds
-REFS_BATCH_BYTES of tensors or REFS_BATCH_WIRE_BYTES of frame, and at the end of the sync.
+REFS_BATCH_BYTES of tensors or REFS_BATCH_WIRE_BYTES of frame, and at the end of the sync; a batch
+that exports device segments to a receiver for the first time goes to each receiver as its own frame.
+
+The copies into one device bucket are launched together when it is posted (bucket.CopyBatch: one
+foreach copy, not one launch per tensor). Both read a tensor after the source has moved past it, which
+holds for a model's tensors and for tensors made for the sync (held here until then), not for memory
+the source reuses or changes once it is asked for the next item: a view hwsync lent to a `load` call
+(bucket.lent: LocalForwarder's) is copied at once and never referenced, and so is every tensor of a
+sender built with stable_sources=False.
 """
 
 from __future__ import annotations
@@ -17,14 +26,16 @@ import time
 
 import torch
 
-from hwsync.bucket import BucketPacker, Closed, as_bytes, copy_bytes, entry_wire_bytes
+from hwsync.bucket import BucketPacker, Closed, CopyBatch, as_bytes, entry_wire_bytes, lent
 from hwsync.colocated.buffer_pool import BufferPool
 from hwsync.colocated.doorbell import DESCRIPTOR_BYTES
 from hwsync.colocated.links import BucketLink, timed_wait
+from hwsync.colocated.mapped import MappedSources
 from hwsync.colocated.sender_control import SyncReceivers
 from hwsync.interfaces import SendBuffers
 from hwsync.manifest import TensorSpec, dtype_name
-from hwsync.protocol import Bucket, Ref, Refs, SegmentSpec
+from hwsync.protocol import Bucket, Ref, Refs, SegmentSpec, encode
+from hwsync.protocol.layout import DeviceRef
 from hwsync.shared_params import find_shared
 from hwsync.source import NamedTensors, checked_items
 from hwsync.stats import SyncStats
@@ -36,13 +47,16 @@ _FRAME_OVERHEAD = 1024
 REFS_BATCH_BYTES = 256 << 20
 #: ...or its frame reaches this size (well inside the receivers' frame limit)
 REFS_BATCH_WIRE_BYTES = 1 << 20
+#: room counted in a batch's frame for one device segment's export (a CUDA IPC record is ~250 bytes)
+_EXPORT_WIRE_BYTES = 1024
 
 
 class BucketStream:
     """Streams one sync's (name, tensor) pairs through the buffers; `run` returns the next sequence number."""
 
     def __init__(self, link: BucketLink, buffers: SendBuffers, pool: BufferPool, bucket_bytes: int, sync: int,
-                 first_seq: int, stats: SyncStats, dense: bool = False, refs_to: SyncReceivers | None = None) -> None:
+                 first_seq: int, stats: SyncStats, dense: bool = False, refs_to: SyncReceivers | None = None,
+                 mapped: MappedSources | None = None, stable: bool = True) -> None:
         self.link, self.buffers, self.pool, self.sync, self.stats = link, buffers, pool, sync, stats
         self.seq = first_seq
         self.packer = BucketPacker(bucket_bytes, dense=dense, max_wire_bytes=DESCRIPTOR_BYTES - _FRAME_OVERHEAD)
@@ -52,6 +66,13 @@ class BucketStream:
         self._segments: list[SegmentSpec] = []
         self._refs: list[Ref] = []
         self._refs_bytes = self._refs_wire = 0
+        #: the trainer's device segments (None: device tensors go packed)
+        self.mapped = mapped if refs_to is not None else None
+        self._device_refs: list[DeviceRef] = []
+        #: the open bucket's device copies, launched together when it is posted
+        self._copies = CopyBatch()
+        #: whether the source leaves each tensor as it was until the sync ends (see the module doc)
+        self.stable = stable
 
     def run(self, source: NamedTensors, manifest: list[TensorSpec] | None) -> int:
         """Pack and post every tensor of `source`, checking it against `manifest` when given."""
@@ -63,7 +84,8 @@ class BucketStream:
                 self.link.check(f"packing tensor {name!r}")
                 next_check = time.perf_counter() + PACKING_CHECK_S
             nbytes = tensor.numel() * tensor.element_size()
-            if self.refs_to is not None and self._add_ref(name, tensor, nbytes):
+            volatile = not self.stable or lent(tensor)
+            if self.refs_to is not None and self._add_ref(name, tensor, nbytes, volatile):
                 continue
             flat = None
             for step in self.packer.place(name, dtype_name(tensor.dtype), tuple(tensor.shape), nbytes):
@@ -77,8 +99,12 @@ class BucketStream:
                 entry = step.entry
                 t0 = time.perf_counter()
                 # publish() waits for the device before a receiver hears of the bucket
-                copy_bytes(self.buffers.buffer(self.current), entry.offset, flat, entry.chunk_offset,
-                           entry.chunk_bytes, non_blocking=True)
+                self._copies.add(self.buffers.buffer(self.current), entry.offset, flat, entry.chunk_offset,
+                                 entry.chunk_bytes, non_blocking=True)
+                stats.pack_s += time.perf_counter() - t0
+            if volatile:  # its memory changes once we ask for the next item: the copies are queued now
+                t0 = time.perf_counter()
+                self._copies.flush()
                 stats.pack_s += time.perf_counter() - t0
             stats.tensors += 1
             stats.bytes += nbytes
@@ -88,31 +114,58 @@ class BucketStream:
         self._flush_refs()
         return self.seq
 
-    def _add_ref(self, name: str, tensor: torch.Tensor, nbytes: int) -> bool:
-        """Batch a reference to `tensor` if it lies in a shared segment; else send the batch (it goes packed)."""
+    def _add_ref(self, name: str, tensor: torch.Tensor, nbytes: int, volatile: bool) -> bool:
+        """Batch a reference to `tensor` if receivers can read it in place; else send the batch (it goes packed)."""
         found = find_shared(tensor)
-        if found is None:
+        placed = None if found is not None or self.mapped is None or volatile else self.mapped.place(tensor)
+        if found is None and placed is None:
             self._flush_refs()  # receivers copy the batch while this tensor is packed
             return False
-        segment, offset = found
-        if segment not in self._segments:
-            self._segments.append(segment)
-        self._refs.append(Ref(name, dtype_name(tensor.dtype), tuple(tensor.shape), self._segments.index(segment),
-                              offset, nbytes))
+        dtype = dtype_name(tensor.dtype)
+        if found is not None:
+            segment, offset = found
+            if segment not in self._segments:
+                self._segments.append(segment)
+            self._refs.append(Ref(name, dtype, tuple(tensor.shape), self._segments.index(segment), offset, nbytes))
+            kind = "shared"
+        else:
+            assert placed is not None
+            ident, offset = placed
+            if all(r.segment != ident for r in self._device_refs):
+                self._refs_wire += _EXPORT_WIRE_BYTES  # it may carry the segment's export
+            self._device_refs.append(DeviceRef(name, dtype, tuple(tensor.shape), ident, offset))
+            kind = "mapped"
         self._refs_bytes += nbytes
         self._refs_wire += entry_wire_bytes(name, tensor.dim())
         self.stats.tensors += 1
         self.stats.bytes += nbytes
-        shared = self.stats.notes.setdefault("shared", {"tensors": 0, "bytes": 0})
-        shared["tensors"], shared["bytes"] = shared["tensors"] + 1, shared["bytes"] + nbytes
+        counts = self.stats.notes.setdefault(kind, {"tensors": 0, "bytes": 0})
+        counts["tensors"], counts["bytes"] = counts["tensors"] + 1, counts["bytes"] + nbytes
         if self._refs_bytes >= REFS_BATCH_BYTES or self._refs_wire >= REFS_BATCH_WIRE_BYTES:
             self._flush_refs()
         return True
 
     def _flush_refs(self) -> None:
-        if self._refs and self.refs_to is not None:
-            self.refs_to.broadcast(Refs(sync=self.sync, segments=self._segments, refs=self._refs))
-        self._segments, self._refs, self._refs_bytes, self._refs_wire = [], [], 0, 0
+        receivers = self.refs_to
+        if receivers is not None and self._device_refs:
+            assert self.mapped is not None
+            self.mapped.ready_to_read()  # the trainer's queued writes land before any receiver reads
+            ids = list(dict.fromkeys(r.segment for r in self._device_refs))
+            exports = [self.mapped.exports_for(peer, ids) for peer in receivers.peers]
+            if any(exports):
+                for peer, new in zip(receivers.peers, exports):  # each receiver its own exports
+                    receivers.control.send_to(peer, encode(Refs(
+                        sync=self.sync, segments=self._segments, refs=self._refs, device_segments=new,
+                        device_refs=self._device_refs)))
+                mapped = self.stats.notes["mapped"]
+                mapped["exports"] = mapped.get("exports", 0) + sum(len(e) for e in exports)
+            else:
+                receivers.broadcast(Refs(sync=self.sync, segments=self._segments, refs=self._refs,
+                                         device_segments=[], device_refs=self._device_refs))
+        elif receivers is not None and self._refs:
+            receivers.broadcast(Refs(sync=self.sync, segments=self._segments, refs=self._refs, device_segments=[],
+                                     device_refs=[]))
+        self._segments, self._refs, self._device_refs, self._refs_bytes, self._refs_wire = [], [], [], 0, 0
 
     def _take(self) -> int:
         index, previous = self.pool.take(self.seq)
@@ -124,6 +177,9 @@ class BucketStream:
         """Publish the bucket being filled and tell the receivers."""
         assert self.current is not None
         stats = self.stats
+        t0 = time.perf_counter()
+        self._copies.flush()  # the bucket's device copies, in one launch
+        stats.pack_s += time.perf_counter() - t0
         self.buffers.publish(self.current, bucket.nbytes)
         self.link.post(self.seq, Bucket(sync=self.sync, index=stats.buckets, seq=self.seq, buf=self.current,
                                         nbytes=bucket.nbytes, entries=bucket.entries))

@@ -7,24 +7,30 @@
     Accept (or Error: refused)        ->
                                       <-  Bucket {seq, buf, nbytes, entries}  (a frame, or a doorbell descriptor)
     Release {buf, seq}                ->  (the sender refills buf only after every receiver released it)
-                                      <-  Refs {segments, refs}  (tensors read in place from shared parameter
-                                          segments, interleaved with the buckets; no release: they are the
-                                          trainer's own memory, left alone until the sync's Complete)
+                                      <-  Refs {segments, refs, device_segments, device_refs}  (tensors read in
+                                          place from shared parameter segments or the trainer's device memory,
+                                          interleaved with the buckets; no release: they are the trainer's own
+                                          memory, left alone until the sync's Complete)
                                       <-  Done {buckets, tensors, bytes}
     Complete {stats}                  ->
 """
 
 from __future__ import annotations
 
+from dataclasses import field
+
 from hwsync.manifest import TensorSpec
 from hwsync.protocol.delta import check_delta
 from hwsync.protocol.fields import BadFrame, Count, Frame, Map, frame
 from hwsync.protocol.layout import (
+    DeviceRef,
+    DeviceSegment,
     Entry,
     Ref,
     SegmentSpec,
     check_doorbell_handle,
     check_shm_handles,
+    device_refs_within,
     entries_within,
     refs_within,
 )
@@ -130,6 +136,8 @@ class Offer(Frame):
     #: (hwsync.protocol.delta); the manifest then names the tensors as receivers hold them, the buckets
     #: carry their payloads
     delta: Map | None
+    #: ids of the device segments the sender still shares (hwsync.colocated.mapped): a receiver unmaps the others
+    device_segments: list[Count] = field(default_factory=list)
 
     def validate(self) -> None:
         """Every segment the offer names is the sender's own (`pid`), by a name that can only be one in /dev/shm.
@@ -170,19 +178,27 @@ class Bucket(Frame):
 
 @frame("refs")
 class Refs(Frame):
-    """Whole tensors of this sync that lie in the sender's shared parameter segments: read them in place.
+    """Whole tensors of this sync that lie in the sender's shared parameter segments (host memory) or in its own
+    device allocator segments: read them in place.
 
     The sender's trainer leaves that memory alone until every receiver's Complete, so a receiver
     may copy from it (or hand out views of it) until it sends Complete, and not after.
+    `device_segments` are exported to this receiver alone (each receiver gets its own frame when
+    they differ): it maps each once and keeps it until an offer no longer lists its id.
     """
 
     sync: Count
     segments: list[SegmentSpec]
     refs: list[Ref]
+    #: exported to this receiver alone, and tensors read in place from the sender's device memory
+    device_segments: list[DeviceSegment] = field(default_factory=list)
+    device_refs: list[DeviceRef] = field(default_factory=list)
 
     def validate(self) -> None:
-        """Every reference lies inside a segment of this frame, and every segment is one process's."""
+        """Every reference lies inside a segment of this frame (device ones: or one exported before), and every
+        host segment is one process's."""
         refs_within(self.refs, self.segments)
+        device_refs_within(self.device_refs, self.device_segments)
         if len({s.pid for s in self.segments}) > 1:
             raise BadFrame(f"a Refs frame names segments of several processes: {[s.name for s in self.segments]}")
 

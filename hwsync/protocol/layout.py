@@ -1,5 +1,6 @@
 """The bucket layout on the wire: where each tensor's bytes sit in a bucket, a plan's buckets, and references
-into shared parameter segments (SegmentSpec, Ref) that a one-copy sync sends instead of bytes."""
+that a one-copy sync sends instead of bytes: into shared parameter segments in host memory (SegmentSpec,
+Ref), and into the trainer's own device allocator segments (DeviceSegment, DeviceRef)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any
 
 from hwsync.manifest import WIRE_DTYPES, dtype_from_name
 from hwsync.owners import OWNER
-from hwsync.protocol.fields import BadFrame, short, wire_count, wire_shape
+from hwsync.protocol.fields import INT_MAX, BadFrame, short, wire_count, wire_shape
+
 
 
 @dataclass(frozen=True)
@@ -218,3 +220,83 @@ def refs_within(refs: Iterable[Ref], segments: list[SegmentSpec]) -> None:
         if r.offset + r.nbytes > segments[r.segment].size:
             raise BadFrame(f"shared tensor {short(r.name)} ends at byte {r.offset + r.nbytes}, past the "
                            f"{segments[r.segment].size} bytes of {segments[r.segment].name}")
+
+
+@dataclass(frozen=True)
+class DeviceSegment:
+    """A device allocator segment newly exported to one receiver: the sender's id for it (never reused in its
+    session), its size, and the transport's export record (msgpack values only; the transport checks them)."""
+
+    id: int
+    size: int
+    export: dict[str, Any]
+
+    def to_wire(self) -> list[Any]:
+        """[id, size, export]."""
+        return [self.id, self.size, self.export]
+
+    @classmethod
+    def from_wire(cls, item: Any) -> DeviceSegment:
+        """Inverse of to_wire: a count, a size above zero, a map with str keys."""
+        if not isinstance(item, list) or len(item) != 3:
+            raise BadFrame(f"a device segment must be [id, size, export], got {short(item)}")
+        ident, size = wire_count(item[0], "device segment id"), wire_count(item[1], "device segment size")
+        export = item[2]
+        if not size:
+            raise BadFrame(f"device segment {ident} has no bytes")
+        if not isinstance(export, dict) or any(type(k) is not str for k in export):
+            raise BadFrame(f"device segment {ident}: its export must be a map with str keys, got {short(export)}")
+        return cls(ident, size, export)
+
+
+@dataclass(frozen=True)
+class DeviceRef:
+    """A whole, contiguous tensor a receiver reads in place: `dtype` of `shape` at byte `offset` of device segment
+    `segment` (an id the sender exported to this receiver, in this frame or before and not dropped since)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    segment: int
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        """The tensor's bytes."""
+        return math.prod(self.shape) * dtype_from_name(self.dtype).itemsize
+
+    def to_wire(self) -> list[Any]:
+        """Compact list form for a frame."""
+        return [self.name, self.dtype, list(self.shape), self.segment, self.offset]
+
+    @classmethod
+    def from_wire(cls, item: Any) -> DeviceRef:
+        """Inverse of to_wire, checking every field and that the offset is aligned for the dtype's view."""
+        if not isinstance(item, list) or len(item) != 5:
+            raise BadFrame(f"a device tensor reference must be a list of 5 fields, got {short(item)}")
+        name, dtype, shape, segment, offset = item
+        if not isinstance(name, str) or not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
+            raise BadFrame(f"device tensor reference {short(item)}: bad name or dtype")
+        shape = wire_shape(shape, f"device tensor {short(name)}")
+        wire_count(segment, f"device tensor {short(name)}'s segment")
+        wire_count(offset, f"device tensor {short(name)}'s offset")
+        if offset % dtype_from_name(dtype).itemsize:
+            raise BadFrame(f"device tensor {short(name)} at byte {offset} is not aligned for {dtype}")
+        if math.prod(shape) * dtype_from_name(dtype).itemsize > INT_MAX:
+            raise BadFrame(f"device tensor {short(name)} of shape {short(list(shape))} is larger than any segment")
+        return cls(name, dtype, shape, segment, offset)
+
+
+def device_refs_within(refs: Iterable[DeviceRef], segments: Iterable[DeviceSegment]) -> None:
+    """Raise BadFrame for two exports of one id, or a reference reaching past the end of a segment given with it
+    (a reference to an id exported earlier is checked by the receiver against what it mapped)."""
+    sizes: dict[int, int] = {}
+    for s in segments:
+        if s.id in sizes:
+            raise BadFrame(f"device segment {s.id} is exported twice in one frame")
+        sizes[s.id] = s.size
+    for r in refs:
+        size = sizes.get(r.segment)
+        if size is not None and r.offset + r.nbytes > size:
+            raise BadFrame(f"device tensor {short(r.name)} ends at byte {r.offset + r.nbytes}, past the {size} bytes "
+                           f"of device segment {r.segment}")

@@ -208,6 +208,12 @@ class CudaDevice(Device):
         """cudaHostUnregister what pin_host_memory registered."""
         torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
 
+    def record_event(self, index: int | None = None) -> torch.cuda.Event:
+        """A torch.cuda.Event recorded now on the current stream of GPU `index` (the current GPU when None)."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._index(index)))
+        return event
+
     def runtime_in_use(self) -> bool:
         """Whether this process has initialised CUDA (only then can GPU work be in flight); never initialises it."""
         return torch.cuda.is_initialized()

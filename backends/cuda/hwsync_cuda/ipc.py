@@ -10,9 +10,13 @@ How it works, and the rules it keeps:
   IPC handles (torch's rebuild_cuda_tensor with the receiver's device index): processes with
   different CUDA_VISIBLE_DEVICES meet on the same GPU, and a receiver on another GPU than the
   sender's reads through peer access (which CUDA enables when it opens the handle);
-- publish() synchronizes the sender's device, so a receiver told "bucket k is ready" reads
-  finished bytes; release() synchronizes the receiver's devices, so the sender never overwrites
-  bytes a receiver's queued copies still read;
+- publish() waits for an event on the stream that ran the packing copies (the current stream of
+  the buffers' GPU), so a receiver told "bucket k is ready" reads finished bytes; release() waits for
+  one on the receiver's current streams, so the sender never overwrites bytes a receiver's queued
+  copies still read. Events, not device-wide synchronizes: those would also wait for the trainer's
+  and the engine's other streams (NCCL, prefetches) at every bucket;
+- the trainer's own memory is shared the same way for mapped sources: device_segments() exports
+  the caching allocator's segments that hold its tensors (hwsync_cuda.segments);
 - torch counts one consumer per export (hwsync.exports): each receiver process gets exports of
   its own, made when it is first offered the buffers; a receiver in the sender's process gets
   none; the exports of a receiver that failed before accepting, or died, are released by the
@@ -33,8 +37,9 @@ import torch
 
 from hwsync.errors import HwsyncError
 from hwsync.exports import ReceiverExports
-from hwsync.interfaces import Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
+from hwsync.interfaces import DeviceSegments, Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
 from hwsync_cuda.device import CudaDevice, device_uuid, expandable_segments_reason
+from hwsync_cuda.segments import CudaDeviceSegments
 
 log = logging.getLogger("hwsync")
 
@@ -136,9 +141,12 @@ def _cannot_map(handles: Handles, device: CudaDevice, index: int, exc: Exception
                        "receiver on the sender's GPU (torch.cuda.set_device), or use the 'shm' transport")
 
 
-def _synchronize(*indices: int) -> None:
-    for index in dict.fromkeys(indices):  # each device once, in order
-        torch.cuda.synchronize(index)
+def _wait_streams(*indices: int) -> None:
+    """Wait for the work queued so far on the current stream of each GPU (an event each, once per GPU)."""
+    for index in dict.fromkeys(indices):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(index))
+        event.synchronize()
 
 
 class CudaIpcSendBuffers(SendBuffers):
@@ -190,9 +198,9 @@ class CudaIpcSendBuffers(SendBuffers):
         """Wait until the packing work queued on the GPU has finished writing the buffer."""
         if not 0 <= nbytes <= self.bucket_bytes:
             raise ValueError(f"cannot publish {nbytes} bytes from a buffer of {self.bucket_bytes}")
-        # A device-wide sync, not a stream sync: packing may have used any stream, and the
-        # receiver reads through its own context, outside this process's stream order.
-        _synchronize(self.device_index, torch.cuda.current_device())
+        # The core packs with copies on the current stream of the buffers' GPU; the receiver reads through its
+        # own context, outside this process's stream order, so the host waits for them before announcing.
+        _wait_streams(self.device_index)
 
     def close(self) -> None:
         """Drop the buffers; release dead receivers' exports; let torch free blocks nobody maps any more.
@@ -252,7 +260,7 @@ class CudaIpcReceiveBuffers(ReceiveBuffers):
 
     def release(self, index: int) -> None:
         """Wait until this process's queued reads of the buffer are done, so it may be refilled."""
-        _synchronize(self.device_index, torch.cuda.current_device())
+        _wait_streams(self.device_index, torch.cuda.current_device())
 
     def close(self) -> None:
         """Unmap the sender's buffers (their memory stays the sender's)."""
@@ -269,25 +277,34 @@ class CudaIpcTransport(Transport):
     def __init__(self, device: CudaDevice) -> None:
         self._device = device
         self._logged = False
+        self._segments = CudaDeviceSegments()
 
-    def available(self) -> ProbeResult:
-        """Usable where a GPU is, the kernel is not WSL's (no CUDA IPC), and the allocator shares plain handles."""
+    def _ipc_reason(self) -> str | None:
+        """Why CUDA IPC cannot be used here at all (no GPU, WSL), or None."""
         probe = self._device.probe()
         if not probe.usable:
-            return ProbeResult(False, f"no usable GPU: {probe.reason}")
+            return f"no usable GPU: {probe.reason}"
         try:
             with open("/proc/version") as f:
                 if "microsoft" in f.read().lower():
-                    return ProbeResult(False, "CUDA IPC is not supported under WSL; use the 'shm' transport")
+                    return "CUDA IPC is not supported under WSL; use the 'shm' transport"
         except OSError:
             pass
+        return None
+
+    def available(self) -> ProbeResult:
+        """Usable where a GPU is, the kernel is not WSL's (no CUDA IPC), and the allocator shares plain handles."""
+        reason = self._ipc_reason()
+        if reason is not None:
+            return ProbeResult(False, reason)
         reason = expandable_segments_reason()
         if reason is not None:
             if not self._logged:  # the backend falls back to shm: say why, once
                 self._logged = True
                 log.warning("hwsync: cuda_ipc unavailable, falling back to shm: %s", reason)
             return ProbeResult(False, reason)
-        return ProbeResult(True, "CUDA IPC between processes on this node")
+        return ProbeResult(True, "CUDA IPC between processes on this node; receivers also map the trainer's own "
+                                 "allocator segments and copy its parameters once (mapped sources)")
 
     def open_sender(self, bucket_bytes: int, num_buffers: int) -> SendBuffers:
         """Allocate `num_buffers` device buffers on the current GPU (exported per receiver when offered)."""
@@ -299,4 +316,10 @@ class CudaIpcTransport(Transport):
     def open_receiver(self, handles: Handles, owner_pid: int | None = None) -> ReceiveBuffers:
         """Map the sender's buffers on this thread's current GPU."""
         return CudaIpcReceiveBuffers(self._device, handles)
+
+    def device_segments(self) -> DeviceSegments | None:
+        """The trainer's caching-allocator segments, mapped in place by receivers; None where CUDA IPC cannot be used
+        at all (no GPU, WSL). Expandable segments are never exported (locate skips them; a sender with them on uses
+        shm, whose tensors go packed), but a receiver with them on still maps a sender's plain segments."""
+        return self._segments if self._ipc_reason() is None else None
 

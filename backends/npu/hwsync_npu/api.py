@@ -33,6 +33,9 @@ PYTHON_ATTRIBUTES: tuple[str, ...] = (
     "torch_npu.npu.empty_cache",
     "torch_npu.npu.get_device_name",
     "torch_npu.npu.ipc_collect",
+    "torch_npu.npu.Event",  # events on the bucket path and before Complete (Device.record_event)
+    "torch_npu.npu.current_stream",
+    "torch_npu.npu.memory_snapshot",  # the caching allocator's segments, for mapped sources (segments.py)
     "torch_npu.npu.utils.get_cann_version",
     "torch_npu.npu.npurt",
     "torch_npu.distributed.is_hccl_available",

@@ -170,6 +170,13 @@ class NpuDevice(Device):
         """Wait for all work queued on the current NPU."""
         self._npu().synchronize()
 
+    def record_event(self, index: int | None = None) -> Any:
+        """A torch_npu.npu.Event recorded now on the current stream of NPU `index` (the current NPU when None)."""
+        npu = self._npu()
+        event = npu.Event()
+        event.record(npu.current_stream(self.current_index() if index is None else index))
+        return event
+
     def runtime_in_use(self) -> bool:
         """Whether this process has initialised torch_npu's NPU state (only then can NPU work be in flight);
         imports nothing and initialises nothing."""

@@ -7,6 +7,9 @@ backend's default transport falls back to shared memory, logging the reason once
 The receiver rebuilds each handle on its own current NPU (peer access when that is not the
 sender's chip), as vllm-ascend and verl do: the sender's chip need not be visible to it.
 Handles are plain msgpack values (ints, bytes, bools, None): no rebuild function, no pickle.
+publish() and release() wait for an event on the current stream (torch_npu.npu.Event), not for the
+whole device. The trainer's own memory is shared the same way for mapped sources, where NPU IPC is
+allowed (device_segments(): hwsync_npu.segments); where it is not, device tensors go packed.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from typing import Any
 import torch
 
 from hwsync.exports import ReceiverExports
-from hwsync.interfaces import Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
+from hwsync.interfaces import DeviceSegments, Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
 from hwsync_npu.api import import_torch_npu, torch_npu_installed
 from hwsync_npu.device import current_visible_value, physical_index
+from hwsync_npu.segments import NpuDeviceSegments
 from hwsync_npu.versions import IpcDecision, cann_version_from_files, decide_ipc, driver_version_from_files
 
 log = logging.getLogger("hwsync")
@@ -124,8 +128,9 @@ class NpuIpcSendBuffers(SendBuffers):
         return self._buffers[index]
 
     def publish(self, index: int, nbytes: int) -> None:
-        """Wait until the packing kernels finished, so the receiver reads complete bytes."""
-        self._torch_npu.npu.synchronize()
+        """Wait until the packing copies (queued on the current stream) finished, so the receiver reads complete
+        bytes: an event on that stream, not the whole device."""
+        _wait_stream(self._torch_npu)
 
     def close(self) -> None:
         """Drop the buffers, release dead receivers' exports, and let torch_npu free what nobody maps."""
@@ -135,6 +140,13 @@ class NpuIpcSendBuffers(SendBuffers):
         self._exports.forget()
         self._buffers = []
         self._torch_npu.npu.ipc_collect()
+
+
+def _wait_stream(torch_npu: Any) -> None:
+    """Wait for the work queued so far on the current NPU's current stream."""
+    event = torch_npu.npu.Event()
+    event.record(torch_npu.npu.current_stream())
+    event.synchronize()
 
 
 def _release_export(record: dict[str, Any]) -> None:
@@ -171,8 +183,8 @@ class NpuIpcReceiveBuffers(ReceiveBuffers):
     def release(self, index: int) -> None:
         """Wait until this process's queued reads of the buffer are done: the sender refills it once told."""
         # copies out of the mapped buffer run asynchronously on the NPU stream (verl and vllm-ascend
-        # synchronize per bucket too); the core receiver also synchronizes before every release
-        self._torch_npu.npu.synchronize()
+        # synchronize the device per bucket); the core receiver also waits before every release
+        _wait_stream(self._torch_npu)
 
     def close(self) -> None:
         """Drop the mappings (the sender frees the memory)."""
@@ -189,6 +201,7 @@ class NpuIpcTransport(Transport):
         self._device_fn = device_fn
         self._decision: IpcDecision | None = None
         self._logged = False
+        self._segments = NpuDeviceSegments()
 
     def decision(self) -> IpcDecision:
         """The IPC-or-shm decision for this machine, made once."""
@@ -216,6 +229,11 @@ class NpuIpcTransport(Transport):
         """Map the sender's buffers."""
         self._require()
         return NpuIpcReceiveBuffers(handles)
+
+    def device_segments(self) -> DeviceSegments | None:
+        """The trainer's allocator segments, mapped in place by receivers, where NPU IPC is allowed; else None (the
+        reason is available()'s, shown by `hwsync info`) and device tensors go packed."""
+        return self._segments if self.decision().use_ipc else None
 
     def _require(self) -> None:
         decision = self.decision()

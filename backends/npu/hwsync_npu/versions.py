@@ -181,7 +181,9 @@ def decide_ipc(cann: str | None, driver: str | None) -> IpcDecision:
         elif parsed < parse_version(minimum):  # type: ignore[operator]
             problems.append(f"{what} is {found}")
     if problems:
-        return IpcDecision(False, f"{needs}; {', '.join(problems)}: using shared memory instead "
-                                  "(upgrade the driver/CANN to share device memory directly)")
+        return IpcDecision(False, f"{needs}; {', '.join(problems)}: using shared memory instead, and device tensors "
+                                  "go packed (no mapped sources); upgrade the driver/CANN to share device memory "
+                                  "directly")
     note = f" ({'; '.join(notes)})" if notes else ""
-    return IpcDecision(True, f"CANN {cann} and driver {driver} support NPU IPC{note}")
+    return IpcDecision(True, f"CANN {cann} and driver {driver} support NPU IPC{note}; receivers also map the "
+                             "trainer's own allocator segments (mapped sources)")

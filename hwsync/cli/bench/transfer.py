@@ -2,7 +2,9 @@
 
 One run measures on the same synthetic state dict and bucket size: hwsync's WeightSender into
 a spawned WeightReceiver process (several syncs on one session), the same tensors synced from
-hwsync's shared memory by reference (one copy per byte; `--source packed` skips it), a
+hwsync's shared memory by reference (one copy per byte; `--source packed` skips it), on a device
+the same tensors read in place from the sender's own device memory (mapped sources: views of them,
+as a module's state_dict() gives), a
 single-buffer stop-and-wait sender (stop_and_wait.py: pack one bucket, send a frame, wait
 for the ack: what peers ship), the device's copy bandwidth (single-thread on the host), and two
 such copies in two processes at once (half their sum bounds any pipeline that copies each byte
@@ -36,6 +38,8 @@ from hwsync.cli.bench.transfer_parts import (
     build,
     concurrent_copy_gbps,
     copy_gbps,
+    count_summary,
+    counted,
     host_to_device_gbps,
 )
 from hwsync.control import private_ipc_dir, remove_ipc_dir
@@ -128,8 +132,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     spec = model_spec(int(args.gb * 1e9), args.dtype, args.tensors)
-    device, _ = bench_device()
+    device, settle = bench_device()
     named = build(spec, device)
+    settle()  # filled: nothing but this list holds them, so they go packed (the mapped row sends views)
     total = sum(t.numel() * t.element_size() for _, t in named)
     bucket = None if args.bucket_mb is None else int(args.bucket_mb * (1 << 20))
     baseline_bucket = int(args.baseline_bucket_mb * (1 << 20))
@@ -147,7 +152,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     sender: WeightSender | None = None
     shared: SharedTensors | None = None
     saw: StopAndWait | None = None
-    progress = _Progress(2 * args.syncs + shared_syncs)
+    chosen = get_backend().transports()[args.transport] if args.transport else get_backend().default_transport()
+    # on a device whose transport shares device memory: the same tensors read in place (mapped sources)
+    mapped_syncs = shared_syncs if device.type != "cpu" and chosen.device_segments() is not None else 0
+    progress = _Progress(2 * args.syncs + shared_syncs + mapped_syncs)
     try:
         sender = WeightSender(bucket_bytes=bucket, num_buffers=args.num_buffers, transport=args.transport,
                               timeout_s=args.timeout)
@@ -156,18 +164,27 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         proc = mp.get_context("spawn").Process(
             target=_receiver_main, daemon=True,
             args=(sender.endpoint, baseline_addr, transport.name, json.dumps(spec), args.syncs, shared_syncs,
-                  args.threads, args.timeout, args.receive == "into"))
+                  args.threads, args.timeout, args.receive == "into", mapped_syncs))
         proc.start()
-        runs, one_copy = [], []
+        runs, one_copy, mapped, sent_counts = [], [], [], []
         for v in range(args.syncs):
+            before = counted(None)
             runs.append(sender.send(named, version=v))
+            sent_counts.append(counted(before))
             progress.step("hwsync packed", runs[-1].total_s)
         if shared_syncs:  # the same tensors, kept in hwsync's shared memory: sent by reference
-            shared = SharedTensors(named, device=get_backend().device())
+            # from host copies: SharedTensors finds tied tensors by data_ptr, which the simulated device's lack
+            shared = SharedTensors([(name, t.cpu()) for name, t in named], device=get_backend().device())
             for v in range(shared_syncs):
                 one_copy.append(sender.send(list(shared.items()), version=args.syncs + v))
                 progress.step("hwsync one-copy", one_copy[-1].total_s)
             shared.close()
+        views = [(name, t.detach()) for name, t in named]  # held by `named` too, as a module holds its parameters
+        for v in range(mapped_syncs):
+            before = counted(None)
+            mapped.append(sender.send(views, version=args.syncs + shared_syncs + v))
+            sent_counts.append(counted(before))
+            progress.step("hwsync mapped", mapped[-1].total_s)
         sender.close()
         alive = proc.is_alive
         hello = await_reply(sock, alive, args.timeout)
@@ -202,6 +219,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     hw, sw = total / hw_s / 1e9, total / sw_s / 1e9
     oc_s = statistics.median(s.total_s for s in one_copy[1:] or one_copy) if one_copy else None
     oc = total / oc_s / 1e9 if oc_s else None
+    mp_s = statistics.median(s.total_s for s in mapped[1:] or mapped) if mapped else None
+    mgb = total / mp_s / 1e9 if mp_s else None
+    received = hello.get("counts") or []
+    counts = {"packed": count_summary(sent_counts[:args.syncs], received[:args.syncs], total),
+              "mapped": count_summary(sent_counts[args.syncs:], received[args.syncs + shared_syncs:], total)
+              if mapped else None}
     return {
         "cpus": os.cpu_count(), "torch": torch.__version__, "device": str(device), "transport": runs[0].transport,
         "threads": args.threads, "bytes": total,
@@ -216,6 +239,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "hwsync_s": hw_s, "stop_and_wait_s": sw_s,
         "one_copy_gbps": oc, "one_copy_s": oc_s, "one_copy_vs_copy": oc / memcpy if oc else None,
         "one_copy_vs_packed": oc / hw if oc else None, "one_copy_seconds": [s.total_s for s in one_copy],
+        "mapped_gbps": mgb, "mapped_s": mp_s, "mapped_vs_copy": mgb / memcpy if mgb else None,
+        "mapped_vs_packed": mgb / hw if mgb else None, "mapped_seconds": [s.total_s for s in mapped],
+        "mapped_tensors": mapped[-1].notes.get("mapped", {}).get("tensors", 0) if mapped else None,
+        "counts": counts if counts["packed"] or counts["mapped"] else None,
         "hwsync_seconds": [s.total_s for s in runs], "stop_and_wait_seconds": base,
         "hwsync_phases": {k: statistics.median(getattr(s, k) for s in timed) for k in ("pack_s", "wait_s")}
         | {k: statistics.median(hello[h][1:] or hello[h]) for k, h in (("receiver_load_s", "load_s"),
@@ -300,12 +327,23 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
         rows[1:1] = [("hwsync one-copy (shared)", f"{r['one_copy_gbps']:.2f}", f"{r['one_copy_s']:.3f}")]
         rows += [("one-copy / copy", f"{r['one_copy_vs_copy']:.2f}x", ""),
                  ("one-copy / packed", f"{r['one_copy_vs_packed']:.2f}x", "")]
+    if r["mapped_gbps"]:  # on a device: read in place from the sender's own memory
+        rows[1:1] = [("hwsync mapped (device)", f"{r['mapped_gbps']:.2f}", f"{r['mapped_s']:.3f}")]
+        rows += [("mapped / copy", f"{r['mapped_vs_copy']:.2f}x", ""),
+                 ("mapped / packed", f"{r['mapped_vs_packed']:.2f}x", "")]
     print(f"{'':26} {'GB/s':>8} {'s/sync':>8}")
     for label, gbps, secs in rows:
         print(f"{label:26} {gbps:>8} {secs:>8}")
     p = r["hwsync_phases"]
     print(f"hwsync per sync: sender pack {p['pack_s']:.3f} s, wait {p['wait_s']:.3f} s; receiver buckets "
           f"{p['receiver_load_s']:.3f} s, of which load()'s copies {p['receiver_engine_copy_s']:.3f} s")
+    for path, c in (r["counts"] or {}).items():  # what the device counted (the simulated accelerator counts)
+        if c:
+            print(f"counted per sync, {path}: {c['device_bytes_per_byte']:.2f} device bytes copied per byte synced, "
+                  f"{c['copy_launches']:g} copy launches, {c['device_syncs']:g} device synchronizes, "
+                  f"{c['event_waits']:g} event waits; segments exported {c['segment_exports_first']} and opened "
+                  f"{c['segment_opens_first']} at the first sync, {c['segment_exports_later']} and "
+                  f"{c['segment_opens_later']} after it")
     if r["pool"]:
         rate = r["pool"]["gbps"]
         print(f"buffer pool: using the {r['pool']['mode']} mode; last measured: hot pair {rate['hot']} GB/s, "

@@ -18,6 +18,34 @@ Named = list[tuple[str, torch.Tensor]]
 Spec = list[tuple[str, list[int], str]]
 
 
+def counted(before: dict[str, int] | None) -> dict[str, int]:
+    """What the backend's device counted since `before` (Device.counters: the simulated accelerator counts)."""
+    from hwsync.registry import get_backend
+
+    after = get_backend().device().counters() or {}
+    return {k: v - (before or {}).get(k, 0) for k, v in after.items() if v != (before or {}).get(k, 0)}
+
+
+def count_summary(sent: list[dict[str, int]], received: list[dict[str, int]], nbytes: int) -> dict[str, Any] | None:
+    """Per sync (median over the syncs after the first), what both processes' devices counted: device bytes copied
+    per byte synced, copy launches, segment exports and opens, device-wide synchronizes; None where nothing counts."""
+    if not any(sent) and not any(received):
+        return None
+    both = [{k: a.get(k, 0) + b.get(k, 0) for k in {*a, *b}} for a, b in zip(sent, received)]
+    later = both[1:] or both
+
+    def median(key: str, rows: list[dict[str, int]] = later) -> float:
+        values = sorted(r.get(key, 0) for r in rows)
+        return values[len(values) // 2]
+
+    return {"device_bytes_per_byte": median("copy_bytes") / nbytes, "copy_launches": median("copy_launches"),
+            "device_syncs": median("device_syncs"), "event_waits": median("event_waits"),
+            "segment_exports_first": both[0].get("segment_exports", 0) if both else 0,
+            "segment_opens_first": both[0].get("segment_opens", 0) if both else 0,
+            "segment_exports_later": sum(r.get("segment_exports", 0) for r in both[1:]),
+            "segment_opens_later": sum(r.get("segment_opens", 0) for r in both[1:])}
+
+
 def bench_device() -> tuple[torch.device, Callable[[], None]]:
     """Where the benchmark's tensors live (the selected backend's device) and how to wait for it."""
     from hwsync.registry import get_backend
@@ -103,8 +131,9 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 def _receiver_main(endpoint: str, baseline: str, transport: str, spec_json: str, syncs: int, shared_syncs: int,
-                   threads: int, timeout_s: float, into: bool) -> None:
-    """The spawned engine stand-in: packed syncs, one-copy syncs, then stop-and-wait syncs, same destinations."""
+                   threads: int, timeout_s: float, into: bool, mapped_syncs: int = 0) -> None:
+    """The spawned engine stand-in: packed syncs, one-copy syncs from shared host memory, syncs from the sender's
+    mapped device memory, then stop-and-wait syncs, into the same destinations; what its device counted per sync."""
     torch.set_num_threads(threads)
     from hwsync.colocated.receiver import WeightReceiver
 
@@ -131,28 +160,34 @@ def _receiver_main(endpoint: str, baseline: str, transport: str, spec_json: str,
             t.fill_(-1)  # the next transfer must write every tensor again
         return None
 
-    load_s, engine_s, errors = [], [], []
+    load_s, engine_s, errors, counts = [], [], [], []
     with WeightReceiver(endpoint, timeout_s=timeout_s) as rx:
-        for count in (syncs, shared_syncs):
+        for count in (syncs, shared_syncs, mapped_syncs):
             for _ in range(count):
                 copy_s[0] = 0.0
+                before = counted(None)
                 if into:  # hwsync copies each tensor's bytes straight into the engine's tensor
                     load_s.append(rx.receive(into=lambda name, dtype, shape: dest[name]).load_s)
                     engine_s.append(load_s[-1])
                 else:
                     load_s.append(rx.receive(load).load_s)
                     engine_s.append(copy_s[0])
+                counts.append(counted(before))
             errors.append(check() if count else None)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(baseline)
     try:
-        sock.send(pack({"t": "hello", "error": errors[0] or errors[1], "load_s": load_s[:syncs],
-                        "engine_s": engine_s[:syncs]}))
+        sock.send(pack({"t": "hello", "error": errors[0] or errors[1] or errors[2], "load_s": load_s[:syncs],
+                        "engine_s": engine_s[:syncs], "counts": counts}))
         from hwsync.registry import get_backend
 
-        stop_and_wait_receive(sock, get_backend().transports()[transport], load, timeout_s)
+        def load_and_wait(tensors: Named) -> None:  # the baseline's ack must follow the copies (release waits
+            load(tensors)  # for nothing on every transport: on the sim, not on NPU IPC before this release either)
+            get_backend().device().synchronize()
+
+        stop_and_wait_receive(sock, get_backend().transports()[transport], load_and_wait, timeout_s)
         sock.send(pack({"t": "bye", "error": check()}))
     finally:
         sock.close()

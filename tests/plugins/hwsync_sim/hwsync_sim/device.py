@@ -12,7 +12,8 @@ import os
 import torch
 
 from hwsync.interfaces import Device, ProbeResult
-from hwsync_sim.runtime import ENV_VISIBLE, TYPE, NodeConfig, SimError, initialized, runtime
+from hwsync_sim.runtime import ENV_VISIBLE, TYPE, NodeConfig, Runtime, SimError, initialized, runtime
+from hwsync_sim.streams import SimEvent, SimStream, SimStreamError
 
 
 def _writable(start: int, nbytes: int) -> bool:
@@ -29,6 +30,25 @@ def _writable(start: int, nbytes: int) -> bool:
                 if covered >= end:
                     return True
     return False
+
+
+class SimDeviceEvent:
+    """An event on a sim stream, as torch.cuda.Event: the host waits for the stream up to it, no further."""
+
+    def __init__(self, rt: Runtime, stream: SimStream, event: SimEvent) -> None:
+        self._rt, self._stream, self._event = rt, stream, event
+
+    def synchronize(self) -> None:
+        """Run the stream up to the event and wait (counted as an event wait); a failed operation raises here."""
+        self._rt.tally("event_waits")
+        self._event.synchronize()
+        if self._stream.error is not None:
+            raise SimStreamError(f"an earlier operation on stream {self._stream.name} failed: "
+                                 f"{type(self._stream.error).__name__}: {self._stream.error}") from self._stream.error
+
+    def query(self) -> bool:
+        """Whether the work before the event has run."""
+        return self._event.query()
 
 
 class SimDevice(Device):
@@ -86,6 +106,16 @@ class SimDevice(Device):
         """Forget a pinned range (cudaHostUnregister)."""
         rt = runtime()
         rt.pinned = [r for r in rt.pinned if r[0] != tensor.data_ptr()]
+
+    def record_event(self, index: int | None = None) -> SimDeviceEvent:
+        """An event on device `index`'s stream (the current device's when None), as torch.cuda.Event().record()."""
+        rt = runtime()
+        stream = rt.stream(rt.current() if index is None else index)
+        return SimDeviceEvent(rt, stream, stream.record())
+
+    def counters(self) -> dict[str, int] | None:
+        """What this process's sim work counted (hwsync_sim.runtime); empty before the sim started here."""
+        return dict(runtime().counts) if initialized() else {}
 
     def runtime_in_use(self) -> bool:
         """Whether this process has used the sim (only then can device work be in flight); never starts it."""

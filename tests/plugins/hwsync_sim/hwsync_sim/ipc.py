@@ -9,8 +9,11 @@ Built like hwsync_cuda's CudaIpcTransport, so the same kinds of bugs show here:
   sender's device, as torch_npu, vllm-ascend, verl and vLLM rebuild handles), so the sender's
   device need not be visible to it; a receiver in the sender's own process uses the sender's
   tensors (CUDA cannot open its own handles);
-- publish() synchronizes the sender's device; close() drops the buffers and collects, and the
-  sim reports every buffer still parked in IPC limbo then (torch would keep it silently);
+- publish() waits for an event on the buffers' device stream, where the packing copies ran (not a
+  device-wide synchronize); close() drops the buffers and collects, and the sim reports every buffer
+  still parked in IPC limbo then (torch would keep it silently);
+- the sender's own device memory is shared the same way for mapped sources (device_segments():
+  hwsync_sim.segments);
 - release() only says the receiver is done, as NPU IPC's did (CUDA's synchronizes the device
   first): the receiver's copies out of a buffer may still be queued when it is released, unless
   the caller (hwsync's receiver) waited for them;
@@ -29,10 +32,11 @@ import torch
 
 from hwsync.errors import HwsyncError
 from hwsync.exports import ReceiverExports
-from hwsync.interfaces import Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
+from hwsync.interfaces import DeviceSegments, Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
 from hwsync_sim import sharing
 from hwsync_sim.device import SimDevice
 from hwsync_sim.runtime import POISON, TYPE, runtime
+from hwsync_sim.segments import SimDeviceSegments
 from hwsync_sim.tensor import host_view
 
 HANDLE_KIND = "sim_ipc"
@@ -49,6 +53,7 @@ class SimIpcSendBuffers(SendBuffers):
             raise ValueError(f"sim_ipc needs bucket_bytes > 0 and num_buffers > 0, got {bucket_bytes}, {num_buffers}")
         self.bucket_bytes = bucket_bytes
         self.num_buffers = num_buffers
+        self.device = device
         self.device_index = device.current_index()
         self.physical_id = device.physical_id(self.device_index)
         self.token = secrets.token_hex(16)
@@ -85,12 +90,10 @@ class SimIpcSendBuffers(SendBuffers):
         return self.buffers[index]
 
     def publish(self, index: int, nbytes: int) -> None:
-        """Wait until the packing work queued on the device has written the buffer."""
+        """Wait until the packing copies queued on the buffers' device stream have written the buffer."""
         if not 0 <= nbytes <= self.bucket_bytes:
             raise ValueError(f"cannot publish {nbytes} bytes from a buffer of {self.bucket_bytes}")
-        rt = runtime()
-        for index_ in dict.fromkeys((self.device_index, rt.current())):
-            rt.synchronize(index_)
+        self.device.record_event(self.device_index).synchronize()
         self._published.add(index)
 
     def close(self) -> None:
@@ -143,6 +146,7 @@ class SimIpcTransport(Transport):
 
     def __init__(self, device: SimDevice) -> None:
         self._device = device
+        self._segments = SimDeviceSegments()
 
     def available(self) -> ProbeResult:
         """Usable wherever the simulated device is."""
@@ -159,3 +163,7 @@ class SimIpcTransport(Transport):
     def open_receiver(self, handles: Handles, owner_pid: int | None = None) -> ReceiveBuffers:
         """Map the sender's buffers on this thread's current sim device."""
         return SimIpcReceiveBuffers(self._device, handles)
+
+    def device_segments(self) -> DeviceSegments:
+        """The sender's own allocations, read in place by receivers (mapped sources)."""
+        return self._segments

@@ -16,12 +16,17 @@ What it keeps, and why each is modelled the way CUDA (and torch_npu) behave:
   released memory with POISON, so a late reader sees garbage instead of the bytes it hoped for;
 - free memory is the "driver's" view: every process's allocations on the same physical device
   count (a usage file per process in /dev/shm, ignored once its process is gone);
-- a forked child cannot use it, as CUDA cannot.
+- a forked child cannot use it, as CUDA cannot;
+- it counts what bounds a sync's speed on hardware (`counts`): copy launches (each copy the host
+  issues: a copy_, a cast, or one foreach copy of many tensors), bytes copied on each device, device-wide
+  synchronizes and event waits, IPC exports, and opens (new mappings) against re-opens of a block this
+  process maps already. A test or a benchmark reads them through SimDevice.counters().
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import glob
 import json
 import os
@@ -137,6 +142,8 @@ class Runtime:
         os.ftruncate(self._usage_fd, 8 * config.devices)
         #: host ranges page-locked by pin_host_memory: (address, bytes)
         self.pinned: list[tuple[int, int]] = []
+        #: what this process's device work counted (see the module doc)
+        self.counts: collections.Counter[str] = collections.Counter()
         atexit.register(self._at_exit)
 
     def is_pinned(self, host: torch.Tensor) -> bool:
@@ -227,8 +234,22 @@ class Runtime:
             if stream in self._streams.get(index, []):
                 self._streams[index].remove(stream)
 
-    def synchronize(self, index: int) -> None:
-        """Wait for every stream of device `index` (cudaDeviceSynchronize)."""
+    def tally(self, key: str, n: int = 1) -> None:
+        """Add `n` to counter `key` (thread-safe)."""
+        with self._lock:
+            self.counts[key] += n
+
+    def count_copy(self, index: int, nbytes: int, launches: int = 1) -> None:
+        """A copy the host launched on local device `index`, moving `nbytes`."""
+        with self._lock:
+            self.counts["copy_launches"] += launches
+            self.counts["copy_bytes"] += nbytes
+            self.counts[f"copy_bytes:{self.config.visible[index]}"] += nbytes
+
+    def synchronize(self, index: int, counted: bool = True) -> None:
+        """Wait for every stream of device `index` (cudaDeviceSynchronize); `counted=False` for the sim's own."""
+        if counted:
+            self.tally("device_syncs")
         for stream in list(self._streams.get(index, [])):
             stream.synchronize()
 

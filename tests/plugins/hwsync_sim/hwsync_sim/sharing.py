@@ -109,6 +109,7 @@ def share(tensor: SimTensor) -> dict[str, Any]:
     rt.require_current(mem.index, "exporting device memory")
     if mem.segment is None:
         _move_to_shared(rt, mem)
+    rt.tally("exports")
     with _lock:
         if _counters is None:
             _counters = _Counters(rt.pid)
@@ -123,7 +124,7 @@ def share(tensor: SimTensor) -> dict[str, Any]:
 
 def _move_to_shared(rt: Runtime, mem: Memory) -> None:
     """Put a block's bytes in a shared segment, in stream order (all earlier writes land first)."""
-    rt.synchronize(mem.index)
+    rt.synchronize(mem.index, counted=False)
     segment = SharedSegment(f"{FILE_PREFIX}{rt.pid}-{secrets.token_hex(8)}", max(mem.nbytes, 1), create=True)
 
     def swap() -> None:
@@ -156,8 +157,10 @@ def open_shared(record: dict[str, Any], index: int | None = None) -> SimTensor:
         ref = _mapped.get(name)
         block = ref() if ref is not None else None
         if block is not None:
+            rt.tally("opens_cached")
             update(refs, slot, delta=-1)  # already mapped here: this export is released at once
         else:
+            rt.tally("opens")
             try:
                 segment = SharedSegment(name, max(int(record["bytes"]), 1), create=False)
             except FileNotFoundError as exc:
@@ -226,6 +229,9 @@ def collect(rt: Runtime, report: bool = True, parked: bool = False) -> list[str]
     `report`: blocks nothing can free any more (an export never mapped, or mapped by a process
     that exited without closing it); `parked` too: every block still held, whatever the reason.
     """
+    from hwsync_sim.tensor import forget_dead_transplants  # tensor builds on this module's runtime only
+
+    forget_dead_transplants()  # memory whose last tensor is gone is freed (or parked) before the limbo is read
     leaks = []
     with _lock:
         for mem in list(_limbo):

@@ -20,12 +20,14 @@ Why it is built this way (the choice the sim rests on):
 
 What an operation does (see hwsync_sim.runtime for the device model):
 - views (slice, view, view(dtype), detach, ...): metadata only, allowed from any thread;
-- copies: host to device reads the source at once (pageable memory is staged) and writes the
+- copies (each counted as one launch, its bytes on the device that runs it: Runtime.count_copy): host to
+  device reads the source at once (pageable memory is staged) and writes the
   device bytes later on the stream, except from host memory pinned with SimDevice.pin_host_memory,
   which (as cudaHostRegister'd memory on CUDA) is read only when the copy runs; device to device runs later on the stream; device to host
   waits for the stream, as a copy into pageable memory does, except a non_blocking copy into
   pinned memory, which (as on CUDA) is queued and returns at once. So a destination read early has
-  the old bytes;
+  the old bytes; torch._foreach_copy_ of tensors on one device is one launch (CUDA's multi-tensor
+  kernel, issued from C++), queued like a copy; across devices, a copy per tensor (CUDA's slow path);
 - any other kernel is queued on the stream too (its outputs' shapes come from meta tensors);
   one that returns a value to the host (item, equal) waits for the stream, as on a GPU;
 - each of these needs the tensors' device to be the calling thread's current device.
@@ -85,6 +87,14 @@ _transplants: dict[int, tuple[StorageWeakRef, Block]] = {}
 _transplants_lock = threading.Lock()
 
 
+def forget_dead_transplants() -> None:
+    """Let go of the Blocks of moved-into tensors whose storage is gone (`param.data = other` freed the old one):
+    as torch frees a storage with its last tensor, the sim frees (or parks) its memory then, not at the next move."""
+    with _transplants_lock:
+        dead = [_transplants.pop(k) for k, (ref, _) in list(_transplants.items()) if ref.expired()]
+    del dead  # outside the lock: freeing a Block runs the runtime's free, which may collect, which comes back here
+
+
 def block_of(tensor: torch.Tensor) -> Block:
     """The Block holding a sim tensor's bytes."""
     if isinstance(tensor, SimTensor):
@@ -139,6 +149,9 @@ def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         return _view(func, args, kwargs)
     if func is aten.copy_.default:
         return copy(args[0], args[1], bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False)))
+    if func is aten._foreach_copy_.default:
+        non_blocking = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
+        return foreach_copy(args[0], args[1], non_blocking)
     if func is aten._to_copy.default:
         return _to_copy(*args, **kwargs)
     if func is aten.record_stream.default:
@@ -152,9 +165,8 @@ def _allow_move(tensor: torch.Tensor, new: torch.Tensor) -> bool:
         return False  # a SimTensor's bytes are its Block's; it cannot take other memory
     if isinstance(new, SimTensor):
         storage = new.untyped_storage()
+        forget_dead_transplants()
         with _transplants_lock:
-            for key in [k for k, (ref, _) in _transplants.items() if ref.expired()]:
-                del _transplants[key]
             _transplants[storage._cdata] = (StorageWeakRef(storage), new._block)
     return True
 
@@ -174,16 +186,19 @@ def copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> to
         # checked before anything is queued, as torch checks before it launches a copy
         raise RuntimeError(f"The size of tensor a ({tuple(dst.shape)}) must match the size of tensor b "
                            f"({tuple(src.shape)}) for copy_")
+    nbytes = dst.numel() * dst.element_size()
     if is_sim(dst) and is_sim(src):
         d, s = as_sim(dst), as_sim(src)
         if d.device != s.device:
             raise SimDeviceError(f"sim: copy from {s.device} to {d.device}: cross-device copies are not modelled "
                                  "(in hwsync one means a tensor landed on another device than intended)")
         rt.require_current(d.device.index, "a device-to-device copy")
+        rt.count_copy(d.device.index, nbytes)
         rt.stream(d.device.index).enqueue(lambda: host_view(d).copy_(host_view(s)))
     elif is_sim(dst):
         d = as_sim(dst)
         rt.require_current(d.device.index, "a host-to-device copy")
+        rt.count_copy(d.device.index, nbytes)
         if rt.is_pinned(src):  # pinned host memory: like CUDA, the source is read when the copy runs
             source = src.detach()
             rt.stream(d.device.index).enqueue(lambda: host_view(d).copy_(source))
@@ -193,12 +208,38 @@ def copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> to
     else:
         s = as_sim(src)
         rt.require_current(s.device.index, "a device-to-host copy")
+        rt.count_copy(s.device.index, nbytes)
         if non_blocking and rt.is_pinned(dst):  # into pinned memory, as on CUDA: queued, returns at once
             target = dst.detach()
             rt.stream(s.device.index).enqueue(lambda: target.copy_(host_view(s)))
         else:  # into pageable host memory the copy returns only once it (and all work before it) is done
             rt.stream(s.device.index).call(lambda: dst.copy_(host_view(s)))
     return dst
+
+
+def foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool = False) -> None:
+    """torch._foreach_copy_(dsts, srcs): one launch queued when every tensor is on one sim device, else a copy each."""
+    rt = runtime()
+    if len(dsts) != len(srcs):
+        raise RuntimeError(f"Tensor lists must have the same number of tensors, got {len(dsts)} and {len(srcs)}")
+    places = {t.device for t in [*dsts, *srcs]}
+    if len(places) != 1 or next(iter(places)).type != TYPE:
+        for d, s in zip(dsts, srcs):  # CUDA's slow path: a copy_ per pair, each its own launch
+            copy(d, s, non_blocking)
+        return
+    pairs = [(as_sim(d), as_sim(s)) for d, s in zip(dsts, srcs)]
+    for d, s in pairs:
+        if d.shape != s.shape:
+            raise RuntimeError(f"_foreach_copy_: tensors of shapes {tuple(d.shape)} and {tuple(s.shape)} differ")
+    index = pairs[0][0].device.index if pairs else rt.current()
+    rt.require_current(index, "a foreach copy")
+    rt.count_copy(index, sum(d.numel() * d.element_size() for d, _ in pairs))
+
+    def run() -> None:
+        for d, s in pairs:
+            host_view(d).copy_(host_view(s))
+
+    rt.stream(index).enqueue(run)
 
 
 def _to_copy(x: torch.Tensor, dtype: torch.dtype | None = None, layout: Any = None, device: Any = None,
