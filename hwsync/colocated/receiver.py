@@ -150,7 +150,7 @@ class WeightReceiver:
         if "memory" not in out:
             try:
                 out["memory"] = asdict(local_memory(self.backend.device()))
-            except Exception as exc:  # memory is advisory: never fail a sync over it
+            except Exception as exc:  # noqa: BLE001 - memory is advisory: never fail a sync over it
                 log.debug("hwsync: no memory figures for the sender: %s", exc)
         return out
 

@@ -130,12 +130,13 @@ class WeightSender:
             return self.backend.default_transport()
         available = self.backend.transports()
         if transport not in available:
-            raise ValueError(f"backend {self.backend.name!r} has no transport {transport!r}; it has {sorted(available)}")
+            raise ValueError(f"backend {self.backend.name!r} has no transport {transport!r}; it has "
+                             f"{sorted(available)}")
         return available[transport]
 
     @property
     def endpoint(self) -> str:
-        """What a WeightReceiver connects to: address, token and (tcp://) the CURVE public key. A secret: never log it."""
+        """What a WeightReceiver connects to: address, token and (tcp://) CURVE public key. A secret: never log it."""
         return self._control.endpoint
 
     @property
@@ -209,7 +210,7 @@ class WeightSender:
         self._seq = stream.run(sync.source, sync.stream_manifest)
 
     def _open_buffers(self, peers: list[Peer], stats: SyncStats) -> None:
-        """Size the buckets (by how receivers take tensors, or "auto": by the least free memory) and open the buffers."""
+        """Size the buckets (by how receivers take tensors, or "auto": the least free memory) and open the buffers."""
         self.bucket_bytes, self.num_buffers = bucket_geometry(
             self.transport, self.backend.device(), peers, stats, self.bucket_bytes, self.num_buffers,
             default=self._default_geometry, auto=self._auto_bucket)
@@ -307,5 +308,5 @@ class WeightSender:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - at garbage collection nothing can be told any more
             pass

@@ -19,8 +19,8 @@ import logging
 import os
 import secrets
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 

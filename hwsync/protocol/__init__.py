@@ -17,14 +17,12 @@ colocated.py (the same-host frames, with Welcome, Refused, Error and Abort), dis
 (the cross-node frames), limits.py (the largest frame each side may send); this module holds
 the version, the frame sets of each socket, `encode`, `decode` and `peek`.
 
-Two paths speak it. Same host (hwsync.colocated): a receiver says `Ready` (with the token; the
-sender binds the connection's identity to it, answers `Welcome` at once, or `Refused` with the
-reason, and drops every frame of an identity that never presented the token); then an `Offer` (geometry, handles, manifest), the receiver `Accept`s, then each bucket is a
-`Bucket` (a ZeroMQ frame, or a doorbell descriptor) and a `Release`, and tensors that lie in the
-sender's shared parameter segments go as `Refs` (segment, offset, dtype, shape) read in place; `Done` and `Complete` end
-the sync; `Error` and `Abort` end it early. Across nodes (hwsync.disaggregated): every rank says
-`RankReady` to sender 0's hub (`Welcome` or `Refused` at once, as above), which then sends `Setup` (group addresses), `PlanFrame`, `Go`,
-`Commit`, and keeps everyone honest with `Ping`/`Pong`/`Alive`.
+Two paths speak it, and each one's message sequence is drawn once, in its module's docstring:
+colocated.py (same host: Ready, Welcome or Refused, Offer, Accept, Bucket and Release, Refs, Done,
+Complete; Error and Abort end a sync early) and disaggregated.py (across nodes: RankReady to sender
+0's hub, Welcome or Refused, Setup, PlanFrame, Go, Commit; Ping, Pong and Alive meanwhile). A peer
+proves the token in its Ready (RankReady), which binds its connection's identity; every frame of an
+identity that never presented it is dropped (hwsync.gate).
 """
 
 from __future__ import annotations
@@ -67,7 +65,7 @@ from hwsync.protocol.fields import BadFrame, Count, Frame, Map, short, value_to_
 from hwsync.protocol.layout import BucketSpec, Entry, Ref, SegmentSpec
 
 #: bump when frames change incompatibly; a receiver refuses any other version
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 __all__ = ["PROTOCOL_VERSION", "TO_HUB", "TO_RANK", "TO_RECEIVER", "TO_SENDER", "Abort", "Accept", "Alive", "BadFrame",
            "Bucket", "BucketSpec", "Commit", "Complete", "Count", "Done", "Entry", "Error", "Frame", "Go", "Gone",
@@ -101,7 +99,7 @@ def encode(frame: Frame) -> bytes:
 def _unpack(data: bytes | memoryview) -> Any:
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
-    except Exception as exc:  # msgpack raises several types for truncated or garbage bytes
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several types for truncated or garbage bytes
         raise BadFrame(f"not a msgpack frame ({type(exc).__name__}: {short(exc)})") from None
 
 

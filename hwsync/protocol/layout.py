@@ -15,7 +15,6 @@ from hwsync.owners import OWNER
 from hwsync.protocol.fields import INT_MAX, BadFrame, short, wire_count, wire_shape
 
 
-
 @dataclass(frozen=True)
 class Entry:
     """Where one tensor (or one chunk of it) sits in a bucket."""

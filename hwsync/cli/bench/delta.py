@@ -68,7 +68,6 @@ def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, 
     from transformers import LlamaForCausalLM
 
     from hwsync import CrossNodeSender
-
     from hwsync.delta import encode
 
     encode(torch.ones(1 << 16), torch.zeros(1 << 16, dtype=torch.bfloat16))  # compile (or load) the host kernels now
@@ -108,7 +107,6 @@ def engine(endpoint: str, hidden: int, layers: int, syncs: int, timeout_s: float
 
     from hwsync import CrossNodeReceiver
     from hwsync.casting import engine_dtypes
-
     from hwsync.delta import apply_into, encode
 
     base = torch.zeros(1 << 16, dtype=torch.bfloat16)
