@@ -129,7 +129,7 @@ class WeightReceiver:
             if on_start is not None:
                 on_start(offer.version, offer.manifest)
             control.send(Accept(sync=offer.sync))
-            self._receive_buckets(offer, *self._deltas.intake(load, into), stats)
+            self._receive_buckets(offer, *self._deltas.intake(load, into, self.backend.device()), stats)
             if on_done is not None:
                 t0 = time.perf_counter()
                 on_done()

@@ -26,6 +26,8 @@ import torch
 
 from hwsync.bucket import IntoFn, LoadFn
 from hwsync.delta.header import DeltaHeader
+from hwsync.devices import DeviceOwner
+from hwsync.interfaces import Device
 from hwsync.delta.patch import apply_into, verify
 from hwsync.errors import DeltaCheckError, ProtocolError
 from hwsync.manifest import TensorSpec, dtype_from_name
@@ -42,6 +44,7 @@ class ReceiverDeltas:
         self._headers: dict[str, DeltaHeader] = {}
         self._targets: dict[str, TensorSpec] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._owner: DeviceOwner | None = None
 
     def report(self) -> dict[str, Any]:
         """What goes into the receiver's state for the sender: the id it holds (nothing when none)."""
@@ -73,8 +76,14 @@ class ReceiverDeltas:
         """Whether the sync running now is a delta (every tensor arrives as a payload)."""
         return bool(self._headers)
 
-    def intake(self, load: LoadFn | None, into: IntoFn | None) -> tuple[LoadFn | None, IntoFn | None]:
-        """The (load, into) the bucket reader gets this sync: the caller's own outside delta mode."""
+    def intake(self, load: LoadFn | None, into: IntoFn | None, device: Device) -> tuple[LoadFn | None, IntoFn | None]:
+        """The (load, into) the bucket reader gets this sync: the caller's own outside delta mode. Called on the
+        receiving thread: the threads that apply deltas take its current device of `device`."""
+        owner = DeviceOwner(device)
+        if self._pool is not None and self._owner is not None and self._owner.index != owner.index:
+            self._pool.shutdown()
+            self._pool = None
+        self._owner = owner
         if self._wire is None:
             return load, into
         if not self.is_delta:
@@ -115,7 +124,8 @@ class ReceiverDeltas:
     def pool(self) -> ThreadPoolExecutor:
         """Threads that apply and check tensors side by side (made at the first delta sync, kept)."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="hwsync-apply")
+            self._pool = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="hwsync-apply",
+                                            initializer=None if self._owner is None else self._owner.enter)
         return self._pool
 
     def clear(self) -> None:
@@ -136,6 +146,21 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _no_destination(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     """In a delta sync every payload goes through the delta's apply, never straight into a tensor."""
     return None
+
+
+def _raise_first(errors: list[BaseException | None]) -> None:
+    """Raise the first of the apply threads' errors without a reference cycle: a failed job's traceback holds the
+    bucket's views, and a cycle would keep them (and the mapping under them) alive until a garbage collection."""
+    first = next((error for error in errors if error is not None), None)
+    for error in errors:
+        if error is not None:
+            error.__traceback__ = None
+    errors.clear()
+    if first is not None:
+        try:
+            raise first
+        finally:
+            first = None
 
 
 class _KeepThenLoad:
@@ -165,8 +190,9 @@ class _ApplyDelta:
         jobs = [pool.submit(self._deltas.apply, name, payload, result)
                 for (name, payload), (result, _) in zip(payloads, targets)]
         wait(jobs)  # the payloads are views of the bucket: every apply ends before this call returns, failed or not
-        for job in jobs:
-            job.result()
+        errors = [job.exception() for job in jobs]
+        del jobs  # each future holds its error: kept here, the error raised below would be in a reference cycle
+        _raise_first(errors)
         whole = [(name, result) for (name, _), (result, own) in zip(payloads, targets) if not own]
         if whole:
             if self._load is None:

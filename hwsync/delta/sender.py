@@ -31,6 +31,7 @@ from hwsync.delta.diff import Delta, encode, to_engine_dtype
 from hwsync.delta.digest import tensor_digest
 from hwsync.delta.header import DENSE, DeltaHeader
 from hwsync.delta.patch import advance
+from hwsync.devices import DeviceOwner
 from hwsync.interfaces import Device
 from hwsync.manifest import TensorSpec, dtype_from_name, dtype_name
 from hwsync.planner import EngineState
@@ -172,7 +173,8 @@ class SenderDeltas:
         jobs = []
         # tensors are taken from the source in order on this thread (a DTensor gathers here); each is encoded on one
         # of `threads` threads: the host kernel and torch's ops release the GIL, so they run side by side
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="hwsync-delta") as pool:
+        owner = DeviceOwner(self._device)  # a new thread starts on device 0: each takes this thread's device
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="hwsync-delta", initializer=owner.enter) as pool:
             for position, item in enumerate(pairs):
                 name, tensor = named_tensor(position, item)
                 target_dtype = dtypes.target(name, tensor.dtype)

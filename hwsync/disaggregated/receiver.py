@@ -124,7 +124,7 @@ class CrossNodeReceiver:
             stats.version, stats.bucket_bytes, stats.num_buffers = version, plan.bucket_bytes, self.num_buffers
             link.send(PlanAccept())
             link.next((Go,), "waiting for sender 0's go", self._worker)
-            self._stream(plan, *self._deltas.intake(load, into), stats)
+            self._stream(plan, *self._deltas.intake(load, into, self.backend.device()), stats)
             if on_done is not None:
                 t0 = time.perf_counter()
                 on_done()
