@@ -1,0 +1,89 @@
+"""When a sync may be a delta, and what a receiver refuses: the bookkeeping of both sides, without processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hwsync.casting import EngineDtypes, engine_dtypes
+from hwsync.delta.receiver import ReceiverDeltas
+from hwsync.delta.sender import SenderDeltas
+from hwsync.errors import ProtocolError
+from hwsync.planner import EngineState
+from hwsync.registry import load_backend
+from hwsync.stats import SyncStats
+
+PAIRS = [("w", torch.arange(12, dtype=torch.float32).reshape(3, 4)), ("b", torch.ones(4))]
+
+
+def _committed(deltas: SenderDeltas, delta: bool = True) -> SyncStats:
+    stats = SyncStats()
+    sync = deltas.prepare(list(PAIRS), None, EngineDtypes([]), delta, [{"held": deltas.base_id}], stats)
+    list(sync.source)
+    deltas.commit()
+    return stats
+
+
+def test_a_delta_needs_every_receiver_to_hold_the_baseline_and_says_why_not():
+    deltas = SenderDeltas(load_backend("cpu").device())
+    assert deltas.decide([{}]) == (False, "the first sync: no baseline yet")
+    stats = _committed(deltas)
+    assert stats.notes["delta"]["mode"] == "full" and deltas.base_id is not None
+    ok, why = deltas.decide([{"held": deltas.base_id}, {"held": deltas.base_id}])
+    assert ok and deltas.base_id in why
+    assert deltas.decide([{"held": deltas.base_id}, {}])[1].startswith("receiver 1 reports no complete sync")
+    assert "holds 'other:3'" in deltas.decide([{"held": "other:3"}])[1]
+    freed = EngineState(sleep_level=2, weights_freed=True, has_base=True).to_dict()
+    assert "freed its weights" in deltas.decide([{"held": deltas.base_id, "engine": freed}])[1]
+    changed = EngineState(sleep_level=0, weights_freed=False, has_base=True, base_intact=False).to_dict()
+    assert "found its weights changed" in deltas.decide([{"held": deltas.base_id, "engine": changed}])[1]
+
+
+def test_a_full_sync_asked_for_renews_the_baseline_and_the_next_may_be_a_delta():
+    deltas = SenderDeltas(load_backend("cpu").device())
+    _committed(deltas)
+    first = deltas.base_id
+    stats = _committed(deltas, delta=False)
+    assert stats.notes["delta"]["mode"] == "full" and "asked for a full sync" in stats.notes["delta"]["reason"]
+    assert deltas.base_id not in (None, first)
+    assert _committed(deltas).notes["delta"]["mode"] == "delta"
+
+
+def test_a_failed_full_sync_drops_the_baseline_a_failed_delta_keeps_it():
+    deltas = SenderDeltas(load_backend("cpu").device())
+    _committed(deltas)
+    held = deltas.base_id
+    deltas.prepare(list(PAIRS), None, EngineDtypes([]), True, [{"held": held}], SyncStats())
+    deltas.abort()  # a delta that failed
+    assert deltas.base_id == held
+    sync = deltas.prepare(list(PAIRS), None, EngineDtypes([]), True, [{}], SyncStats())
+    list(sync.source)  # a full one that streamed, then failed
+    deltas.abort()
+    assert deltas.base_id is None and "did not complete" in deltas.decide([{}])[1]
+
+
+def test_a_receiver_refuses_a_delta_from_another_base_and_holds_nothing_until_a_sync_completes():
+    receiver = ReceiverDeltas()
+    receiver.begin({"base": None, "next": "s:1", "headers": None}, None)
+    receiver.complete()
+    assert receiver.report() == {"held": "s:1"}
+    with pytest.raises(ProtocolError, match="holds 's:1'"):
+        receiver.begin({"base": "s:0", "next": "s:2", "headers": []}, [])
+    assert receiver.report() == {}, "a sync that started (and failed) leaves nothing held"
+
+
+def test_engine_dtypes_cast_only_where_every_receiver_agrees_and_never_widen():
+    report = engine_dtypes([("w", torch.zeros(2, dtype=torch.bfloat16)), ("n", torch.zeros(2)),
+                            ("i", torch.zeros(2, dtype=torch.int64))])
+    assert report == {"default": "bfloat16", "names": {"n": "float32"}}
+    both = EngineDtypes([{"dtypes": report}, {"dtypes": report}])
+    assert both.target("w", torch.float32) == torch.bfloat16
+    assert both.target("n", torch.float32) == torch.float32
+    assert both.target("w", torch.float16) == torch.bfloat16  # the same width: as the loader would store it
+    assert both.target("i", torch.int64) == torch.int64
+    narrow = EngineDtypes([{"dtypes": {"default": "float32", "names": {}}}])
+    assert narrow.target("w", torch.bfloat16) == torch.bfloat16, "never widened: the loader does that exactly"
+    assert not EngineDtypes([{"dtypes": report}, {}]), "one receiver says nothing: nothing is cast"
+    fp32 = torch.randn(1000)
+    assert torch.equal(both.cast("w", fp32).view(torch.int16), torch.empty(1000, dtype=torch.bfloat16).copy_(fp32)
+                       .view(torch.int16))
