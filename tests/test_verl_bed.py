@@ -25,7 +25,8 @@ from hwsync.integrations.verl.trainer import PREFIX  # noqa: E402
 PROCS = os.path.abspath(verl_bed_procs.__file__)
 CONFIG = {"backend": "hwsync", "custom_backend_module": "hwsync.integrations.verl",
           "update_weights_bucket_megabytes": 8,  # hwsync's bucket: 8 MiB / (2 senders x 2 buffers) = 2 MiB
-          "engine_kwargs": {"hwsync": {"timeout_s": 30.0}}}  # no host: each worker finds its own address
+          # no host: each worker finds its own address; deltas after the first step (each step's weights all change)
+          "engine_kwargs": {"hwsync": {"timeout_s": 30.0, "delta": True}}}
 WORKERS = [("t0", "trainer", 0, 0), ("t1", "trainer", 1, 0), ("r0", "rollout", 0, 1), ("r1", "rollout", 1, 2)]
 
 
@@ -78,6 +79,10 @@ def test_verl_engine_across_hosts_three_steps_bit_exact(tmp_path):
         got = {w: p.result(60) for w, p in procs.items()}
     for step in steps:
         assert metrics[step][PREFIX + "num_senders"] == 2 and metrics[step][PREFIX + "num_receivers"] == 2
+        # one verl update is a sync per window of tensors: every one is a delta but the very first (a window's
+        # tensors new to the baseline go whole in it)
+        syncs = metrics[step][PREFIX + "syncs"]
+        assert metrics[step][PREFIX + "delta_syncs"] == syncs - (step == 1), f"step {step}: {metrics[step]}"
         assert metrics[step][PREFIX + "tensors"] == len(verl_bed_procs.SHAPES)
     assert metrics[1][PREFIX + "syncs"] > 1 and metrics[2][PREFIX + "syncs"] == metrics[3][PREFIX + "syncs"] == 1
     assert len({metrics[s][PREFIX + "group_epoch"] for s in (2, 3)}) == 1, "the groups must be kept across steps"

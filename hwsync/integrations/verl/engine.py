@@ -38,18 +38,19 @@ class HwsyncCheckpointEngine(CheckpointEngine):
     used (the trainer's rank 0 plans every bucket). Options (engine_kwargs.hwsync): timeout_s
     bounds every wait; bucket_megabytes sets hwsync's bucket (default: at most 64 MiB, with the
     buffers of all senders within the trainer's bucket_size); max_senders caps the striped
-    senders; num_buffers is the pipeline depth; host is the address peers reach this worker at.
+    senders; num_buffers is the pipeline depth; host is the address peers reach this worker at; delta sends,
+    after a first full sync, only what changed since what every rollout worker holds (docs/verl.md).
     """
 
     def __init__(self, bucket_size: int, is_master: bool | None = None, *, timeout_s: float = 120.0,
                  bucket_megabytes: float | None = None, max_senders: int = 8, num_buffers: int = 2,
-                 host: str | None = None) -> None:
+                 host: str | None = None, delta: bool = False) -> None:
         if timeout_s <= 0 or max_senders < 1 or num_buffers < 2 or (bucket_megabytes or 1) <= 0:
             raise ValueError(f"engine_kwargs.hwsync: timeout_s={timeout_s} must be positive, max_senders={max_senders} "
                              f"at least 1, num_buffers={num_buffers} at least 2, bucket_megabytes={bucket_megabytes} "
                              "positive or unset")
         self.options = Options(int(bucket_size), float(timeout_s), bucket_megabytes, int(max_senders), int(num_buffers),
-                               topology.node_ip(host))
+                               topology.node_ip(host), bool(delta))
         # verl's trainer workers always pass is_master; its rollout workers never do
         self.is_master = bool(is_master)
         self._trainer = TrainerSide(self.options) if is_master is not None else None

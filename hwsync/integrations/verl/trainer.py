@@ -52,6 +52,8 @@ class Options:
     max_senders: int
     num_buffers: int
     host: str
+    #: send only what changed since what every rollout worker holds (hwsync's delta syncs)
+    delta: bool = False
 
     def bucket_bytes(self, num_senders: int) -> int:
         """hwsync's bucket: the one set, else at most 64 MiB with S x buffers x bucket within verl's bucket_size."""
@@ -152,7 +154,7 @@ class TrainerSide:
                     place.endpoint, rank=place.rank, num_senders=place.num_senders,
                     num_receivers=place.num_receivers, group_host=self.options.host,
                     bucket_bytes=self.options.bucket_bytes(place.num_senders), num_buffers=self.options.num_buffers,
-                    timeout_s=self.options.timeout_s, secret_key=self._secret_for(place))
+                    timeout_s=self.options.timeout_s, secret_key=self._secret_for(place), delta=self.options.delta)
             except Exception as exc:
                 raise RuntimeError(f"trainer sender {place.rank} could not open hwsync's control endpoint "
                                    f"{place.endpoint.split('#')[0]}: {exc}. If the port was taken meanwhile, the "
@@ -225,5 +227,6 @@ def metrics(stats: list[SyncStats], walk: Walk, sender: CrossNodeSender, place: 
             PREFIX + "tensors": float(walk.count), PREFIX + "source_s": walk.source_s,
             PREFIX + "syncs": float(len(stats)), PREFIX + "bucket_bytes": float(stats[-1].bucket_bytes if stats else 0),
             PREFIX + "num_senders": float(place.num_senders), PREFIX + "num_receivers": float(place.num_receivers),
-            PREFIX + "group_epoch": float(sender.group_epoch or 0)}
+            PREFIX + "group_epoch": float(sender.group_epoch or 0),
+            PREFIX + "delta_syncs": float(sum(1 for s in stats if s.notes.get("delta", {}).get("mode") == "delta"))}
     return out
