@@ -26,10 +26,10 @@ import torch
 
 from hwsync.bucket import IntoFn, LoadFn
 from hwsync.delta.header import DeltaHeader
-from hwsync.devices import DeviceOwner
-from hwsync.interfaces import Device
 from hwsync.delta.patch import apply_into, verify
+from hwsync.devices import DeviceOwner
 from hwsync.errors import DeltaCheckError, ProtocolError
+from hwsync.interfaces import Device
 from hwsync.manifest import TensorSpec, dtype_from_name
 
 
