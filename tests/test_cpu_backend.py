@@ -80,8 +80,15 @@ def test_destroying_a_group_stuck_in_a_broadcast_returns_without_waiting_for_its
     try:
         comm = CpuBackend().communicator(f"tcp://127.0.0.1:{free_port}", 1, 2, timeout_s=60)
         assert ready.wait(60)
-        stuck = threading.Thread(target=lambda: comm.broadcast(torch.empty(1 << 16, dtype=torch.uint8), 0),
-                                 daemon=True)
+        failed: list[BaseException] = []
+
+        def broadcast() -> None:
+            try:
+                comm.broadcast(torch.empty(1 << 16, dtype=torch.uint8), 0)
+            except RuntimeError as exc:  # the group went away under it, as it should
+                failed.append(exc)
+
+        stuck = threading.Thread(target=broadcast, daemon=True)
         stuck.start()  # waits for rank 0, which never sends: only the group's 60 s timeout would end it
         time.sleep(0.5)
         t0 = time.monotonic()
@@ -92,6 +99,8 @@ def test_destroying_a_group_stuck_in_a_broadcast_returns_without_waiting_for_its
         peer.join(30)
         if peer.is_alive():
             peer.kill()
+    stuck.join(30)
+    assert not stuck.is_alive(), "the broadcast stuck on the destroyed group never ended"
 
 
 def test_rendezvous_address_is_checked():
