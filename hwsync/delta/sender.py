@@ -136,24 +136,31 @@ class SenderDeltas:
             self.base_id, self._digests = None, {}  # overwritten while this full sync streams
             self._lost = "the last full sync did not complete, and the baseline was overwritten while it streamed"
             targets = dtypes.manifest(manifest)
-            self._pending = Prepared(self._keep(dtypes.pairs(pairs)), targets, targets,
+            self._pending = Prepared(self._keep(pairs, dtypes), targets, targets,
                                      {"base": None, "next": self._next, "headers": None})
         else:
             self._pending = self._encode(pairs, dtypes, note)
         note["baseline_bytes"] = self.baseline_bytes
         return self._pending
 
-    def _keep(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """A full sync's pairs, each copied into the baseline as it is taken."""
+    def _keep(self, pairs: Iterable[tuple[str, torch.Tensor]], dtypes: EngineDtypes
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A full sync's pairs, each cast into the baseline as it is taken (the loader's op: `copy_`).
+
+        Where the baseline is on the tensor's device, the baseline tensor itself is what streams: the cast
+        then writes once into memory that stays resident across syncs, not into a fresh tensor whose pages
+        fault in at every sync (on the host that costs more than the cast).
+        """
         for position, item in enumerate(pairs):
             name, tensor = named_tensor(position, item)
+            dtype = dtypes.target(name, tensor.dtype)
             kept = self._tensors.get(name)
-            if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
-                kept = self._tensors[name] = self._allocate(tuple(tensor.shape), tensor.dtype, tensor.device)
+            if kept is None or kept.shape != tensor.shape or kept.dtype != dtype:
+                kept = self._tensors[name] = self._allocate(tuple(tensor.shape), dtype, tensor.device)
             kept.copy_(tensor)
             # the next delta's digests follow from the changes alone: without this one it hashes every tensor
             self._digests[name] = tensor_digest(kept)
-            yield name, tensor
+            yield name, kept if kept.device == tensor.device else dtypes.cast(name, tensor)
 
     def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, source: torch.device) -> torch.Tensor:
         """Room for one baseline tensor: on `source`'s device when kept there, else in (pinned) host memory."""
