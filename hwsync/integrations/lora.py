@@ -10,6 +10,8 @@ before anything changes. `LoraTrainerModel` is a TrainerModel of unmerged LoRA w
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,3 +70,18 @@ class LoraTrainerModel(TrainerModel):
         """The adapter's identity for the engine, with the count of its tensors."""
         assert self.adapter is not None and self.adapters_manifest is not None
         return self.adapter.spec(len(self.adapters_manifest))
+
+
+def plain_config(value: Any) -> Any:
+    """JSON-safe values as adapter_config.json holds them (sets as sorted lists, enums as their values)."""
+    if isinstance(value, enum.Enum):
+        return plain_config(value.value)
+    if isinstance(value, Mapping):
+        return {str(k): plain_config(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(plain_config(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [plain_config(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)

@@ -16,14 +16,13 @@ Both sources are callables, opened afresh at every sync; a base the plan does no
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from hwsync.integrations.hf import checkpoint_manifest_of, checkpoint_tensors, full_tensor
-from hwsync.integrations.lora import LoraAdapter, LoraTrainerModel
+from hwsync.integrations.lora import LoraAdapter, LoraTrainerModel, plain_config
 from hwsync.manifest import TensorSpec, dtype_name
 from hwsync.planner import SyncMode, Version
 
@@ -58,24 +57,9 @@ def peft_adapter_tensors(peft_model: torch.nn.Module, adapter: str = "default") 
     return [(name, full_tensor(tensor)) for name, tensor in state.items()]
 
 
-def _plain(value: Any) -> Any:
-    """JSON-safe values as adapter_config.json holds them (sets as sorted lists, enums as their values)."""
-    if isinstance(value, enum.Enum):
-        return _plain(value.value)
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (set, frozenset)):
-        return sorted(_plain(v) for v in value)
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
-
-
 def peft_adapter_config(peft_model: torch.nn.Module, adapter: str = "default") -> dict[str, Any]:
     """The adapter's PEFT config as plain values (what adapter_config.json holds)."""
-    return _plain(peft_model.peft_config[adapter].to_dict())  # type: ignore[index, union-attr]
+    return plain_config(peft_model.peft_config[adapter].to_dict())  # type: ignore[index, union-attr]
 
 
 def peft_trainer_model(peft_model: torch.nn.Module, *, name: str, lora_id: int, adapter: str = "default",

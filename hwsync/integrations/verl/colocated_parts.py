@@ -16,7 +16,6 @@ verl's trainer worker calls its rollout's `update_weights` with a generator of (
 
 from __future__ import annotations
 
-import enum
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from hwsync.integrations.lora import LoraAdapter, LoraTrainerModel
+from hwsync.integrations.lora import LoraAdapter, LoraTrainerModel, plain_config
 from hwsync.integrations.verl.worker_extension import EXTENSION_CLS
 from hwsync.integrations.vllm.checkpoint import checkpoint_manifest, resolve_checkpoint_dir, safetensors_files
 from hwsync.manifest import TensorSpec
@@ -146,21 +145,6 @@ def checkpoint_base(model_path: str) -> tuple[Callable[[], Iterator[tuple[str, t
     return read, manifest
 
 
-def _plain(value: Any) -> Any:
-    """JSON-safe values as adapter_config.json holds them (sets as sorted lists, enums as their values)."""
-    if isinstance(value, enum.Enum):
-        return _plain(value.value)
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (set, frozenset)):
-        return sorted(_plain(v) for v in value)
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
-
-
 def lora_trainer_model(adapter: Pairs, peft_config: Any, base: Pairs | None, model_path: str, *, name: str,
                        lora_id: int) -> LoraTrainerModel:
     """One planned LoRA update: the adapter `name`/`lora_id`, the base verl handed over or else the checkpoint's."""
@@ -173,4 +157,4 @@ def lora_trainer_model(adapter: Pairs, peft_config: Any, base: Pairs | None, mod
     return LoraTrainerModel(
         mode=SyncMode.LORA_UNMERGED, base=base_source, adapters=adapter, base_manifest=base_manifest,
         adapters_manifest=[TensorSpec.of(n, t) for n, t in adapter],
-        adapter=LoraAdapter(name, int(lora_id), _plain(config)))
+        adapter=LoraAdapter(name, int(lora_id), plain_config(config)))
