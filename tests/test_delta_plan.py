@@ -62,6 +62,36 @@ def test_a_failed_full_sync_drops_the_baseline_a_failed_delta_keeps_it():
     assert deltas.base_id is None and "did not complete" in deltas.decide([{}])[1]
 
 
+def test_dropping_the_baseline_frees_it_and_the_next_delta_asked_for_is_full_saying_why():
+    deltas = SenderDeltas(load_backend("cpu").device())
+    _committed(deltas)
+    assert deltas.baseline_bytes == sum(t.numel() * t.element_size() for _, t in PAIRS)
+    assert deltas.drop("dropped to free its memory") == sum(t.numel() * t.element_size() for _, t in PAIRS)
+    assert deltas.baseline_bytes == 0 and deltas.base_id is None
+    plain = deltas.prepare(list(PAIRS), None, EngineDtypes([]), False, [{}], SyncStats())
+    assert plain.wire is None, "a sync asking for no delta after a drop keeps no baseline (receivers drop theirs)"
+    list(plain.source)
+    deltas.commit()
+    assert deltas.baseline_bytes == 0
+    stats = _committed(deltas)  # asks for a delta: full, and it makes a new baseline
+    assert stats.notes["delta"]["mode"] == "full" and stats.notes["delta"]["reason"] == "dropped to free its memory"
+    assert _committed(deltas).notes["delta"]["mode"] == "delta"
+
+
+def test_a_full_sync_in_delta_mode_streams_the_baseline_it_cast_into():
+    deltas = SenderDeltas(load_backend("cpu").device())
+    bf16 = EngineDtypes([{"dtypes": {"default": "bfloat16", "names": {}}}])
+    masters = [("w", torch.randn(64, 64)), ("b", torch.randn(64))]
+    for _ in range(2):  # the first makes the baseline, the second casts into the same memory
+        sync = deltas.prepare(list(masters), None, bf16, True, [{}], SyncStats())  # full: no receiver holds it
+        streamed = list(sync.source)
+        deltas.commit()
+        for (name, master), (streamed_name, tensor) in zip(masters, streamed):
+            assert streamed_name == name and tensor.dtype == torch.bfloat16
+            assert torch.equal(tensor.view(torch.int16), master.to(torch.bfloat16).view(torch.int16))
+            assert tensor.data_ptr() == deltas._tensors[name].data_ptr(), "a fresh cast tensor instead of the baseline"
+
+
 def test_a_receiver_refuses_a_delta_from_another_base_and_holds_nothing_until_a_sync_completes():
     receiver = ReceiverDeltas()
     receiver.begin({"base": None, "next": "s:1", "headers": None}, None)

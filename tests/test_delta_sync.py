@@ -99,6 +99,29 @@ def test_special_values_and_mixed_codes_and_a_payload_larger_than_a_bucket(backe
 
 
 @pytest.mark.cpu_is_enough("which sync is full is planning, the same on every backend")
+def test_a_dropped_baseline_frees_its_memory_and_the_next_delta_asked_for_is_full(backend):
+    with WeightSender(delta=True, timeout_s=60) as sender:
+        proc, commands, results = delta_procs.start(sender.endpoint, "load")
+        modes = []
+        for step, delta in ((1, None), (2, None), ("drop", None), (3, False), (4, None), (5, None)):
+            if step == "drop":
+                held = sender.delta_baseline_bytes
+                assert held == sum(t.numel() * t.element_size() for t in delta_procs.stepped(2).values())
+                assert sender.drop_delta_baseline() == held and sender.delta_baseline_bytes == 0
+                continue
+            stats, got = _sync(sender, commands, results, delta_procs.stepped(step), step, delta=delta)
+            assert got.get("digests") == procs.digests(delta_procs.stepped(step)), got.get("error")
+            note = stats.notes.get("delta", {})
+            modes.append((note.get("mode"), note.get("reason")))
+            if step == 3:  # asks for no delta while none is kept: no baseline made meanwhile
+                assert sender.delta_baseline_bytes == 0
+        assert [m for m, _ in modes] == ["full", "delta", None, "full", "delta"], modes
+        assert "drop_delta_baseline" in modes[3][1], modes
+        commands.put({"stop": True})
+        proc.join(30)
+
+
+@pytest.mark.cpu_is_enough("which sync is full is planning, the same on every backend")
 def test_a_restarted_receiver_gets_a_full_sync_with_the_reason(backend):
     with WeightSender(delta=True, timeout_s=60, num_receivers=2) as sender:
         first, second = (delta_procs.start(sender.endpoint, "load") for _ in range(2))

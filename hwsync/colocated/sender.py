@@ -144,6 +144,20 @@ class WeightSender:
         """The bound address alone (no token, no key): what logs and errors name."""
         return self._control.address
 
+    @property
+    def delta_baseline_bytes(self) -> int:
+        """Memory the delta baseline holds (host memory, or the device's with delta_on_device=True)."""
+        return self._deltas.baseline_bytes
+
+    def drop_delta_baseline(self) -> int:
+        """Free the delta baseline between syncs (its memory back); the next sync asking for a delta is full.
+
+        Returns the bytes freed. Until a sync asks for a delta again no baseline is kept, and receivers drop
+        theirs at the next sync; stats.notes["delta"]["reason"] of the first delta-asking sync says why it is full.
+        """
+        with self._lifetime.call("drop_delta_baseline"):
+            return self._deltas.drop("the baseline was dropped to free its memory (drop_delta_baseline)")
+
     def send(
         self,
         source: TensorSource | TrainerModel,

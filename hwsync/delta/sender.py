@@ -229,8 +229,17 @@ class SenderDeltas:
         """The sync failed: a delta leaves the baseline as it was (a full sync already dropped it)."""
         self._pending = None
 
-    def drop(self, reason: str) -> None:
-        """Free the baseline (the next sync is full, with `reason` in its stats)."""
+    def drop(self, reason: str) -> int:
+        """Free the baseline and keep none until a sync asks for a delta again; returns the bytes freed.
+
+        That sync is full (it makes a new baseline), with `reason` in its stats; syncs that ask for no
+        delta meanwhile keep no baseline, and receivers drop their kept copies at the first of them.
+        """
+        freed = self.baseline_bytes
         for kept in self._pinned:
             self._device.unpin_host_memory(kept)
         self._pinned, self._tensors, self._digests, self.base_id, self._lost = [], {}, {}, None, reason
+        self.active = False
+        if freed:
+            log.info("hwsync: delta baseline dropped: %.1f MB freed", freed / 1e6)
+        return freed
