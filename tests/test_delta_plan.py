@@ -80,16 +80,18 @@ def test_dropping_the_baseline_frees_it_and_the_next_delta_asked_for_is_full_say
 
 def test_a_full_sync_in_delta_mode_streams_the_baseline_it_cast_into():
     deltas = SenderDeltas(load_backend("cpu").device())
-    bf16 = EngineDtypes([{"dtypes": {"default": "bfloat16", "names": {}}}])
+    bf16 = EngineDtypes([{"dtypes": {"default": "bfloat16", "names": {"norm": "float32"}}}])
     masters = [("w", torch.randn(64, 64)), ("b", torch.randn(64))]
+    norm = torch.randn(64)  # held in fp32 by the engine: no cast, so it streams as itself (a mapped source may)
     for _ in range(2):  # the first makes the baseline, the second casts into the same memory
-        sync = deltas.prepare(list(masters), None, bf16, True, [{}], SyncStats())  # full: no receiver holds it
+        sync = deltas.prepare([*masters, ("norm", norm)], None, bf16, True, [{}], SyncStats())  # full: none holds it
         streamed = list(sync.source)
         deltas.commit()
         for (name, master), (streamed_name, tensor) in zip(masters, streamed):
             assert streamed_name == name and tensor.dtype == torch.bfloat16
             assert torch.equal(tensor.view(torch.int16), master.to(torch.bfloat16).view(torch.int16))
             assert tensor.data_ptr() == deltas._tensors[name].data_ptr(), "a fresh cast tensor instead of the baseline"
+        assert streamed[-1][1] is norm
 
 
 def test_a_receiver_refuses_a_delta_from_another_base_and_holds_nothing_until_a_sync_completes():

@@ -147,9 +147,10 @@ class SenderDeltas:
               ) -> Iterator[tuple[str, torch.Tensor]]:
         """A full sync's pairs, each cast into the baseline as it is taken (the loader's op: `copy_`).
 
-        Where the baseline is on the tensor's device, the baseline tensor itself is what streams: the cast
-        then writes once into memory that stays resident across syncs, not into a fresh tensor whose pages
-        fault in at every sync (on the host that costs more than the cast).
+        Where a cast is needed and the baseline is on the tensor's device, the baseline tensor itself is what
+        streams: the cast writes once into memory that stays resident across syncs, not into a fresh tensor
+        whose pages fault in at every sync (on the host that costs more than the cast). Uncast tensors stream
+        as themselves (a module's parameters may go by reference: colocated/mapped.py).
         """
         for position, item in enumerate(pairs):
             name, tensor = named_tensor(position, item)
@@ -160,7 +161,8 @@ class SenderDeltas:
             kept.copy_(tensor)
             # the next delta's digests follow from the changes alone: without this one it hashes every tensor
             self._digests[name] = tensor_digest(kept)
-            yield name, kept if kept.device == tensor.device else dtypes.cast(name, tensor)
+            cast_here = dtype != tensor.dtype and kept.device == tensor.device
+            yield name, kept if cast_here else dtypes.cast(name, tensor)
 
     def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, source: torch.device) -> torch.Tensor:
         """Room for one baseline tensor: on `source`'s device when kept there, else in (pinned) host memory."""
