@@ -58,6 +58,15 @@ def backend(request, monkeypatch):
 
 
 @pytest.fixture
+def sim(monkeypatch):
+    """The sim backend selected for this process and its children, this thread on device 0."""
+    monkeypatch.setenv("HWSYNC_BACKEND", "sim")
+    backend = load_backend("sim")
+    backend.device().set_index(0)
+    return backend
+
+
+@pytest.fixture
 def gpu():
     """A usable CUDA Device, or a skip that carries the cuda probe's reason."""
     from hwsync_cuda import CudaDevice  # only tests that ask for a GPU need the cuda backend

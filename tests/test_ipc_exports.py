@@ -21,20 +21,11 @@ pytest.importorskip("hwsync_sim", reason="the sim backend is not installed: pip 
 import hwsync.colocated.receiver  # noqa: E402
 from hwsync import HwsyncError, SyncError, WeightReceiver, WeightSender  # noqa: E402
 from hwsync.errors import ProtocolError, RemoteError  # noqa: E402
-from hwsync.registry import load_backend  # noqa: E402
 from hwsync_sim.peers import Peer  # noqa: E402
 
 import transfer_procs as procs  # noqa: E402
 
 CTX = mp.get_context("spawn")
-
-
-@pytest.fixture
-def sim(monkeypatch):
-    monkeypatch.setenv("HWSYNC_BACKEND", "sim")
-    backend = load_backend("sim")
-    backend.device().set_index(0)
-    return backend
 
 
 @pytest.fixture(scope="module")

@@ -15,21 +15,12 @@ import torch.multiprocessing as mp
 pytest.importorskip("hwsync_sim", reason="the sim backend is not installed: pip install -e tests/plugins/hwsync_sim")
 
 from hwsync import WeightReceiver, WeightSender  # noqa: E402
-from hwsync.registry import get_backend, load_backend  # noqa: E402
+from hwsync.registry import get_backend  # noqa: E402
 
 import transfer_procs as procs  # noqa: E402
 
 CTX = mp.get_context("spawn")
 BUCKET = 1 << 16
-
-
-@pytest.fixture
-def sim(monkeypatch):
-    """The sim backend selected for this process and its children, this thread on device 0."""
-    monkeypatch.setenv("HWSYNC_BACKEND", "sim")
-    backend = load_backend("sim")
-    backend.device().set_index(0)
-    return backend
 
 
 def _receive_and_measure(endpoint: str, q) -> None:

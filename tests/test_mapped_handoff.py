@@ -18,16 +18,6 @@ import mapped_procs as procs
 from transfer_procs import digests, start_receiver
 
 from hwsync import WeightSender
-from hwsync.registry import load_backend
-
-
-@pytest.fixture
-def sim(monkeypatch):
-    """The sim backend for this process and its children, this thread on device 0."""
-    monkeypatch.setenv("HWSYNC_BACKEND", "sim")
-    backend = load_backend("sim")
-    backend.device().set_index(0)
-    return backend
 
 
 def _sync(sender: WeightSender, device, source: dict, version: int, q) -> tuple:
