@@ -150,13 +150,12 @@ class WeightSender:
         return self._deltas.baseline_bytes
 
     def drop_delta_baseline(self) -> int:
-        """Free the delta baseline between syncs (its memory back); the next sync asking for a delta is full.
+        """Free the delta baseline between syncs; returns the bytes freed (hwsync.delta.sender.SenderDeltas.drop).
 
-        Returns the bytes freed. Until a sync asks for a delta again no baseline is kept, and receivers drop
-        theirs at the next sync; stats.notes["delta"]["reason"] of the first delta-asking sync says why it is full.
+        The next sync asking for a delta is then full and says why; none is kept until one asks.
         """
         with self._lifetime.call("drop_delta_baseline"):
-            return self._deltas.drop("the baseline was dropped to free its memory (drop_delta_baseline)")
+            return self._deltas.drop()
 
     def send(
         self,

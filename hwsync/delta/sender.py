@@ -231,7 +231,7 @@ class SenderDeltas:
         """The sync failed: a delta leaves the baseline as it was (a full sync already dropped it)."""
         self._pending = None
 
-    def drop(self, reason: str) -> int:
+    def drop(self, reason: str = "the baseline was dropped to free its memory (drop_delta_baseline)") -> int:
         """Free the baseline and keep none until a sync asks for a delta again; returns the bytes freed.
 
         That sync is full (it makes a new baseline), with `reason` in its stats; syncs that ask for no

@@ -174,16 +174,12 @@ class CrossNodeSender:
 
     @property
     def delta_baseline_bytes(self) -> int:
-        """Memory the delta baseline holds (sender 0 keeps it; host memory, or the device's with delta_on_device)."""
+        """Memory the delta baseline holds (sender 0 keeps it), as WeightSender.delta_baseline_bytes."""
         return self._deltas.baseline_bytes
 
     def drop_delta_baseline(self) -> int:
-        """Free the delta baseline between syncs (sender 0; its memory back); the next sync asking for a delta is full.
-
-        Returns the bytes freed. Until a sync asks for a delta again no baseline is kept, and receivers drop
-        theirs at the next sync; stats.notes["delta"]["reason"] of the first delta-asking sync says why it is full.
-        """
-        return self._deltas.drop("the baseline was dropped to free its memory (drop_delta_baseline)")
+        """Free the delta baseline between syncs (sender 0), as WeightSender.drop_delta_baseline; bytes freed."""
+        return self._deltas.drop()
 
     def send(
         self,
