@@ -8,7 +8,8 @@ import torch
 from hwsync.casting import EngineDtypes, engine_dtypes
 from hwsync.delta.receiver import ReceiverDeltas
 from hwsync.delta.sender import SenderDeltas
-from hwsync.errors import ProtocolError
+from hwsync.errors import ManifestError, ProtocolError
+from hwsync.manifest import TensorSpec
 from hwsync.planner import EngineState
 from hwsync.registry import load_backend
 from hwsync.stats import SyncStats
@@ -119,3 +120,72 @@ def test_engine_dtypes_cast_only_where_every_receiver_agrees_and_never_widen():
     fp32 = torch.randn(1000)
     assert torch.equal(both.cast("w", fp32).view(torch.int16), torch.empty(1000, dtype=torch.bfloat16).copy_(fp32)
                        .view(torch.int16))
+
+
+def test_a_plans_delta_field_streams_groups_only_from_a_base_and_covers_the_manifest():
+    from hwsync.protocol.delta import check_plan_delta
+    from hwsync.protocol.fields import BadFrame
+
+    manifest = [TensorSpec(n, "bfloat16", (4,)) for n in "abc"]
+    check_plan_delta({"base": "s:1", "next": "s:2", "groups": [2, 1]}, manifest, 0)
+    check_plan_delta({"base": None, "next": "s:2", "groups": None}, manifest, 3)  # a full sync, in buckets
+    for delta, buckets, match in [
+        ({"base": "s:1", "next": "s:2", "groups": [2]}, 0, "positive counts of the manifest's 3"),
+        ({"base": "s:1", "next": "s:2", "groups": [3, 0]}, 0, "positive counts"),
+        ({"base": "s:1", "next": "s:2", "groups": [True, 2]}, 0, "positive counts"),
+        ({"base": None, "next": "s:2", "groups": [3]}, 0, "go with a base"),
+        ({"base": "s:1", "next": "s:2", "groups": [3]}, 1, "no buckets"),
+        ({"base": "s:1", "next": "s:2", "groups": None}, 0, "streams its tensors in groups"),
+        ({"base": "s:1", "next": "s:2", "headers": None, "groups": [3]}, 0, "keys base, next, groups"),
+        ({"base": "s:1", "next": "", "groups": [3]}, 0, "next must be an id"),
+    ]:
+        with pytest.raises(BadFrame, match=match):
+            check_plan_delta(delta, manifest, buckets)
+
+
+def test_a_group_descriptor_round_trips_and_a_bad_one_names_the_tensor():
+    from hwsync.delta.header import DeltaHeader, headers_from_words, headers_to_words
+
+    headers = [DeltaHeader("block", "bfloat16", 1 << 17, 9, (1 << 64) - 1), DeltaHeader("same", "bfloat16", 4, 0, 5)]
+    targets = [("w", "bfloat16", 1 << 17), ("b", "bfloat16", 4)]
+    assert headers_from_words(headers_to_words(headers), targets) == headers
+    words = headers_to_words(headers)
+    for index, value, match in [(0, 4, "w: delta code number 4"), (4, 1, "b: a same delta of 4 elements cannot "
+                                                                          "carry 1"), (1, -1, "w: a block delta")]:
+        bad = words.clone()
+        bad[index] = value
+        with pytest.raises(ValueError, match=match):
+            headers_from_words(bad, targets)
+    with pytest.raises(ValueError, match="has 6 int64 words, got 3"):
+        headers_from_words(words[:3], targets)
+    receiver = ReceiverDeltas()
+    with pytest.raises(ProtocolError, match="descriptor: b: a same delta"):
+        bad = words.clone()
+        bad[4] = 1
+        receiver.announce([TensorSpec("w", "bfloat16", (1 << 17,)), TensorSpec("b", "bfloat16", (4,))], bad)
+
+
+def test_a_streamed_delta_encodes_as_asked_and_refuses_a_source_out_of_the_manifests_order():
+    deltas = SenderDeltas(load_backend("cpu").device())
+    _committed(deltas)
+    manifest = [TensorSpec(n, "float32", tuple(t.shape)) for n, t in PAIRS]
+    taken = []
+
+    def source():
+        for pair in PAIRS:
+            taken.append(pair[0])
+            yield pair
+
+    sync = deltas.prepare(source(), manifest, EngineDtypes([]), True, [{"held": deltas.base_id}], SyncStats(),
+                          streamed=True)
+    assert sync.is_delta and sync.source is None and sync.encoded is not None and taken == []
+    assert [spec.name for spec, _ in sync.encoded] == ["w", "b"] and taken == ["w", "b"]
+    deltas.commit()
+    backwards = list(reversed(PAIRS))
+    sync = deltas.prepare(backwards, manifest, EngineDtypes([]), True, [{"held": deltas.base_id}], SyncStats(),
+                          streamed=True)
+    assert sync.encoded is not None
+    with pytest.raises(ManifestError, match="tensor 0 of the source is 'b' of shape \\[4\\], but the manifest "
+                                            "announced 'w'"):
+        list(sync.encoded)
+    deltas.abort()

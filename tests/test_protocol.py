@@ -76,8 +76,8 @@ def _example(cls):
             kwargs[f.name] = DOORBELL
         elif f.name == "delta" and "Map" in kind:
             kwargs[f.name] = {"base": "s:1", "next": "s:2", "headers": [["same", "float32", 6, 0, 7]]}
-            if cls.T == "plan":
-                kwargs[f.name]["targets"] = [["w", "float32", [2, 3]]]
+            if cls.T == "plan":  # a plan with buckets: a full sync of a sender in delta mode
+                kwargs[f.name] = {"base": None, "next": "s:2", "groups": None}
         elif kind.startswith(("Map", "dict")):
             kwargs[f.name] = {"k": [1, "v"]}
         else:

@@ -220,6 +220,7 @@ class WeightSender:
                               refs_to=receivers if all(p.host == here for p in receivers.peers) else None,
                               mapped=self._mapped if self._mapped.usable_for(receivers.peers) else None,
                               stable=self.stable_sources)
+        assert sync.source is not None  # the same-host path announces a delta's headers: never streamed
         self._seq = stream.run(sync.source, sync.stream_manifest)
 
     def _open_buffers(self, peers: list[Peer], stats: SyncStats) -> None:

@@ -107,3 +107,32 @@ class DeltaHeader:
         if (expected is not None and count != expected) or not 0 <= count <= numel:
             raise ValueError(f"{name}: a {code} delta of {numel} elements cannot carry {count} values")
         return cls(code, dtype, numel, count, digest)
+
+
+#: int64 words per tensor in a streamed group's descriptor: code, count, digest
+WORDS_PER_HEADER = 3
+
+
+def headers_to_words(headers: list[DeltaHeader]) -> torch.Tensor:
+    """A streamed group's descriptor: per tensor its code's index, count and digest, as int64 (what a collective
+    carries; dtype and numel are the announced targets')."""
+    words = []
+    for header in headers:
+        digest = header.digest - (1 << 64) if header.digest >= 1 << 63 else header.digest
+        words += [CODES.index(header.code), header.count, digest]
+    return torch.tensor(words, dtype=torch.int64)
+
+
+def headers_from_words(words: torch.Tensor, targets: list[tuple[str, str, int]]) -> list[DeltaHeader]:
+    """Parse and check a group's descriptor against its (name, dtype, numel) targets; ValueError names the tensor."""
+    if words.dtype != torch.int64 or words.numel() != WORDS_PER_HEADER * len(targets):
+        raise ValueError(f"a group descriptor of {len(targets)} tensors has {WORDS_PER_HEADER * len(targets)} int64 "
+                         f"words, got {words.numel()} {words.dtype}")
+    values = words.tolist()
+    headers = []
+    for i, (name, dtype, numel) in enumerate(targets):
+        code, count, digest = values[WORDS_PER_HEADER * i: WORDS_PER_HEADER * (i + 1)]
+        if not 0 <= code < len(CODES):
+            raise ValueError(f"{name}: delta code number {code} is not one of 0..{len(CODES) - 1}")
+        headers.append(DeltaHeader.from_wire([CODES[code], dtype, numel, count, digest % (1 << 64)], name))
+    return headers

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
 
 from hwsync.bucket import IntoFn, LoadFn
-from hwsync.delta.header import DeltaHeader
+from hwsync.delta.header import DeltaHeader, headers_from_words
 from hwsync.delta.patch import apply_into, verify
 from hwsync.devices import DeviceOwner
 from hwsync.errors import DeltaCheckError, ProtocolError
@@ -43,6 +43,7 @@ class ReceiverDeltas:
         self._wire: Mapping[str, Any] | None = None
         self._headers: dict[str, DeltaHeader] = {}
         self._targets: dict[str, TensorSpec] = {}
+        self._delta = False
         self._pool: ThreadPoolExecutor | None = None
         self._owner: DeviceOwner | None = None
 
@@ -51,30 +52,44 @@ class ReceiverDeltas:
         return {"held": self.held} if self.held is not None else {}
 
     def begin(self, wire: Mapping[str, Any] | None, targets: list[TensorSpec] | None) -> None:
-        """A sync starts; `wire` is its offer's delta field. Whatever it was, nothing is held until it completes."""
+        """A sync starts; `wire` is its offer's or plan's delta field. Whatever it was, nothing is held until it
+        completes. A delta's headers come with it (an offer) or group by group (`announce`: a streamed plan)."""
         held, self.held, self._wire = self.held, None, wire
-        self._headers, self._targets = {}, {}
+        self._headers, self._targets, self._delta = {}, {}, False
         if wire is None:
             self._kept = {}  # the sender left delta mode: its baseline copies go
             return
-        if wire["headers"] is None:
+        if wire["base"] is None:
             return  # a full sync of a sender in delta mode: keep copies of what goes to load
         if wire["base"] != held:
             raise ProtocolError(f"the sender sent a delta from {wire['base']!r}, but this receiver holds "
                                 f"{held!r}; refused (the sender's next sync is full)")
-        if targets is None or len(targets) != len(wire["headers"]):
+        headers = wire.get("headers")
+        if targets is None or (headers is None and wire.get("groups") is None) or \
+                (headers is not None and len(targets) != len(headers)):
             raise ProtocolError("a delta sync must announce every tensor it changes, with a header each")
-        for spec, raw in zip(targets, wire["headers"]):
+        self._targets, self._delta = {spec.name: spec for spec in targets}, True
+        for spec, raw in zip(targets, headers or []):
             header = DeltaHeader.from_wire(raw, spec.name)
             if header.dtype != spec.dtype or header.numel != _numel(spec.shape):
                 raise ProtocolError(f"{spec.name}: its delta header says {header.numel} {header.dtype} elements, its "
                                     f"announcement {spec.dtype} of shape {list(spec.shape)}")
-            self._headers[spec.name], self._targets[spec.name] = header, spec
+            self._headers[spec.name] = header
+
+    def announce(self, specs: list[TensorSpec], words: torch.Tensor) -> list[DeltaHeader]:
+        """The headers of one streamed group, from its descriptor (checked against the group's targets)."""
+        try:
+            headers = headers_from_words(words, [(spec.name, spec.dtype, _numel(spec.shape)) for spec in specs])
+        except ValueError as exc:
+            raise ProtocolError(f"a delta group's descriptor: {exc}") from None
+        for spec, header in zip(specs, headers):
+            self._headers[spec.name] = header
+        return headers
 
     @property
     def is_delta(self) -> bool:
         """Whether the sync running now is a delta (every tensor arrives as a payload)."""
-        return bool(self._headers)
+        return self._delta
 
     def intake(self, load: LoadFn | None, into: IntoFn | None, device: Device) -> tuple[LoadFn | None, IntoFn | None]:
         """The (load, into) the bucket reader gets this sync: the caller's own outside delta mode. Called on the
@@ -88,7 +103,7 @@ class ReceiverDeltas:
             return load, into
         if not self.is_delta:
             return (None if load is None else _KeepThenLoad(self._kept, load)), into
-        return _ApplyDelta(self, load, into), _no_destination
+        return ApplyDelta(self, load, into), _no_destination
 
     def target(self, name: str, payload: torch.Tensor, into: IntoFn | None) -> tuple[torch.Tensor, bool]:
         """Where one tensor's delta applies: the caller's own tensor (`into`; True) or the copy kept for `load`."""
@@ -178,22 +193,39 @@ class _KeepThenLoad:
         self._load(tensors)
 
 
-class _ApplyDelta:
-    """A delta sync's load for the bucket reader: each payload applied and checked; whole tensors to `load`."""
+class ApplyDelta:
+    """A delta sync's load: each payload applied and checked on the apply threads; whole tensors to `load`."""
 
     def __init__(self, deltas: ReceiverDeltas, load: LoadFn | None, into: IntoFn | None) -> None:
         self._deltas, self._load, self._into = deltas, load, into
 
     def __call__(self, payloads: list[tuple[str, torch.Tensor]]) -> None:
+        self.submit(payloads).finish()
+
+    def submit(self, payloads: list[tuple[str, torch.Tensor]]) -> "Applying":
+        """Start applying `payloads` (views that must stay valid until `finish` returns)."""
         targets = [self._deltas.target(name, payload, self._into) for name, payload in payloads]  # user code: here
         pool = self._deltas.pool()
         jobs = [pool.submit(self._deltas.apply, name, payload, result)
                 for (name, payload), (result, _) in zip(payloads, targets)]
-        wait(jobs)  # the payloads are views of the bucket: every apply ends before this call returns, failed or not
+        whole = [(name, result) for (name, _), (result, own) in zip(payloads, targets) if not own]
+        return Applying(jobs, whole, self._load)
+
+
+class Applying:
+    """Payloads being applied; `finish` waits for them, raises the first failure, then hands whole tensors to load."""
+
+    def __init__(self, jobs: list[Future[None]], whole: list[tuple[str, torch.Tensor]], load: LoadFn | None) -> None:
+        self._jobs, self._whole, self._load = jobs, whole, load
+
+    def finish(self) -> None:
+        """Wait for every apply (failed or not: their payloads are views of a buffer), then load the whole tensors."""
+        jobs, self._jobs = self._jobs, []
+        wait(jobs)
         errors = [job.exception() for job in jobs]
         del jobs  # each future holds its error: kept here, the error raised below would be in a reference cycle
         _raise_first(errors)
-        whole = [(name, result) for (name, _), (result, own) in zip(payloads, targets) if not own]
+        whole, self._whole = self._whole, []
         if whole:
             if self._load is None:
                 raise ValueError(f"into() returned None for {whole[0][0]!r} and no load was given; return "

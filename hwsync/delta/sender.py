@@ -19,8 +19,9 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,9 +30,10 @@ import torch
 from hwsync.casting import EngineDtypes
 from hwsync.delta.diff import Delta, encode, to_engine_dtype
 from hwsync.delta.digest import tensor_digest
-from hwsync.delta.header import DENSE, DeltaHeader
+from hwsync.delta.header import CODES, DENSE, DeltaHeader
 from hwsync.delta.patch import advance
 from hwsync.devices import DeviceOwner
+from hwsync.errors import ManifestError
 from hwsync.interfaces import Device
 from hwsync.manifest import TensorSpec, dtype_from_name, dtype_name
 from hwsync.planner import EngineState
@@ -48,8 +50,9 @@ HELD_KEY = "held"
 class Prepared:
     """One sync as the delta bookkeeping shapes it: what to stream, what to announce, what receivers are told."""
 
-    #: the (name, tensor) pairs to stream: cast tensors (full), or each tensor's payload bytes (delta)
-    source: NamedTensors
+    #: the (name, tensor) pairs to stream: cast tensors (full), or each tensor's payload bytes (delta); None when
+    #: the delta is streamed
+    source: NamedTensors | None
     #: the manifest the stream is checked against (payloads as uint8 for a delta), or None
     stream_manifest: list[TensorSpec] | None
     #: the tensors the receivers end up holding (names, the engine's dtypes, shapes), or None
@@ -57,6 +60,14 @@ class Prepared:
     #: the Offer's / PlanFrame's `delta` field: {"base", "next", "headers"}; None without delta mode
     wire: dict[str, Any] | None
     deltas: dict[str, Delta] = field(default_factory=dict)
+    #: a streamed delta: each target's (spec, delta) in order, encoded as it is asked for
+    encoded: Generator[tuple[TensorSpec, Delta], None, None] | None = None
+
+    @property
+    def is_delta(self) -> bool:
+        """Whether this sync sends deltas (the receivers apply them on the baseline they hold)."""
+        return self.wire is not None and self.wire["base"] is not None and self.wire["next"] is not None \
+            and (self.wire["headers"] is not None or self.encoded is not None)
 
 
 def dense(tensor: torch.Tensor, dtype: torch.dtype) -> Delta:
@@ -116,8 +127,12 @@ class SenderDeltas:
         return True, f"every receiver holds {self.base_id} complete"
 
     def prepare(self, pairs: NamedTensors, manifest: list[TensorSpec] | None, dtypes: EngineDtypes,
-                delta: bool, states: Sequence[Mapping[str, Any]], stats: SyncStats) -> Prepared:
+                delta: bool, states: Sequence[Mapping[str, Any]], stats: SyncStats, *, streamed: bool = False
+                ) -> Prepared:
         """This sync's stream, manifest and wire announcement: a delta when `delta` and every receiver allows it.
+
+        `streamed`: a delta's tensors are encoded as the stream asks for them (`Prepared.encoded`), their headers
+        sent with them (the cross-node path), rather than all up front with the announcement (same host).
 
         Once a sync asked for a delta, the sender keeps a baseline: a sync that then asks for none is full and
         renews it (so the next may be a delta again).
@@ -139,7 +154,7 @@ class SenderDeltas:
             self._pending = Prepared(self._keep(pairs, dtypes), targets, targets,
                                      {"base": None, "next": self._next, "headers": None})
         else:
-            self._pending = self._encode(pairs, dtypes, note)
+            self._pending = self._encode(pairs, dtypes, manifest, note, streamed)
         note["baseline_bytes"] = self.baseline_bytes
         return self._pending
 
@@ -173,40 +188,86 @@ class SenderDeltas:
             self._pinned.append(kept)  # device-to-host copies into it at full speed
         return kept
 
-    def _encode(self, pairs: NamedTensors, dtypes: EngineDtypes, note: dict[str, Any]) -> Prepared:
-        """Every tensor against the baseline, up front: the payloads, their manifest and headers."""
-        t0 = time.perf_counter()
-        deltas: dict[str, Delta] = {}
-        payload_specs, targets, headers = [], [], []
+    def _encode(self, pairs: NamedTensors, dtypes: EngineDtypes, manifest: list[TensorSpec] | None,
+                note: dict[str, Any], streamed: bool) -> Prepared:
+        """Every tensor against the baseline: up front (payloads, their manifest and headers announced before the
+        stream), or `streamed` (the encodes run as the stream asks for them; headers travel with their group)."""
+        wire: dict[str, Any] = {"base": self.base_id, "next": self._next, "headers": None}
+        if streamed:
+            targets = dtypes.manifest(manifest)
+            if targets is None:
+                raise ValueError("a streamed delta sync needs the manifest before the first tensor")
+            prepared = Prepared(None, None, targets, wire)
+            prepared.encoded = self._encoded(pairs, dtypes, note, prepared, targets)
+            return prepared
+        prepared = Prepared(None, [], [], wire)
+        found = list(self._encoded(pairs, dtypes, note, prepared, None))
+        assert prepared.stream_manifest is not None and prepared.targets is not None
+        prepared.source = [(spec.name, delta.payload) for spec, delta in found]
+        prepared.stream_manifest += [TensorSpec(spec.name, "uint8", (delta.payload.numel(),)) for spec, delta in found]
+        prepared.targets += [spec for spec, _ in found]
+        wire["headers"] = [delta.header.to_wire() for _, delta in found]
+        return prepared
+
+    def _encoded(self, pairs: NamedTensors, dtypes: EngineDtypes, note: dict[str, Any], prepared: Prepared,
+                 targets: list[TensorSpec] | None) -> Generator[tuple[TensorSpec, Delta], None, None]:
+        """Each tensor's (target, delta) in source order, encoded a few tensors ahead of the caller.
+
+        Tensors are taken from the source in order on this thread (a DTensor gathers here); each is encoded on one
+        of `threads` threads: the host kernel and torch's ops release the GIL, so they run side by side. `note`
+        (the sync's stats) is kept current: diff_s counts only the time the caller waited for encodes.
+        """
+        note.update(diff_s=0.0, density=0.0, wire_bytes=0, codes=dict.fromkeys(CODES, 0))
         changed = total = 0
-        jobs = []
-        # tensors are taken from the source in order on this thread (a DTensor gathers here); each is encoded on one
-        # of `threads` threads: the host kernel and torch's ops release the GIL, so they run side by side
+        window: deque[tuple[TensorSpec, Future[Delta]]] = deque()
         owner = DeviceOwner(self._device)  # a new thread starts on device 0: each takes this thread's device
         with ThreadPoolExecutor(self.threads, thread_name_prefix="hwsync-delta", initializer=owner.enter) as pool:
-            for position, item in enumerate(pairs):
-                name, tensor = named_tensor(position, item)
-                target_dtype = dtypes.target(name, tensor.dtype)
-                base = self._tensors.get(name)
-                if base is None or base.shape != tensor.shape or base.dtype != target_dtype:
-                    job = pool.submit(dense, tensor, target_dtype)  # new to the baseline (or reshaped): no patch
-                else:
-                    job = pool.submit(encode, tensor, base, base_digest=self._digests.get(name), name=name)
-                jobs.append((name, tensor, target_dtype, job))
-        for name, tensor, target_dtype, job in jobs:
-            found = job.result()
-            deltas[name] = found
-            changed += found.changed if found.changed is not None else found.header.numel
-            total += found.header.numel
-            payload_specs.append(TensorSpec(name, "uint8", (found.payload.numel(),)))
-            targets.append(TensorSpec(name, dtype_name(target_dtype), tuple(tensor.shape)))
-            headers.append(found.header.to_wire())
-        wire_bytes = sum(spec.nbytes for spec in payload_specs)
-        note.update(diff_s=time.perf_counter() - t0, density=changed / total if total else 0.0, wire_bytes=wire_bytes,
-                    codes={code: sum(1 for d in deltas.values() if d.header.code == code)
-                           for code in ("same", "dense", "block", "bitmap")})
-        return Prepared([(name, d.payload) for name, d in deltas.items()], payload_specs, targets,
-                        {"base": self.base_id, "next": self._next, "headers": headers}, deltas)
+            taken = enumerate(pairs)
+            exhausted = False
+            while True:
+                t0 = time.perf_counter()
+                while not exhausted and len(window) < 2 * self.threads:
+                    step = next(taken, None)
+                    if step is None:
+                        exhausted = True
+                        break
+                    name, tensor = named_tensor(*step)
+                    spec = self._target_spec(step[0], name, tensor, dtypes, targets)
+                    base = self._tensors.get(name)
+                    target_dtype = dtype_from_name(spec.dtype)
+                    if base is None or base.shape != tensor.shape or base.dtype != target_dtype:
+                        job = pool.submit(dense, tensor, target_dtype)  # new to the baseline (or reshaped): no patch
+                    else:
+                        job = pool.submit(encode, tensor, base, base_digest=self._digests.get(name), name=name)
+                    window.append((spec, job))
+                if not window:
+                    break
+                spec, job = window.popleft()
+                found = job.result()
+                prepared.deltas[spec.name] = found
+                changed += found.changed if found.changed is not None else found.header.numel
+                total += found.header.numel
+                note["codes"][found.header.code] += 1
+                note.update(diff_s=note["diff_s"] + time.perf_counter() - t0, density=changed / total if total else 0.0,
+                            wire_bytes=note["wire_bytes"] + found.payload.numel())
+                yield spec, found
+        if targets is not None and len(prepared.deltas) != len(targets):
+            raise ManifestError(f"the source gave {len(prepared.deltas)} tensors, the manifest announced "
+                                f"{len(targets)}; a delta sync sends exactly the announced tensors")
+
+    @staticmethod
+    def _target_spec(position: int, name: str, tensor: torch.Tensor, dtypes: EngineDtypes,
+                     targets: list[TensorSpec] | None) -> TensorSpec:
+        """The tensor as receivers will hold it; a streamed sync checks it against the announced target."""
+        spec = TensorSpec(name, dtype_name(dtypes.target(name, tensor.dtype)), tuple(tensor.shape))
+        if targets is not None:
+            announced = targets[position] if position < len(targets) else None
+            if announced is None or announced.name != name or announced.shape != spec.shape:
+                said = "nothing" if announced is None else f"{announced.name!r} of shape {list(announced.shape)}"
+                raise ManifestError(f"tensor {position} of the source is {name!r} of shape {list(spec.shape)}, but "
+                                    f"the manifest announced {said} there; a delta sync sends the announced tensors "
+                                    "in their order")
+        return spec
 
     def commit(self) -> None:
         """Every receiver completed the sync: the baseline is what they hold now."""
@@ -229,7 +290,9 @@ class SenderDeltas:
 
     def abort(self) -> None:
         """The sync failed: a delta leaves the baseline as it was (a full sync already dropped it)."""
-        self._pending = None
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.encoded is not None:
+            pending.encoded.close()  # its encoding threads end here
 
     def drop(self, reason: str = "the baseline was dropped to free its memory (drop_delta_baseline)") -> int:
         """Free the baseline and keep none until a sync asks for a delta again; returns the bytes freed.

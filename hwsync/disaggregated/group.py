@@ -8,18 +8,24 @@ the link elsewhere, which also hands back the worker's results: nothing here is 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 
 from hwsync.bucket import as_bytes
 from hwsync.communicator import open_communicator, parse_rendezvous
+from hwsync.delta.diff import Delta
+from hwsync.delta.header import headers_to_words, pad8
 from hwsync.disaggregated.hub import Hub
 from hwsync.disaggregated.link import Link
 from hwsync.disaggregated.plan import CollectivePlan
 from hwsync.disaggregated.worker import CollectiveWorker
+from hwsync.errors import ManifestError
 from hwsync.interfaces import Backend, Communicator
+from hwsync.manifest import TensorSpec
 from hwsync.nic import Nic, nic_owning
 from hwsync.source import NamedTensors, checked_items
 from hwsync.stats import SyncStats
@@ -126,6 +132,55 @@ class SenderGroup:
         stats.bucket_bytes = plan.bucket_bytes
         stats.notes.update(sent_buckets=len(owned), sent_bytes=sum(plan.buckets[k].nbytes for k in owned),
                            num_senders=plan.num_senders)
+
+    def stream_groups(self, groups: list[int], encoded: Iterator[tuple[TensorSpec, Delta]], bucket_bytes: int,
+                      stats: SyncStats) -> None:
+        """Sender 0 of a delta sync: per group, its descriptor and then its payloads (in pieces of at most
+        `bucket_bytes`), each group broadcast while the next one is encoded.
+
+        A payload is packed at an 8-byte aligned offset of its group's buffer, in target order; the receivers
+        compute the same offsets from the descriptor, so nothing else goes on the wire.
+        """
+        device = self.backend.device().torch_device()
+        self._inflight = [None] * self.num_buffers
+        held: list[torch.Tensor | None] = [None] * self.num_buffers  # each slot's buffer, alive until broadcast
+        t_start, waited, sent = time.perf_counter(), 0.0, 0
+        for g, n in enumerate(groups):
+            items = list(itertools.islice(encoded, n))
+            if len(items) != n:
+                raise ManifestError(f"the source ended after {sum(groups[:g]) + len(items)} tensors, the manifest "
+                                    f"announced {sum(groups)}")
+            words = headers_to_words([delta.header for _, delta in items]).to(device)
+            sizes = [pad8(delta.payload.numel()) for _, delta in items]
+            j = g % self.num_buffers
+            waited += self._wait([j], f"waiting for this rank's broadcast from buffer {j}")
+            if self._inflight[j] is not None:
+                break  # this rank's broadcast failed: the control plane ends the sync
+            buffer = held[j]
+            if buffer is None or buffer.numel() < sum(sizes):
+                buffer = held[j] = torch.empty(max(sum(sizes), bucket_bytes), dtype=torch.uint8, device=device)
+            at = 0
+            for (_, delta), nbytes in zip(items, sizes):
+                buffer[at:at + delta.payload.numel()].copy_(delta.payload)
+                at += nbytes
+            pieces = [words] + [buffer[a:min(a + bucket_bytes, at)] for a in range(0, at, bucket_bytes)]
+            assert self.comm is not None and self.worker is not None
+            self._inflight[j] = g
+            self.worker.submit(("bcast", g, j), self._broadcast_all, pieces)
+            sent += at + words.numel() * words.element_size()
+        if next(encoded, None) is not None:
+            raise ManifestError(f"the source has more tensors than the {sum(groups)} the manifest announced")
+        waited += self._wait(list(range(self.num_buffers)), "waiting for this rank's last broadcasts")
+        stats.pack_s += time.perf_counter() - t_start - waited
+        stats.wait_s += waited
+        stats.bytes, stats.tensors, stats.buckets, stats.bucket_bytes = sent, sum(groups), len(groups), bucket_bytes
+        stats.notes.update(sent_buckets=len(groups), sent_bytes=sent, num_senders=1, groups=len(groups))
+
+    def _broadcast_all(self, pieces: list[torch.Tensor]) -> None:
+        """Broadcast each piece in turn (on the collective thread)."""
+        assert self.comm is not None
+        for piece in pieces:
+            self.comm.broadcast(piece, 0)
 
     def _launch(self, k: int, j: int, nbytes: int) -> None:
         if nbytes == 0:  # only empty tensors: nothing to move, and receivers post nothing either

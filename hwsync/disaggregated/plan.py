@@ -96,3 +96,16 @@ def make_plan(manifest: list[TensorSpec], bucket_bytes: int, num_senders: int, o
     owners = assign_owners(sizes, num_senders) if owner is None else [owner] * len(sizes)
     buckets = [BucketSpec(owner, bucket.nbytes, tuple(bucket.entries)) for owner, bucket in zip(owners, layout)]
     return CollectivePlan(bucket_bytes, num_senders, list(manifest), buckets)
+
+
+def delta_groups(targets: list[TensorSpec], bucket_bytes: int) -> list[int]:
+    """A streamed delta's groups: runs of consecutive tensors of about `bucket_bytes` of targets each, so a
+    group's encode overlaps the previous group's broadcast and apply."""
+    groups: list[int] = []
+    count = held = 0
+    for spec in targets:
+        count, held = count + 1, held + spec.nbytes
+        if held >= bucket_bytes:
+            groups.append(count)
+            count = held = 0
+    return groups + ([count] if count else [])

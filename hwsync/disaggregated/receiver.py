@@ -26,7 +26,8 @@ import torch
 
 from hwsync.bucket import BucketReader, IntoFn, LoadFn, StartFn
 from hwsync.communicator import open_communicator, parse_rendezvous
-from hwsync.delta.receiver import ReceiverDeltas
+from hwsync.delta.header import WORDS_PER_HEADER, pad8
+from hwsync.delta.receiver import ApplyDelta, Applying, ReceiverDeltas
 from hwsync.disaggregated.link import Link
 from hwsync.disaggregated.plan import CollectivePlan
 from hwsync.disaggregated.progress import rate, size
@@ -37,7 +38,6 @@ from hwsync.manifest import TensorSpec
 from hwsync.nic import Nic, nic_towards
 from hwsync.owners import sweep_dead_owners
 from hwsync.protocol import Commit, Go, Joined, PlanAccept, PlanFrame, Progress, RankComplete, Setup
-from hwsync.protocol.delta import plan_targets
 from hwsync.registry import get_backend
 from hwsync.sizes import DEFAULT_NUM_BUFFERS, MIN_NUM_BUFFERS
 from hwsync.stats import SyncStats
@@ -69,6 +69,8 @@ class CrossNodeReceiver:
         self._buffers: list[list[torch.Tensor]] = []
         #: buckets whose broadcast landed: bucket -> (sender, buffer)
         self._arrived: dict[int, tuple[int, int]] = {}
+        #: a delta sync's descriptors and payloads that landed: ("words" | "data", group)
+        self._groups_in: set[tuple[str, int]] = set()
         #: what this receiver holds of sender 0's baseline, and the copies it keeps to apply deltas on
         self._deltas = ReceiverDeltas()
         #: last version received completely, or None
@@ -114,8 +116,7 @@ class CrossNodeReceiver:
                 raise SyncError(f"sender 0 planned for group epoch {frame.epoch} but this rank has {self._epoch}")
             plan = CollectivePlan.from_frame(frame)
             version = frame.version
-            # a delta sync's buckets carry payloads: the tensors the engine ends up holding are its targets
-            targets = plan_targets(frame.delta) if frame.delta is not None and frame.delta["headers"] else plan.manifest
+            targets = plan.manifest  # a delta sync's too: its payloads stream in groups of these, not in buckets
             self._deltas.begin(frame.delta, targets)  # a delta only on what this receiver holds
             if check_manifest is not None:
                 check_manifest(targets)
@@ -124,7 +125,11 @@ class CrossNodeReceiver:
             stats.version, stats.bucket_bytes, stats.num_buffers = version, plan.bucket_bytes, self.num_buffers
             link.send(PlanAccept())
             link.next((Go,), "waiting for sender 0's go", self._worker)
-            self._stream(plan, *self._deltas.intake(load, into, self.backend.device()), stats)
+            load, into = self._deltas.intake(load, into, self.backend.device())
+            if isinstance(load, ApplyDelta) and frame.delta is not None:
+                self._stream_groups(plan, frame.delta["groups"], load, stats)
+            else:
+                self._stream(plan, load, into, stats)
             if on_done is not None:
                 t0 = time.perf_counter()
                 on_done()
@@ -185,6 +190,8 @@ class CrossNodeReceiver:
                          tag[1], tag[2], self._epoch, nic or "an interface it could not tell", note)
             elif tag[0] == "recv":
                 self._arrived[tag[1]] = (tag[2], tag[3])
+            elif tag[0] == "group":
+                self._groups_in.add(tag[1])
 
     def _post(self, plan: CollectivePlan, queue: list[int], free: list[int], s: int) -> None:
         """Post sender `s`'s next broadcasts into its free buffers."""
@@ -242,6 +249,72 @@ class CrossNodeReceiver:
         if reader.pending():
             raise SyncError(f"the sync ended with tensors incomplete: {reader.pending()[:5]}")
 
+    def _stream_groups(self, plan: CollectivePlan, groups: list[int], apply: ApplyDelta, stats: SyncStats) -> None:
+        """A delta sync from sender 0: per group its descriptor, then its payloads, applied while the next group
+        arrives (the next descriptor is posted right behind the payloads, on the same collective thread)."""
+        if len(self._comms) < 1:
+            raise SyncError("a delta sync comes from sender 0, but this rank joined no group")
+        device = self.backend.device().torch_device()
+        buffers: list[torch.Tensor | None] = [None, None]
+        applying: list[Applying] = []
+        self._groups_in = set()
+        self._data = [time.monotonic(), 0.0, float(plan.total_bytes)]
+        starts = [sum(groups[:g]) for g in range(len(groups) + 1)]
+        words = [torch.empty(WORDS_PER_HEADER * n, dtype=torch.int64, device=device) for n in groups]
+        if groups:
+            self._post_group(("words", 0), [words[0]])
+        for g, n in enumerate(groups):
+            t0 = time.perf_counter()
+            self._await(("words", g), f"waiting for the descriptor of delta group {g} of {len(groups)}")
+            specs = plan.manifest[starts[g]:starts[g + 1]]
+            headers = self._deltas.announce(specs, words[g].cpu())
+            sizes = [pad8(header.nbytes) for header in headers]
+            total = sum(sizes)
+            while len(applying) > 1:  # the buffer about to be reused: its group's applies end first, in order
+                applying.pop(0).finish()
+            buffer = buffers[g % 2]
+            if buffer is None or buffer.numel() < total:
+                buffer = buffers[g % 2] = torch.empty(max(total, plan.bucket_bytes), dtype=torch.uint8, device=device)
+            step = plan.bucket_bytes
+            pieces = [buffer[a:min(a + step, total)] for a in range(0, total, step)]
+            later = (words[g + 1],) if g + 1 < len(groups) else ()
+            self._post_group(("data", g), pieces, later)
+            self._await(("data", g), f"waiting for the payloads of delta group {g} of {len(groups)} ({size(total)})")
+            stats.wait_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            at, payloads = 0, []
+            for spec, header, nbytes in zip(specs, headers, sizes):
+                payloads.append((spec.name, buffer[at:at + header.nbytes]))
+                at += nbytes
+            self.incomplete = True
+            applying.append(apply.submit(payloads))
+            del payloads
+            self._link.send(Progress(k=g))
+            stats.load_s += time.perf_counter() - t0
+            stats.buckets += 1
+            stats.tensors += n
+            stats.bytes += total + words[g].numel() * words[g].element_size()
+            self._data[1] += sum(spec.nbytes for spec in specs)
+        t0 = time.perf_counter()
+        while applying:
+            applying.pop(0).finish()
+        stats.load_s += time.perf_counter() - t0
+
+    def _post_group(self, key: tuple[str, int], pieces: list[torch.Tensor],
+                    then: tuple[torch.Tensor, ...] = ()) -> None:
+        """Receive `pieces` and then `then` (the next group's descriptor) from sender 0, on the collective thread."""
+        comm, worker = self._comms[0], self._worker
+        assert comm is not None and worker is not None
+        worker.submit(("group", key), _broadcast_all, comm, pieces)
+        if then:
+            worker.submit(("group", ("words", key[1] + 1)), _broadcast_all, comm, list(then))
+
+    def _await(self, key: tuple[str, int], what: str) -> None:
+        """Pump the link until the collective thread reports `key` received."""
+        while key not in self._groups_in:
+            self._pump(what)
+        self._groups_in.discard(key)
+
     def _progress(self) -> str:
         """'This receiver loaded 3.1 MB of 8.4 MB in the 2.9 s since the data began (8.6 Mbit/s (1.1 MB/s))'."""
         start, done, total = self._data
@@ -281,3 +354,9 @@ class CrossNodeReceiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _broadcast_all(comm: Communicator, pieces: list[torch.Tensor]) -> None:
+    """Receive each piece of sender 0's broadcast in turn (on the collective thread)."""
+    for piece in pieces:
+        comm.broadcast(piece, 0)

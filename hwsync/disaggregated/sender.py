@@ -30,7 +30,7 @@ from hwsync.delta.sender import SenderDeltas
 from hwsync.disaggregated.group import SenderGroup
 from hwsync.disaggregated.hub import Hub, PeerInfo, this_process
 from hwsync.disaggregated.link import Link
-from hwsync.disaggregated.plan import CollectivePlan, make_plan
+from hwsync.disaggregated.plan import CollectivePlan, delta_groups, make_plan
 from hwsync.errors import SyncError
 from hwsync.interfaces import Backend
 from hwsync.manifest import TensorSpec
@@ -236,21 +236,34 @@ class CrossNodeSender:
         if self._group.comm is None or any(p.epoch != self._group.epoch for p in peers):
             self._setup(hub, peers, followers)
         with onload_during(onload, self.backend.device(), stats):
-            sync = self._deltas.prepare(pairs, manifest, EngineDtypes(states), delta, states, stats)
-            assert sync.stream_manifest is not None
+            sync = self._deltas.prepare(pairs, manifest, EngineDtypes(states), delta, states, stats, streamed=True)
             t0 = time.perf_counter()
-            # a delta's payloads are small: sender 0, which encoded them, sends them all
-            plan = make_plan(sync.stream_manifest, self.bucket_bytes, self.num_senders, 0 if sync.deltas else None)
+            groups: list[int] | None = None
+            if sync.encoded is not None:  # a delta: sender 0 encodes and sends it group by group
+                assert sync.targets is not None
+                groups = delta_groups(sync.targets, self.bucket_bytes)
+                plan = CollectivePlan(self.bucket_bytes, self.num_senders, sync.targets, [])
+                sizes = [sum(spec.nbytes for spec in sync.targets[sum(groups[:g]):sum(groups[:g + 1])])
+                         for g in range(len(groups))]
+            else:
+                assert sync.stream_manifest is not None
+                plan = make_plan(sync.stream_manifest, self.bucket_bytes, self.num_senders)
+                sizes = [b.nbytes for b in plan.buckets]
             stats.plan_s += time.perf_counter() - t0
-            wire = None if sync.wire is None else {**sync.wire, "targets": [s.to_wire() for s in sync.targets or []]}
+            wire = None if sync.wire is None else {"base": sync.wire["base"] if groups else None,
+                                                   "next": sync.wire["next"], "groups": groups}
             # the receivers' states travel with the plan: every sender rank resolves its source from them alike
             assert self._group.epoch is not None
             hub.send(plan.frame(**this_process(), epoch=self._group.epoch, version=version, state={"receivers": states},
                                 delta=wire))
             hub.wait_for(PlanAccept, receivers, "waiting for the receivers to accept the plan")
             hub.send(Go())
-            hub.begin_data([b.nbytes for b in plan.buckets], self._group.nic)
-            self._group.stream(plan, sync.source, stats)
+            hub.begin_data(sizes, self._group.nic)
+            if sync.encoded is not None and groups is not None:
+                self._group.stream_groups(groups, sync.encoded, self.bucket_bytes, stats)
+            else:
+                assert sync.source is not None
+                self._group.stream(plan, sync.source, stats)
         t0 = time.perf_counter()
         what = f"waiting for the receivers to confirm version {version}"
         while not (hub.all_replied(RankComplete, receivers) and hub.all_replied(Sent, followers)):
@@ -304,7 +317,7 @@ class CrossNodeSender:
         states = receiver_states(frame)
         pairs, _ = resolve_source(source, states, None, stats)
         with onload_during(onload, self.backend.device(), stats):
-            if frame.delta is not None and frame.delta.get("headers") is not None:
+            if frame.delta is not None and frame.delta.get("groups") is not None:
                 self._group.walk(pairs)  # sender 0 sends every payload of a delta sync
             else:  # each tensor cast as sender 0 announced it (the receivers' engines' dtypes)
                 self._group.stream(plan, EngineDtypes(states).pairs(pairs), stats)

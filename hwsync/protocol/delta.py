@@ -4,9 +4,16 @@
 
 `base` is the baseline the sync applies on (None: a full sync, after which receivers hold `next`);
 `headers`, one per announced tensor in the manifest's order, describe a delta sync's payloads
-(hwsync.delta.header). A PlanFrame's field also has `targets` ([name, dtype, shape] each): its
-manifest lists what its buckets carry, so the tensors the receivers end up holding are named here.
-Checked whole before a receiver acts on any of it.
+(hwsync.delta.header). Checked whole before a receiver acts on any of it.
+
+A PlanFrame's field streams a delta instead of announcing it:
+
+    {"base": ID | None, "next": ID, "groups": [n, ...] | None}
+
+its manifest names the tensors as the receivers hold them, and a delta sync (`base` set) has no
+buckets but `groups`: the manifest's tensors in runs of n, each run broadcast by sender 0 as one
+descriptor (per tensor: code, count, digest; hwsync.delta.header.headers_to_words) and then its
+payloads, so a group's encode overlaps the previous group's broadcast and apply.
 """
 
 from __future__ import annotations
@@ -42,15 +49,22 @@ def check_delta(delta: dict[str, Any], manifest: list[TensorSpec] | None) -> Non
             raise BadFrame(f"{short(spec.name)}: its delta header does not match its announcement")
 
 
-def plan_targets(delta: dict[str, Any]) -> list[TensorSpec]:
-    """The tensors a cross-node delta sync's receivers end up holding (its `targets`), checked; BadFrame otherwise."""
-    targets = delta.get("targets")
-    if not isinstance(targets, list):
-        raise BadFrame("a plan's delta field names its targets: the tensors as the receivers hold them")
-    try:
-        return [TensorSpec.from_wire(item) for item in targets]
-    except ValueError as exc:
-        raise BadFrame(f"a plan's delta targets: {exc}") from None
+def check_plan_delta(delta: dict[str, Any], manifest: list[TensorSpec], num_buckets: int) -> None:
+    """Raise BadFrame unless `delta` is a well-formed PlanFrame delta field for a plan of `manifest`."""
+    if set(delta) != {"base", "next", "groups"}:
+        raise BadFrame(f"a plan's delta field has keys base, next, groups; got {short(sorted(map(str, delta)))}")
+    check_delta({"base": delta["base"], "next": delta["next"], "headers": None}, manifest)
+    groups = delta["groups"]
+    if groups is None:
+        if delta["base"] is not None:
+            raise BadFrame("a plan's delta from a base streams its tensors in groups")
+        return
+    if delta["base"] is None or num_buckets:
+        raise BadFrame("a plan's delta groups go with a base and no buckets")
+    if not isinstance(groups, list) or any(type(n) is not int or n < 1 for n in groups) or \
+            sum(groups) != len(manifest):
+        raise BadFrame(f"a plan's delta groups are positive counts of the manifest's {len(manifest)} tensors, got "
+                       f"{short(groups)}")
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 from hwsync.manifest import TensorSpec
-from hwsync.protocol.delta import check_delta, plan_targets
+from hwsync.protocol.delta import check_plan_delta
 from hwsync.protocol.fields import BadFrame, Count, Frame, Map, frame
 from hwsync.protocol.layout import BucketSpec
 
@@ -118,8 +118,8 @@ class PlanFrame(Frame):
     buckets: list[BucketSpec]
     #: the receivers' reported state, for a callable source on every sender rank
     state: Map
-    #: a sender in delta mode (hwsync.protocol.delta), with `targets`: the tensors as receivers hold them (the
-    #: manifest and buckets then carry a delta sync's payloads)
+    #: a sender in delta mode (hwsync.protocol.delta): a delta sync has groups of the manifest's tensors instead of
+    #: buckets, streamed by sender 0
     delta: Map | None = None
     #: the hub's sync id (Hub.send and Link.send fill it in)
     sync: Count = 0
@@ -131,7 +131,7 @@ class PlanFrame(Frame):
                 raise BadFrame(f"planned bucket of owner {bucket.owner} and {bucket.nbytes} bytes does not fit "
                                f"{self.num_senders} senders of {self.bucket_bytes}-byte buckets")
         if self.delta is not None:
-            check_delta({k: v for k, v in self.delta.items() if k != "targets"}, plan_targets(self.delta))
+            check_plan_delta(self.delta, list(self.manifest), len(self.buckets))
 
 
 @frame("go")
