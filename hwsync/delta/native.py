@@ -96,10 +96,13 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
         return k, gain  # type: ignore[return-value]  # numba's int64
 
     @numba.njit(nogil=True, cache=True)
-    def scatter_bits(packed: Any, values: Any, dest: Any) -> int:
-        """Write `values` in order where `packed` has a bit set; the number of bits set."""
+    def scatter_bits(packed: Any, values: Any, dest: Any, keys: Any, rows: Any, digest: bool) -> tuple[int, int]:
+        """Write `values` in order where `packed` has a bit set: (the number of bits set, the digest's gain from
+        the values found there to the values written, when `digest`)."""
         c = 0
+        gain = np.int64(0)
         n = dest.size
+        size = dest.itemsize
         for byte in range(packed.size):
             v = packed[byte]
             if v == 0:
@@ -108,9 +111,31 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
             for j in range(min(8, n - at)):  # branch-free: a bitmap is chosen when many bits are set
                 bit = (v >> j) & 1
                 if c < values.size:
-                    dest[at + j] = values[c] if bit else dest[at + j]
+                    old = dest[at + j]
+                    new = values[c] if bit else old
+                    dest[at + j] = new
+                    if digest and bit:
+                        gain += term(at + j, new, old, size, keys, rows)
                 c += bit
-        return c
+        return c, gain  # type: ignore[return-value]  # numba's int64
+
+    @numba.njit(nogil=True, cache=True)
+    def scatter_blocks(counts: Any, offsets: Any, values: Any, first_block: int, dest: Any, keys: Any, rows: Any,
+                       digest: bool) -> int:
+        """Write `values` at the block code's positions (offsets as uint16, checked by the caller to stay inside
+        the tensor); the digest's gain from the values found there to the values written, when `digest`."""
+        gain = np.int64(0)
+        size = dest.itemsize
+        c = 0
+        for b in range(counts.size):
+            start = (first_block + b) << 16
+            for _ in range(counts[b]):
+                g = start + offsets[c]
+                if digest:
+                    gain += term(g, values[c], dest[g], size, keys, rows)
+                dest[g] = values[c]
+                c += 1
+        return gain  # type: ignore[return-value]  # numba's int64
 
     @numba.njit(nogil=True, cache=True)
     def digest_lanes(lanes: Any, keys: Any, rows: Any) -> int:
@@ -134,7 +159,7 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
             total += part * rows[whole]
         return total  # type: ignore[return-value]  # numba's int64
 
-    return scan, scatter_bits, digest_lanes
+    return scan, scatter_bits, digest_lanes, scatter_blocks
 
 
 def _get() -> tuple[Callable[..., Any], ...] | None:
@@ -152,10 +177,16 @@ def kernel() -> Callable[..., tuple[int, int]] | None:
     return got[0] if got else None
 
 
-def scatter_bits() -> Callable[..., int] | None:
+def scatter_bits() -> Callable[..., tuple[int, int]] | None:
     """The compiled bitmap scatter, or None without numba (or with HWSYNC_DELTA_NUMBA=0)."""
     got = _get()
     return got[1] if got else None
+
+
+def scatter_blocks() -> Callable[..., int] | None:
+    """The compiled block-code scatter, or None without numba (or with HWSYNC_DELTA_NUMBA=0)."""
+    got = _get()
+    return got[3] if got else None
 
 
 def digest_lanes() -> Callable[..., int] | None:

@@ -1,7 +1,9 @@
 """Apply an encoded tensor where the destination lives, with torch ops that exist on every device.
 
-On the host, where numba is installed, a bitmap is scattered by one compiled pass (native.py); the block
-code and every other device use torch ops (repeat_interleave, index_copy_), a few Mi elements at a time.
+On the host, where numba is installed, one compiled pass (native.py) scatters a bitmap or a block code's
+changes; every other device uses torch ops (repeat_interleave, index_copy_), a few Mi elements at a time.
+Either can also sum what the destination's digest gains, from the values it found and wrote: a receiver
+then checks a delta by reading the changed elements only (receiver.py).
 """
 
 from __future__ import annotations
@@ -43,34 +45,58 @@ def _check(dest: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, name:
     return int_view(dest.dtype, name)
 
 
-def _scatter_bits(flat: torch.Tensor, words: torch.Tensor, values: torch.Tensor, k: int, name: str) -> None:
-    """Write `values` in order where the bitmap's bits are set, a few Mi elements at a time."""
-    done = 0
+def _scatter_bits(flat: torch.Tensor, words: torch.Tensor, values: torch.Tensor, k: int, name: str,
+                  gain: bool) -> int:
+    """Write `values` in order where the bitmap's bits are set, a few Mi elements at a time; the digest's gain."""
+    done, total = 0, 0
     for w0 in range(0, words.numel(), _APPLY_WORDS):
         pos = bits.set_positions(words[w0: w0 + _APPLY_WORDS]).add_(w0 * 64)
         if done + pos.numel() > k:
             raise ValueError(f"{name}: the delta's bitmap marks more than the {k} elements it carries")
-        flat.index_copy_(0, pos, values[done: done + pos.numel()])
+        total += _write(flat, pos, values[done: done + pos.numel()], gain)
         done += pos.numel()
     if done != k:
         raise ValueError(f"{name}: the delta's bitmap marks {done} elements, its header says {k}")
+    return total
 
 
-def apply_into(dest: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, *, name: str = "tensor") -> None:
-    """Write the changed elements into `dest` (the delta's base) in place, on whatever device it lives."""
+def _write(flat: torch.Tensor, pos: torch.Tensor, values: torch.Tensor, gain: bool) -> int:
+    """flat[pos] = values; with `gain`, what the digest gains from the values found there to the values written."""
+    old = flat.index_select(0, pos) if gain else None
+    flat.index_copy_(0, pos, values)
+    return dg.element_delta(pos, old, values) if old is not None else 0
+
+
+def _host_keys(flat: torch.Tensor) -> tuple[object, object]:
+    """The digest's column and row keys as numpy arrays, enough rows for `flat` (for the compiled scatters)."""
+    lanes = (flat.numel() * flat.element_size() + 3) // 4
+    return (dg.key_table("col", flat.device, 1 << 16).numpy(),
+            dg.key_table("row", flat.device, (lanes >> 16) + 1).numpy())
+
+
+def apply_into(dest: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, *, name: str = "tensor",
+               gain: bool = False) -> int | None:
+    """Write the changed elements into `dest` (the delta's base) in place, on whatever device it lives.
+
+    With `gain`, returns what the destination's digest gained: the terms of the values found at the changed
+    positions and of the values written (digest.element_delta), so `held digest + gain` is the new digest
+    without reading the rest of the tensor; None for a dense delta (the whole tensor: digest it).
+    """
     ints = _check(dest, header, payload, name)
     if header.code == SAME:
-        return
+        return 0
     target = dest if dest.is_contiguous() else dest.contiguous()
     flat = target.view(-1).view(ints)
     n, k = header.numel, header.count
+    found: int | None = 0
     if header.code == DENSE:
         flat.copy_(_section(payload, 0, n, ints))
+        found = None
     elif header.code == BLOCKS:
         nb = blocks(n)
         counts_host = _section(payload, 0, nb, torch.int32).cpu()  # small: one int per 65536 elements
         ends = counts_host.to(torch.int64).cumsum(0).tolist()
-        if ends[-1] != k:
+        if ends[-1] != k or int(counts_host.min()) < 0:
             raise ValueError(f"{name}: the block counts of the delta add up to {ends[-1]}, its header says {k}")
         data = payload.to(flat.device)
         counts = _section(data, 0, nb, torch.int32)
@@ -80,12 +106,20 @@ def apply_into(dest: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, *
         tail = offsets[(ends[-2] if nb > 1 else 0):].to(torch.int64).bitwise_and_(0xFFFF)
         if tail.numel() and int(tail.max()) >= last:  # checked here: on a GPU a bad index is a device assert
             raise ValueError(f"{name}: the delta's last block has an offset past the tensor's {n} elements")
-        for b0 in range(0, nb, _APPLY_BLOCKS):
-            b1 = min(nb, b0 + _APPLY_BLOCKS)
-            c0, c1 = (ends[b0 - 1] if b0 else 0), ends[b1 - 1]
-            if c1 > c0:
-                pos = positions_from_blocks(counts[b0:b1], offsets[c0:c1], c1 - c0, b0)
-                flat.index_copy_(0, pos, values[c0:c1])
+        scatter = native.scatter_blocks() if flat.device.type == "cpu" else None
+        if scatter is not None:  # on the host, one compiled pass over the changes
+            keys, rows = _host_keys(flat)
+            found = scatter(counts.numpy(), offsets.numpy().view("uint16"), values.numpy(), 0, flat.numpy(), keys,
+                            rows, gain)
+        else:
+            acc = 0
+            for b0 in range(0, nb, _APPLY_BLOCKS):
+                b1 = min(nb, b0 + _APPLY_BLOCKS)
+                c0, c1 = (ends[b0 - 1] if b0 else 0), ends[b1 - 1]
+                if c1 > c0:
+                    pos = positions_from_blocks(counts[b0:b1], offsets[c0:c1], c1 - c0, b0)
+                    acc += _write(flat, pos, values[c0:c1], gain)
+            found = acc
     else:
         data = payload.to(flat.device)
         nwords = pad8((n + 7) // 8) // 8
@@ -93,15 +127,17 @@ def apply_into(dest: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, *
         if n % 64 and bool(bits.unpack_bits(words[-1:].view(torch.uint8), 64)[n % 64:].any()):
             raise ValueError(f"{name}: the delta's bitmap has bits set past the tensor's {n} elements")
         values = _section(data, pad8((n + 7) // 8), k, ints)
-        scatter = native.scatter_bits() if flat.device.type == "cpu" else None
-        if scatter is not None:  # on the host, one compiled pass over the bits
-            done = scatter(words.view(torch.uint8).numpy(), values.numpy(), flat.numpy())
+        scatter_bits = native.scatter_bits() if flat.device.type == "cpu" else None
+        if scatter_bits is not None:  # on the host, one compiled pass over the bits
+            keys, rows = _host_keys(flat)
+            done, found = scatter_bits(words.view(torch.uint8).numpy(), values.numpy(), flat.numpy(), keys, rows, gain)
             if done != k:
                 raise ValueError(f"{name}: the delta's bitmap marks {done} elements, its header says {k}")
         else:
-            _scatter_bits(flat, words, values, k, name)
+            found = _scatter_bits(flat, words, values, k, name, gain)
     if target is not dest:
         dest.copy_(target)
+    return None if found is None else found % (1 << 64)
 
 
 def advance(baseline: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, *, name: str = "tensor") -> None:

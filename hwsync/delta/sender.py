@@ -98,10 +98,14 @@ class SenderDeltas:
         self._next: str | None = None
         #: a sync asked for a delta: from then on the sender keeps a baseline
         self.active = False
+        #: the thread that writes a committed sync's changes into the baseline, and its last job
+        self._advancer: ThreadPoolExecutor | None = None
+        self._settling: Future[None] | None = None
 
     @property
     def baseline_bytes(self) -> int:
         """Memory the baseline holds."""
+        self.settle()
         return sum(t.numel() * t.element_size() for t in self._tensors.values())
 
     def decide(self, states: Sequence[Mapping[str, Any]]) -> tuple[bool, str]:
@@ -137,6 +141,7 @@ class SenderDeltas:
         Once a sync asked for a delta, the sender keeps a baseline: a sync that then asks for none is full and
         renews it (so the next may be a delta again).
         """
+        self.settle()
         self._count += 1
         self._next = f"{self._prefix}:{self._count}"
         self.active = self.active or delta
@@ -275,18 +280,36 @@ class SenderDeltas:
         if pending is None or pending.wire is None:
             return
         shapes = {spec.name: spec for spec in pending.targets or []}
+        moves = []
         for name, found in pending.deltas.items():
             spec, kept = shapes[name], self._tensors.get(name)
             if kept is None or tuple(kept.shape) != spec.shape or dtype_name(kept.dtype) != spec.dtype:
                 kept = self._allocate(spec.shape, dtype_from_name(spec.dtype), found.payload.device)
                 self._tensors[name] = kept
-            advance(kept, found.header, found.payload, name=name)  # the changes only; dense: the whole tensor
+            moves.append((name, kept, found))
             self._digests[name] = found.header.digest
+        if moves:  # the changes are written after send() returns, while the trainer goes on; the next use waits
+            if self._advancer is None:
+                owner = DeviceOwner(self._device)
+                self._advancer = ThreadPoolExecutor(1, thread_name_prefix="hwsync-baseline", initializer=owner.enter)
+            self._settling = self._advancer.submit(_advance_all, moves)
         first = self.base_id is None
         self.base_id = self._next
         if first:
             log.info("hwsync: delta baseline %s: %.1f MB of %s memory for %d tensors", self.base_id,
                      self.baseline_bytes / 1e6, "device" if self.on_device else "host", len(self._tensors))
+
+    def settle(self) -> None:
+        """Wait for the last commit's baseline writes; if they failed, drop the baseline (the next sync is full)."""
+        settling, self._settling = self._settling, None
+        if settling is None:
+            return
+        error = settling.exception()
+        if error is not None:
+            log.warning("hwsync: moving the delta baseline failed (%s: %s); the next sync is full",
+                        type(error).__name__, error)
+            self.drop(f"moving the baseline to the last sync failed: {type(error).__name__}: {error}")
+            self.active = True  # still in delta mode: the next sync makes a new baseline
 
     def abort(self) -> None:
         """The sync failed: a delta leaves the baseline as it was (a full sync already dropped it)."""
@@ -300,6 +323,9 @@ class SenderDeltas:
         That sync is full (it makes a new baseline), with `reason` in its stats; syncs that ask for no
         delta meanwhile keep no baseline, and receivers drop their kept copies at the first of them.
         """
+        if self._settling is not None:
+            self._settling.exception()  # the writes in flight end before their memory goes
+            self._settling = None
         freed = self.baseline_bytes
         for kept in self._pinned:
             self._device.unpin_host_memory(kept)
@@ -308,3 +334,9 @@ class SenderDeltas:
         if freed:
             log.info("hwsync: delta baseline dropped: %.1f MB freed", freed / 1e6)
         return freed
+
+
+def _advance_all(moves: list[tuple[str, torch.Tensor, Delta]]) -> None:
+    """Write each committed delta into its baseline tensor: the changes only; a dense one whole."""
+    for name, kept, found in moves:
+        advance(kept, found.header, found.payload, name=name)
