@@ -67,7 +67,9 @@ def _follower(endpoint: str, out, where: tuple[str, int]) -> None:
 
 
 @pytest.mark.parametrize("flip", [None, 3], ids=["clean", "a byte flipped before step 3"])
-def test_cross_node_deltas_stay_exact_and_a_bad_copy_is_caught(backend, flip):
+def test_cross_node_deltas_stay_exact_and_a_bad_copy_is_caught(backend, flip, monkeypatch):
+    # w2 is flipped where no delta writes: only a whole-tensor check sees it, here at every delta (default: 8th)
+    monkeypatch.setenv("HWSYNC_DELTA_FULL_CHECK_EVERY", "1")
     need_devices(backend, 4)
     if backend.name != "cpu":
         backend.device().set_index(0)  # sender 0, here

@@ -189,3 +189,70 @@ def test_a_streamed_delta_encodes_as_asked_and_refuses_a_source_out_of_the_manif
                                             "announced 'w'"):
         list(sync.encoded)
     deltas.abort()
+
+
+def test_a_receiver_checks_changed_elements_and_digests_every_tensor_whole_at_every_kth_delta(monkeypatch):
+    from hwsync.errors import DeltaCheckError
+
+    monkeypatch.setenv("HWSYNC_DELTA_FULL_CHECK_EVERY", "3")
+    device = load_backend("cpu").device()
+    sender, receiver = SenderDeltas(device), ReceiverDeltas()
+    g = torch.Generator().manual_seed(3)
+    model = {"w": torch.randn(1 << 17, generator=g), "u": torch.randn(1 << 17, generator=g)}
+    manifest = [TensorSpec(n, "float32", tuple(t.shape)) for n, t in model.items()]
+    held = {n: t.clone() for n, t in model.items()}
+
+    def sync() -> tuple[str, str | None]:
+        stats = SyncStats()
+        prepared = sender.prepare(list(model.items()), manifest, EngineDtypes([]), True, [receiver.report()], stats)
+        receiver.begin(prepared.wire, prepared.targets)
+        load, into = receiver.intake(None, lambda name, dtype, shape: held[name], device)
+        assert prepared.source is not None
+        try:
+            if receiver.is_delta:
+                assert load is not None
+                load(list(prepared.source))
+            else:
+                for name, tensor in prepared.source:
+                    held[name].copy_(tensor)
+        except DeltaCheckError as exc:
+            sender.abort()
+            return stats.notes["delta"]["mode"], str(exc)
+        receiver.complete()
+        sender.commit()
+        return stats.notes["delta"]["mode"], None
+
+    def step() -> torch.Tensor:
+        pos = torch.randint(0, model["w"].numel(), (100,), generator=g)
+        model["w"][pos] += 1.0  # 100 of 131072 changed: checked from the changes; u never changes
+        return pos
+
+    assert sync() == ("full", None)
+    step()
+    assert sync() == ("delta", None) and receiver.check == "whole tensors", "digests unknown after a full sync"
+    held["u"][7] += 1.0  # behind hwsync's back, where no delta writes
+    for _ in range(2):
+        step()
+        assert sync() == ("delta", None) and receiver.check == "changed elements", "only the changes are read"
+    step()
+    mode, error = sync()  # the third delta since the last whole check: every tensor digested whole
+    assert mode == "delta" and error is not None and "u does not have the sender's digest" in error, error
+    assert "the whole tensor" in error and receiver.report() == {}
+    assert sync() == ("full", None) and torch.equal(held["u"], model["u"]), "healed by the full sync"
+    step()
+    assert sync() == ("delta", None)
+    pos = step()
+    held["w"][pos[0]] -= 0.5  # where the next delta writes: its changed elements no longer start from the base
+    mode, error = sync()
+    assert receiver.check == "changed elements" and error is not None, error
+    assert "w does not have the sender's digest" in error and "its changed elements" in error, error
+
+
+def test_the_full_check_period_must_be_a_whole_number_of_syncs(monkeypatch):
+    from hwsync.delta.receiver import full_check_every
+
+    monkeypatch.setenv("HWSYNC_DELTA_FULL_CHECK_EVERY", "0")
+    with pytest.raises(ValueError, match="HWSYNC_DELTA_FULL_CHECK_EVERY='0': a whole number of delta syncs"):
+        full_check_every()
+    monkeypatch.delenv("HWSYNC_DELTA_FULL_CHECK_EVERY")
+    assert full_check_every() == 8

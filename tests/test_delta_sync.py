@@ -146,7 +146,9 @@ def test_a_restarted_receiver_gets_a_full_sync_with_the_reason(backend):
             proc.join(30)
 
 
-def test_a_byte_changed_behind_hwsyncs_back_fails_the_check_and_the_next_sync_heals_it(backend):
+def test_a_byte_changed_behind_hwsyncs_back_fails_the_check_and_the_next_sync_heals_it(backend, monkeypatch):
+    # where no delta writes, only a whole-tensor check sees it: at every delta here (the default: every 8th)
+    monkeypatch.setenv("HWSYNC_DELTA_FULL_CHECK_EVERY", "1")
     with WeightSender(delta=True, timeout_s=60) as sender:
         proc, commands, results = delta_procs.start(sender.endpoint, "into")
         for step in (1, 2):

@@ -182,6 +182,8 @@ class WeightReceiver:
         # unmap what the sender no longer has (host and device segments); device ones it exports later map by this
         self._shared.retain(offer.segments, offer.device_segments, transports[offer.transport])
         self._deltas.begin(offer.delta, offer.manifest)  # a delta only on what this receiver holds
+        if self._deltas.is_delta:
+            stats.notes["delta_check"] = self._deltas.check
         if offer.manifest is not None and check_manifest is not None:
             check_manifest(offer.manifest)
         stats.version = offer.version

@@ -5,9 +5,16 @@ in its state); any sync drops it until that sync completes and checks out, so a 
 midway leaves it holding no known version and the next sync is full. In a delta sync every tensor
 arrives as its payload (hwsync.delta: same, dense, block or bitmap) and a header with the digest of
 the tensor the sender holds; a payload is applied only when the sync's declared base is what this
-receiver holds, then the result is digested and compared: a wrong base, a torn or corrupted apply, a
-byte changed behind hwsync's back anywhere in the tensor all fail the check, which fails the sync
-(DeltaCheckError, reported to the sender).
+receiver holds, then the result's digest is compared with the sender's, which fails the sync on a
+mismatch (DeltaCheckError, reported to the sender; the next sync is full).
+
+How the digest is taken: where the receiver knows the digest of what it holds (it checked the tensor at
+an earlier delta) and the delta is sparse (at most 1 in CHANGED_CHECK_RATIO elements), from the changed
+elements alone: the digest is linear, so the held digest plus the terms of the values found at the changed
+positions and of the values written is the result's (patch.apply_into(gain=True)); that catches a wrong
+base or a corrupted payload at any changed element, at a cost that scales with the changes, not the model.
+Otherwise, and at every HWSYNC_DELTA_FULL_CHECK_EVERY-th delta sync (default 8; 1: always), the whole
+tensor is digested, which also catches a byte changed behind hwsync's back where no delta wrote.
 
 Where the result goes: a tensor `into` names is patched in place (only the changed elements are
 written); every other tensor is patched in a copy this receiver keeps (its own baseline, kept from
@@ -25,12 +32,30 @@ from typing import Any
 import torch
 
 from hwsync.bucket import IntoFn, LoadFn
-from hwsync.delta.header import DeltaHeader, headers_from_words
+from hwsync.delta.header import BITMAP, BLOCKS, SAME, DeltaHeader, headers_from_words
 from hwsync.delta.patch import apply_into, verify
 from hwsync.devices import DeviceOwner
 from hwsync.errors import DeltaCheckError, ProtocolError
 from hwsync.interfaces import Device
 from hwsync.manifest import TensorSpec, dtype_from_name
+
+#: a delta with at most 1 changed element in this many is checked from its changes (when the held digest is known)
+CHANGED_CHECK_RATIO = 50
+#: the default of HWSYNC_DELTA_FULL_CHECK_EVERY: every how many delta syncs each tensor is digested whole
+FULL_CHECK_EVERY = 8
+
+
+def full_check_every() -> int:
+    """HWSYNC_DELTA_FULL_CHECK_EVERY, checked: every how many delta syncs a receiver digests every tensor whole."""
+    raw = os.environ.get("HWSYNC_DELTA_FULL_CHECK_EVERY", str(FULL_CHECK_EVERY))
+    try:
+        every = int(raw)
+    except ValueError:
+        every = 0
+    if every < 1:
+        raise ValueError(f"HWSYNC_DELTA_FULL_CHECK_EVERY={raw!r}: a whole number of delta syncs, at least 1 (1: "
+                         "digest every tensor whole at every delta)")
+    return every
 
 
 class ReceiverDeltas:
@@ -44,6 +69,11 @@ class ReceiverDeltas:
         self._headers: dict[str, DeltaHeader] = {}
         self._targets: dict[str, TensorSpec] = {}
         self._delta = False
+        #: the digest of each tensor this receiver holds, as its last check found it (none after a full sync)
+        self._digests: dict[str, int] = {}
+        #: delta syncs completed since the last that digested every tensor whole; whether this one does
+        self._since_full = 0
+        self._full = True
         self._pool: ThreadPoolExecutor | None = None
         self._owner: DeviceOwner | None = None
 
@@ -56,10 +86,10 @@ class ReceiverDeltas:
         completes. A delta's headers come with it (an offer) or group by group (`announce`: a streamed plan)."""
         held, self.held, self._wire = self.held, None, wire
         self._headers, self._targets, self._delta = {}, {}, False
-        if wire is None:
-            self._kept = {}  # the sender left delta mode: its baseline copies go
-            return
-        if wire["base"] is None:
+        if wire is None or wire["base"] is None:
+            self._digests, self._since_full = {}, 0  # what a full sync writes is not checked: digest it at the next
+            if wire is None:
+                self._kept = {}  # the sender left delta mode: its baseline copies go
             return  # a full sync of a sender in delta mode: keep copies of what goes to load
         if wire["base"] != held:
             raise ProtocolError(f"the sender sent a delta from {wire['base']!r}, but this receiver holds "
@@ -69,6 +99,7 @@ class ReceiverDeltas:
                 (headers is not None and len(targets) != len(headers)):
             raise ProtocolError("a delta sync must announce every tensor it changes, with a header each")
         self._targets, self._delta = {spec.name: spec for spec in targets}, True
+        self._full = not self._digests or self._since_full + 1 >= full_check_every()
         for spec, raw in zip(targets, headers or []):
             header = DeltaHeader.from_wire(raw, spec.name)
             if header.dtype != spec.dtype or header.numel != _numel(spec.shape):
@@ -85,6 +116,11 @@ class ReceiverDeltas:
         for spec, header in zip(specs, headers):
             self._headers[spec.name] = header
         return headers
+
+    @property
+    def check(self) -> str:
+        """How this delta sync's results are checked: "whole tensors", or "changed elements" where it can."""
+        return "whole tensors" if self._full else "changed elements"
 
     @property
     def is_delta(self) -> bool:
@@ -123,18 +159,32 @@ class ReceiverDeltas:
         return kept, False
 
     def apply(self, name: str, payload: torch.Tensor, result: torch.Tensor) -> None:
-        """Apply one tensor's payload on `result` (its base) and check the digest (any thread)."""
+        """Apply one tensor's payload on `result` (its base) and check the result's digest (any thread)."""
         header = self._headers[name]
-        apply_into(result, header, payload.to(result.device), name=name)
-        if not verify(result, header):
+        held = None if self._full else self._digests.get(name)
+        payload = payload.to(result.device)
+        if held is not None and header.code == SAME:
+            ok, how = held == header.digest, "the digest it held (nothing changed)"
+        elif held is not None and header.code in (BLOCKS, BITMAP) and \
+                header.count * CHANGED_CHECK_RATIO <= header.numel:
+            gain = apply_into(result, header, payload, name=name, gain=True)
+            ok, how = gain is not None and (held + gain) % (1 << 64) == header.digest, "its changed elements"
+        else:
+            apply_into(result, header, payload, name=name)
+            ok, how = verify(result, header), "the whole tensor"
+        if not ok:
+            self._digests.pop(name, None)
             raise DeltaCheckError(f"{name} does not have the sender's digest after its {header.code} delta was "
-                                  "applied: this receiver's copy was not the declared base (changed behind hwsync's "
-                                  "back?) or the apply was torn; the next sync is full")
+                                  f"applied (checked on {how}): this receiver's copy was not the declared base "
+                                  "(changed behind hwsync's back?) or the apply was torn; the next sync is full")
+        self._digests[name] = header.digest
 
     def complete(self) -> None:
         """The sync completed and every tensor checked out: this receiver holds the sender's new baseline."""
         if self._wire is not None:
             self.held = self._wire["next"]
+        if self._delta:
+            self._since_full = 0 if self._full else self._since_full + 1
 
     def pool(self) -> ThreadPoolExecutor:
         """Threads that apply and check tensors side by side (made at the first delta sync, kept)."""
@@ -145,7 +195,7 @@ class ReceiverDeltas:
 
     def clear(self) -> None:
         """Drop the copies kept for `load` (and with them what this receiver holds) and the threads."""
-        self._kept, self.held = {}, None
+        self._kept, self.held, self._digests = {}, None, {}
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None

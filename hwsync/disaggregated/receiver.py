@@ -118,6 +118,8 @@ class CrossNodeReceiver:
             version = frame.version
             targets = plan.manifest  # a delta sync's too: its payloads stream in groups of these, not in buckets
             self._deltas.begin(frame.delta, targets)  # a delta only on what this receiver holds
+            if self._deltas.is_delta:
+                stats.notes["delta_check"] = self._deltas.check
             if check_manifest is not None:
                 check_manifest(targets)
             if on_start is not None:
