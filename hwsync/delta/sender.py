@@ -179,8 +179,6 @@ class SenderDeltas:
             if kept is None or kept.shape != tensor.shape or kept.dtype != dtype:
                 kept = self._tensors[name] = self._allocate(tuple(tensor.shape), dtype, tensor.device)
             kept.copy_(tensor)
-            # the next delta's digests follow from the changes alone: without this one it hashes every tensor
-            self._digests[name] = tensor_digest(kept)
             cast_here = dtype != tensor.dtype and kept.device == tensor.device
             yield name, kept if cast_here else dtypes.cast(name, tensor)
 
@@ -288,11 +286,14 @@ class SenderDeltas:
                 self._tensors[name] = kept
             moves.append((name, kept, found))
             self._digests[name] = found.header.digest
-        if moves:  # the changes are written after send() returns, while the trainer goes on; the next use waits
+        # the changes are written, or after a full sync each tensor digested (the next delta's digests then follow
+        # from its changes alone), after send() returns, while the trainer goes on; the next use waits for it
+        todo = [] if pending.deltas else [name for name in self._tensors if name not in self._digests]
+        if moves or todo:
             if self._advancer is None:
                 owner = DeviceOwner(self._device)
                 self._advancer = ThreadPoolExecutor(1, thread_name_prefix="hwsync-baseline", initializer=owner.enter)
-            self._settling = self._advancer.submit(_advance_all, moves)
+            self._settling = self._advancer.submit(_advance_all, moves, self._tensors, todo, self._digests)
         first = self.base_id is None
         self.base_id = self._next
         if first:
@@ -336,7 +337,11 @@ class SenderDeltas:
         return freed
 
 
-def _advance_all(moves: list[tuple[str, torch.Tensor, Delta]]) -> None:
-    """Write each committed delta into its baseline tensor: the changes only; a dense one whole."""
+def _advance_all(moves: list[tuple[str, torch.Tensor, Delta]], tensors: Mapping[str, torch.Tensor],
+                 todo: list[str], digests: dict[str, int]) -> None:
+    """Write each committed delta into its baseline tensor (the changes only; a dense one whole), and digest the
+    tensors in `todo` (a full sync's) into `digests`."""
     for name, kept, found in moves:
         advance(kept, found.header, found.payload, name=name)
+    for name in todo:
+        digests[name] = tensor_digest(tensors[name])

@@ -3,9 +3,10 @@
 A Llama of about 300M parameters (random weights from a transformers config) trains in fp32 with
 AdamW on the trainer host; the engine host holds it in bf16 (it says so: the trainer casts to the
 engine's dtype, the loader's own cast). For each learning rate and link rate, the trainer host
-syncs once (full: the baseline), then each step trains, sends a delta sync and a full one (which
-renews the baseline), over the cross-node path (CrossNodeSender / CrossNodeReceiver, gloo) and
-the bed's rate-limited link. Printed per (LR, link): the density each step produced, bytes on the
+syncs once (full: the baseline), then each step trains and sends a delta sync, as an RL loop does,
+and at the end sends FULL_SYNCS full syncs of the last weights (a full sync's cost does not depend on
+the step), over the cross-node path (CrossNodeSender / CrossNodeReceiver, gloo) and the bed's
+rate-limited link. Printed per (LR, link): the density each step produced, bytes on the
 wire, seconds per sync, each against the link's line rate, and the delta's two floors: its bytes at
 the line rate, and one read of the new tensors and of the baseline at the single-thread copy speed
 measured in the same process; the diff's own seconds (what a delta costs the trainer per sync, on
@@ -22,13 +23,15 @@ from typing import Any
 
 #: the trainer host's address, port and the endpoint's secrets are made by the parent and passed to both hosts
 PORT = 29400
+#: full syncs measured after the steps' delta syncs (their median is the full sync's seconds)
+FULL_SYNCS = 2
 
 
 def add_bench_delta_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `hwsync bench delta`."""
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5], help="AdamW learning rates")
     parser.add_argument("--links", nargs="+", default=["1gbit", "10gbit"], help="link rates of the bed")
-    parser.add_argument("--steps", type=int, default=3, help="training steps (a delta and a full sync each)")
+    parser.add_argument("--steps", type=int, default=3, help="training steps (a delta sync each)")
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size of the Llama")
     parser.add_argument("--layers", type=int, default=18, help="decoder layers (18 x 1024: about 335M parameters)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any wait may take")
@@ -78,24 +81,27 @@ def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, 
     out: dict[str, Any] = {"params": params, "copy_gbps": copy_gbps(), "syncs": []}
     with CrossNodeSender(endpoint, num_receivers=1, group_host=address, timeout_s=timeout_s,
                          secret_key=secret) as sender:
-        def sync(step: int, delta: bool) -> None:
+        def sync(step: int, version: int, delta: bool) -> None:
             t0 = time.perf_counter()
-            stats = sender.send(list(model.state_dict().items()), version=2 * step + (not delta), delta=delta)
+            stats = sender.send(list(model.state_dict().items()), version=version, delta=delta)
             note = stats.notes.get("delta", {})
+            peer = (stats.peer or {}).get("receivers", [{}])[0]
             out["syncs"].append({"step": step, "mode": note.get("mode"), "seconds": time.perf_counter() - t0,
                                  "bytes": stats.bytes, "density": note.get("density"), "diff_s": note.get("diff_s"),
                                  "apply_s": stats.load_s, "wait_s": stats.wait_s, "pack_s": stats.pack_s,
-                                 "baseline_bytes": note.get("baseline_bytes"), "reason": note.get("reason")})
+                                 "baseline_bytes": note.get("baseline_bytes"), "reason": note.get("reason"),
+                                 "check": peer.get("notes", {}).get("delta_check")})
 
-        sync(0, True)  # the first: full, it makes the baseline
+        sync(0, 0, True)  # the first: full, it makes the baseline
         for step in range(1, steps + 1):
             tokens = torch.randint(0, 32000, (1, 32))
             loss = model(input_ids=tokens, labels=tokens).loss
             opt.zero_grad()
             loss.backward()
             opt.step()
-            sync(step, True)
-            sync(step, False)
+            sync(step, step, True)
+        for extra in range(FULL_SYNCS):
+            sync(steps, steps + 1 + extra, False)
     out["new_bytes"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return out
 
@@ -132,7 +138,7 @@ def _run_pair(bed: Any, lr: float, args: argparse.Namespace) -> dict[str, Any]:
     address = bed.address(0)
     endpoint = f"tcp://{address}:{PORT}#{new_token()}#{public}"
     target = "hwsync.cli.bench.delta:"
-    syncs = 1 + 2 * args.steps
+    syncs = 1 + args.steps + FULL_SYNCS
     train = bed.start(0, target + "trainer", endpoint, secret, address, args.hidden, args.layers, lr, args.steps,
                       args.timeout)
     held = bed.start(1, target + "engine", endpoint, args.hidden, args.layers, syncs, args.timeout)
@@ -190,10 +196,11 @@ def _print(r: dict[str, Any]) -> None:
     full_s, full_bytes = r["full_s"], r["full_bytes"]
     if full_s:
         print(f"   full sync: {full_bytes / 1e6:.0f} MB in {full_s:.3f} s = {r['full_vs_line']:.2f}x the line rate")
-    print("   step  density   wire MB   delta s   diff s  apply s   wire floor s  read floor s  vs floor")
+    print("   step  density   wire MB   delta s   diff s  apply s   wire floor s  read floor s  vs floor  "
+          "receiver checked")
     for d in r["deltas"]:
         print(f"   {d['step']:>4}  {d['density']:>7.4%}  {d['bytes'] / 1e6:>8.2f}  {d['seconds']:>8.3f}  "
               f"{d['diff_s']:>7.3f}  {d['apply_s']:>7.3f}  {d['wire_floor_s']:>12.3f}  {d['read_floor_s']:>12.3f}  "
-              f"{d['vs_floor']:>7.2f}x")
+              f"{d['vs_floor']:>7.2f}x  {d.get('check') or '-'}")
     if r["speedup"]:
         print(f"   delta sync {r['speedup']:.1f}x faster than a full sync (medians)")
