@@ -24,7 +24,7 @@ from typing import Any
 #: the trainer host's address, port and the endpoint's secrets are made by the parent and passed to both hosts
 PORT = 29400
 #: full syncs measured after the steps' delta syncs (their median is the full sync's seconds)
-FULL_SYNCS = 2
+FULL_SYNCS = 3
 
 
 def add_bench_delta_arguments(parser: argparse.ArgumentParser) -> None:
@@ -161,7 +161,7 @@ def _summary(run: dict[str, Any], rate_bps: float) -> dict[str, Any]:
     full_s = statistics.median(f["seconds"] for f in fulls) if fulls else None
     delta_s = statistics.median(d["seconds"] for d in deltas) if deltas else None
     full_bytes = fulls[0]["bytes"] if fulls else None
-    return {"params": run["params"], "copy_gbps": run["copy_gbps"], "deltas": rows,
+    return {"params": run["params"], "copy_gbps": run["copy_gbps"], "deltas": rows, "fulls": fulls,
             "full_s": full_s, "full_bytes": full_bytes, "delta_s": delta_s,
             "speedup": full_s / delta_s if full_s and delta_s else None,
             "full_vs_line": full_bytes / full_s / line if full_bytes and full_s else None}
