@@ -256,3 +256,23 @@ def test_the_full_check_period_must_be_a_whole_number_of_syncs(monkeypatch):
         full_check_every()
     monkeypatch.delenv("HWSYNC_DELTA_FULL_CHECK_EVERY")
     assert full_check_every() == 8
+
+
+def test_the_encode_and_baseline_threads_are_kept_across_syncs_and_end_at_close():
+    import threading
+
+    before = set(threading.enumerate())
+
+    def ours() -> set[str]:
+        return {t.name.rsplit("_", 1)[0] for t in set(threading.enumerate()) - before if t.name.startswith("hwsync-")}
+
+    deltas = SenderDeltas(load_backend("cpu").device())
+    _committed(deltas)
+    _committed(deltas)
+    pool = deltas._pool
+    stats = _committed(deltas)
+    assert stats.notes["delta"]["mode"] == "delta" and deltas._pool is pool, "one encode pool for every sync"
+    assert {"hwsync-delta", "hwsync-baseline"} <= ours()
+    deltas.close()
+    assert not ours(), ours()
+    assert deltas.base_id is not None and deltas.baseline_bytes > 0, "close ends threads, not the baseline"

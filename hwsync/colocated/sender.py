@@ -304,6 +304,7 @@ class WeightSender:
         self._lifetime.close()
 
     def _release(self) -> None:
+        self._deltas.close()
         self._mapped.close()
         self._close_buffers()
         self._control.close()

@@ -100,6 +100,8 @@ class SenderDeltas:
         self.active = False
         #: the thread that writes a committed sync's changes into the baseline, and its last job
         self._advancer: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_index: int | None = None
         self._settling: Future[None] | None = None
 
     @property
@@ -223,8 +225,8 @@ class SenderDeltas:
         note.update(diff_s=0.0, density=0.0, wire_bytes=0, codes=dict.fromkeys(CODES, 0))
         changed = total = 0
         window: deque[tuple[TensorSpec, Future[Delta]]] = deque()
-        owner = DeviceOwner(self._device)  # a new thread starts on device 0: each takes this thread's device
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="hwsync-delta", initializer=owner.enter) as pool:
+        pool = self._encoders()
+        try:
             taken = enumerate(pairs)
             exhausted = False
             while True:
@@ -254,9 +256,24 @@ class SenderDeltas:
                 note.update(diff_s=note["diff_s"] + time.perf_counter() - t0, density=changed / total if total else 0.0,
                             wire_bytes=note["wire_bytes"] + found.payload.numel())
                 yield spec, found
+        finally:
+            for _, job in window:  # a sync that ended early: what was not started is not
+                job.cancel()
         if targets is not None and len(prepared.deltas) != len(targets):
             raise ManifestError(f"the source gave {len(prepared.deltas)} tensors, the manifest announced "
                                 f"{len(targets)}; a delta sync sends exactly the announced tensors")
+
+    def _encoders(self) -> ThreadPoolExecutor:
+        """The encode threads, kept across syncs (each keeps its chunk buffers: no fresh pages per sync), on the
+        calling thread's device."""
+        owner = DeviceOwner(self._device)  # a new thread starts on device 0: each takes this thread's device
+        if self._pool is not None and self._pool_index != owner.index:
+            self._pool.shutdown()
+            self._pool = None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hwsync-delta", initializer=owner.enter)
+            self._pool_index = owner.index
+        return self._pool
 
     @staticmethod
     def _target_spec(position: int, name: str, tensor: torch.Tensor, dtypes: EngineDtypes,
@@ -317,6 +334,16 @@ class SenderDeltas:
         pending, self._pending = self._pending, None
         if pending is not None and pending.encoded is not None:
             pending.encoded.close()  # its encoding threads end here
+
+    def close(self) -> None:
+        """End the encode and baseline threads (the baseline's last writes finish first); the baseline stays."""
+        if self._settling is not None:
+            self._settling.exception()
+            self._settling = None
+        for pool in (self._pool, self._advancer):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        self._pool = self._advancer = None
 
     def drop(self, reason: str = "the baseline was dropped to free its memory (drop_delta_baseline)") -> int:
         """Free the baseline and keep none until a sync asks for a delta again; returns the bytes freed.

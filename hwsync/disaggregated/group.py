@@ -142,8 +142,8 @@ class SenderGroup:
         compute the same offsets from the descriptor, so nothing else goes on the wire.
         """
         device = self.backend.device().torch_device()
-        self._inflight = [None] * self.num_buffers
-        held: list[torch.Tensor | None] = [None] * self.num_buffers  # each slot's buffer, alive until broadcast
+        buffers = self._ensure_buffers(bucket_bytes)  # kept across syncs: no fresh pages to fault in per sync
+        held: list[torch.Tensor | None] = list(buffers)  # a group larger than a bucket gets a buffer of its own
         t_start, waited, sent = time.perf_counter(), 0.0, 0
         for g, n in enumerate(groups):
             items = list(itertools.islice(encoded, n))
@@ -156,9 +156,9 @@ class SenderGroup:
             waited += self._wait([j], f"waiting for this rank's broadcast from buffer {j}")
             if self._inflight[j] is not None:
                 break  # this rank's broadcast failed: the control plane ends the sync
-            buffer = held[j]
-            if buffer is None or buffer.numel() < sum(sizes):
-                buffer = held[j] = torch.empty(max(sum(sizes), bucket_bytes), dtype=torch.uint8, device=device)
+            buffer = held[j] if sum(sizes) <= bucket_bytes else None
+            if buffer is None:
+                buffer = held[j] = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
             at = 0
             for (_, delta), nbytes in zip(items, sizes):
                 buffer[at:at + delta.payload.numel()].copy_(delta.payload)

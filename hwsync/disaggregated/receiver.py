@@ -257,7 +257,10 @@ class CrossNodeReceiver:
         if len(self._comms) < 1:
             raise SyncError("a delta sync comes from sender 0, but this rank joined no group")
         device = self.backend.device().torch_device()
-        buffers: list[torch.Tensor | None] = [None, None]
+        if not self._buffers or self._buffers[0][0].numel() != plan.bucket_bytes:
+            self._buffers = [[torch.empty(plan.bucket_bytes, dtype=torch.uint8, device=device)
+                              for _ in range(self.num_buffers)] for _ in range(max(1, len(self._comms)))]
+        slots = self._buffers[0]  # kept across syncs: no fresh pages to fault in per sync
         applying: list[Applying] = []
         self._groups_in = set()
         self._data = [time.monotonic(), 0.0, float(plan.total_bytes)]
@@ -272,11 +275,11 @@ class CrossNodeReceiver:
             headers = self._deltas.announce(specs, words[g].cpu())
             sizes = [pad8(header.nbytes) for header in headers]
             total = sum(sizes)
-            while len(applying) > 1:  # the buffer about to be reused: its group's applies end first, in order
+            while len(applying) >= len(slots):  # the buffer about to be reused: its group's applies end first
                 applying.pop(0).finish()
-            buffer = buffers[g % 2]
-            if buffer is None or buffer.numel() < total:
-                buffer = buffers[g % 2] = torch.empty(max(total, plan.bucket_bytes), dtype=torch.uint8, device=device)
+            # a group larger than a bucket (a dense tensor of more than a bucket) gets a buffer of its own
+            buffer = slots[g % len(slots)] if total <= plan.bucket_bytes else \
+                torch.empty(total, dtype=torch.uint8, device=device)
             step = plan.bucket_bytes
             pieces = [buffer[a:min(a + step, total)] for a in range(0, total, step)]
             later = (words[g + 1],) if g + 1 < len(groups) else ()

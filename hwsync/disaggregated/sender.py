@@ -341,8 +341,9 @@ class CrossNodeSender:
         self._group.release_buffers()
 
     def close(self) -> None:
-        """Tear down the group, buffers and control socket; safe to call twice."""
+        """Tear down the group, buffers, control socket and delta threads; safe to call twice."""
         self._group.close()
+        self._deltas.close()
         for control in (self._hub, self._link):
             if control is not None:
                 control.close()
