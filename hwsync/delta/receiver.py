@@ -120,7 +120,7 @@ class ReceiverDeltas:
     @property
     def check(self) -> str:
         """How this delta sync's results are checked: "whole tensors", or "changed elements" where it can."""
-        return "whole tensors" if self._full else "changed elements"
+        return "whole tensors" if self._full else "changed elements"  # where sparse; the rest whole
 
     @property
     def is_delta(self) -> bool:
