@@ -118,3 +118,58 @@ def test_cross_node_deltas_stay_exact_and_a_bad_copy_is_caught(backend, flip, mo
         assert modes == expected, modes
         for p in procs_:
             p.join(60)
+
+
+def _dying_receiver(endpoint: str, out, rank: int, die_at: int | None, steps: list[int]) -> None:
+    """Receives the syncs of `steps` into bf16 tensors; at step `die_at` it dies while the delta's groups stream."""
+    import os
+
+    held = {n: torch.empty(t.shape, dtype=torch.bfloat16) for n, t in _source(1).items()}
+    state = {"dtypes": engine_dtypes(held.items())}
+
+    def into(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        if step == die_at and name == "w3":  # groups before it were applied, the rest not yet sent
+            os._exit(3)
+        return held[name]
+
+    with CrossNodeReceiver(endpoint, rank=rank, timeout_s=TIMEOUT) as rx:
+        out.put(("up", rank))
+        for step in steps:
+            try:
+                stats = rx.receive(into=into, state=state)
+                out.put((rank, step, procs.digests({n: t.clone() for n, t in held.items()}), stats.notes))
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                out.put((rank, step, f"{type(exc).__name__}: {exc}", rx.incomplete))
+
+
+@pytest.mark.cpu_is_enough("a killed peer mid-sync is process and socket logic")
+def test_a_receiver_killed_mid_streamed_delta_and_the_next_sync_is_full_and_exact(backend):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with CrossNodeSender(f"tcp://{HOST}:0", num_receivers=2, group_host=HOST, timeout_s=TIMEOUT,
+                         bucket_bytes=1 << 14, delta=True) as tx:
+        alive = ctx.Process(target=_dying_receiver, args=(tx.endpoint, out, 0, None, [1, 2, 3, 4, 5]))
+        dying = ctx.Process(target=_dying_receiver, args=(tx.endpoint, out, 1, 3, [1, 2, 3]))
+        for p in (alive, dying):
+            p.start()
+        assert {out.get(timeout=120)[:2] for _ in range(2)} == {("up", 0), ("up", 1)}
+        for step in (1, 2):
+            stats = tx.send(list(_source(step).items()), version=step)
+            assert [out.get(timeout=60)[2] for _ in range(2)] == [procs.digests(_engine(step))] * 2
+        assert stats.notes["delta"]["mode"] == "delta"
+        with pytest.raises(SyncError):
+            tx.send(list(_source(3).items()), version=3)
+        dying.join(30)
+        assert dying.exitcode == 3, "it died where it was meant to, mid-delta"
+        rank, at, error, incomplete = out.get(timeout=60)
+        assert (rank, at) == (0, 3) and incomplete, "the survivor applied some groups: it is marked incomplete"
+        reborn = ctx.Process(target=_dying_receiver, args=(tx.endpoint, out, 1, None, [4, 5]))
+        reborn.start()
+        assert out.get(timeout=120)[:2] == ("up", 1)
+        for step in (4, 5):
+            stats = tx.send(list(_source(step).items()), version=step)
+            got = [out.get(timeout=60) for _ in range(2)]
+            assert [g[2] for g in got] == [procs.digests(_engine(step))] * 2, f"step {step}: exact on both"
+            assert stats.notes["delta"]["mode"] == ("full" if step == 4 else "delta"), stats.notes["delta"]
+        for p in (alive, reborn):
+            p.join(30)

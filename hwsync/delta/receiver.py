@@ -268,8 +268,12 @@ class Applying:
     def __init__(self, jobs: list[Future[None]], whole: list[tuple[str, torch.Tensor]], load: LoadFn | None) -> None:
         self._jobs, self._whole, self._load = jobs, whole, load
 
+    def wait(self) -> None:
+        """Wait for every apply to end, failed or not (their payloads are views of a buffer)."""
+        wait(self._jobs)
+
     def finish(self) -> None:
-        """Wait for every apply (failed or not: their payloads are views of a buffer), then load the whole tensors."""
+        """Wait for every apply, raise the first failure, then load the whole tensors."""
         jobs, self._jobs = self._jobs, []
         wait(jobs)
         errors = [job.exception() for job in jobs]

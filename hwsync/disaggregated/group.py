@@ -144,7 +144,7 @@ class SenderGroup:
         device = self.backend.device().torch_device()
         buffers = self._ensure_buffers(bucket_bytes)  # kept across syncs: no fresh pages to fault in per sync
         held: list[torch.Tensor | None] = list(buffers)  # a group larger than a bucket gets a buffer of its own
-        t_start, waited, sent = time.perf_counter(), 0.0, 0
+        t_start, waited, sent, broken = time.perf_counter(), 0.0, 0, False
         for g, n in enumerate(groups):
             items = list(itertools.islice(encoded, n))
             if len(items) != n:
@@ -155,6 +155,7 @@ class SenderGroup:
             j = g % self.num_buffers
             waited += self._wait([j], f"waiting for this rank's broadcast from buffer {j}")
             if self._inflight[j] is not None:
+                broken = True
                 break  # this rank's broadcast failed: the control plane ends the sync
             buffer = held[j] if sum(sizes) <= bucket_bytes else None
             if buffer is None:
@@ -168,7 +169,7 @@ class SenderGroup:
             self._inflight[j] = g
             self.worker.submit(("bcast", g, j), self._broadcast_all, pieces)
             sent += at + words.numel() * words.element_size()
-        if next(encoded, None) is not None:
+        if not broken and next(encoded, None) is not None:
             raise ManifestError(f"the source has more tensors than the {sum(groups)} the manifest announced")
         waited += self._wait(list(range(self.num_buffers)), "waiting for this rank's last broadcasts")
         stats.pack_s += time.perf_counter() - t_start - waited

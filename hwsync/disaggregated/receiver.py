@@ -264,10 +264,24 @@ class CrossNodeReceiver:
         applying: list[Applying] = []
         self._groups_in = set()
         self._data = [time.monotonic(), 0.0, float(plan.total_bytes)]
-        starts = [sum(groups[:g]) for g in range(len(groups) + 1)]
         words = [torch.empty(WORDS_PER_HEADER * n, dtype=torch.int64, device=device) for n in groups]
         if groups:
             self._post_group(("words", 0), [words[0]])
+        try:
+            self._receive_groups(plan, groups, apply, stats, slots, words, applying)
+        finally:  # failed or not, no apply may still read a buffer the next sync receives into
+            for pending in applying:
+                pending.wait()
+        t0 = time.perf_counter()
+        while applying:
+            applying.pop(0).finish()
+        stats.load_s += time.perf_counter() - t0
+
+    def _receive_groups(self, plan: CollectivePlan, groups: list[int], apply: ApplyDelta, stats: SyncStats,
+                        slots: list[torch.Tensor], words: list[torch.Tensor], applying: list[Applying]) -> None:
+        """Each group's descriptor, then its payloads, then its applies started (`applying`, in group order)."""
+        device = slots[0].device
+        starts = [sum(groups[:g]) for g in range(len(groups) + 1)]
         for g, n in enumerate(groups):
             t0 = time.perf_counter()
             self._await(("words", g), f"waiting for the descriptor of delta group {g} of {len(groups)}")
@@ -300,10 +314,6 @@ class CrossNodeReceiver:
             stats.tensors += n
             stats.bytes += total + words[g].numel() * words[g].element_size()
             self._data[1] += sum(spec.nbytes for spec in specs)
-        t0 = time.perf_counter()
-        while applying:
-            applying.pop(0).finish()
-        stats.load_s += time.perf_counter() - t0
 
     def _post_group(self, key: tuple[str, int], pieces: list[torch.Tensor],
                     then: tuple[torch.Tensor, ...] = ()) -> None:
