@@ -3,7 +3,8 @@
 Two striped sender ranks (rank 0 here, rank 1 spawned) and two spawned receivers that hold the model in
 bf16 (they say so) and receive into it; the trainer keeps fp32 masters. Every sync after the first is a
 delta that sender 0 sends alone; the receivers stay bit-exact with the engine loader's own cast; a
-receiver whose copy changed behind hwsync's back fails the check and the next sync is full again.
+receiver whose copy changed behind hwsync's back fails the check and the next sync is full again. A
+receiver killed while a delta's groups stream leaves the other one incomplete; the next sync is full and exact.
 """
 
 from __future__ import annotations
