@@ -9,8 +9,9 @@ the step), over the cross-node path (CrossNodeSender / CrossNodeReceiver, gloo) 
 rate-limited link. Printed per (LR, link): the density each step produced, bytes on the
 wire, seconds per sync, each against the link's line rate, and the delta's two floors: its bytes at
 the line rate, and one read of the new tensors and of the baseline at the single-thread copy speed
-measured in the same process; the diff's own seconds (what a delta costs the trainer per sync, on
-either path: the same encode). Needs root (the bed); `--json` for a machine-readable report.
+measured in the same process; the diff's seconds (what the trainer waited for its encode). Every sync
+also goes to a WeightReceiver process on the trainer's host (WeightSender, the same-host path, whose
+encode runs up front): its seconds and its diff's. Needs root (the bed); `--json` for a machine-readable report.
 """
 
 from __future__ import annotations
@@ -66,11 +67,17 @@ def copy_gbps(nbytes: int = 1 << 30, repeat: int = 3) -> float:
 
 def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, lr: float, steps: int,
             timeout_s: float) -> dict[str, Any]:
-    """The trainer host: trains and syncs; every sync's stats, the densities and the copy speed (JSON)."""
+    """The trainer host: trains and syncs; every sync's stats, the densities and the copy speed (JSON).
+
+    Each sync goes twice: across the link (CrossNodeSender, the engine host's CrossNodeReceiver) and on this
+    host (WeightSender, a WeightReceiver process beside it): what the diff costs on the same-host path.
+    """
+    import multiprocessing
+
     import torch
     from transformers import LlamaForCausalLM
 
-    from hwsync import CrossNodeSender
+    from hwsync import CrossNodeSender, WeightSender
     from hwsync.delta import encode
 
     encode(torch.ones(1 << 16), torch.zeros(1 << 16, dtype=torch.bfloat16))  # compile (or load) the host kernels now
@@ -78,19 +85,25 @@ def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, 
     model = LlamaForCausalLM(_config(hidden, layers))
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     params = sum(p.numel() for p in model.parameters())
-    out: dict[str, Any] = {"params": params, "copy_gbps": copy_gbps(), "syncs": []}
+    out: dict[str, Any] = {"params": params, "copy_gbps": copy_gbps(), "syncs": [], "colocated": []}
+    syncs = 1 + steps + FULL_SYNCS
     with CrossNodeSender(endpoint, num_receivers=1, group_host=address, timeout_s=timeout_s,
-                         secret_key=secret) as sender:
+                         secret_key=secret) as sender, WeightSender(timeout_s=timeout_s) as local:
+        beside = multiprocessing.get_context("spawn").Process(
+            target=engine, args=(None, hidden, layers, syncs, timeout_s, local.endpoint), daemon=True)
+        beside.start()
+
         def sync(step: int, version: int, delta: bool) -> None:
-            t0 = time.perf_counter()
-            stats = sender.send(list(model.state_dict().items()), version=version, delta=delta)
-            note = stats.notes.get("delta", {})
-            peer = (stats.peer or {}).get("receivers", [{}])[0]
-            out["syncs"].append({"step": step, "mode": note.get("mode"), "seconds": time.perf_counter() - t0,
-                                 "bytes": stats.bytes, "density": note.get("density"), "diff_s": note.get("diff_s"),
-                                 "apply_s": stats.load_s, "wait_s": stats.wait_s, "pack_s": stats.pack_s,
-                                 "baseline_bytes": note.get("baseline_bytes"), "reason": note.get("reason"),
-                                 "check": peer.get("notes", {}).get("delta_check")})
+            for path, tx in (("syncs", sender), ("colocated", local)):
+                t0 = time.perf_counter()
+                stats = tx.send(list(model.state_dict().items()), version=version, delta=delta)
+                note = stats.notes.get("delta", {})
+                peer = (stats.peer or {}).get("receivers", [{}])[0]
+                out[path].append({"step": step, "mode": note.get("mode"), "seconds": time.perf_counter() - t0,
+                                  "bytes": stats.bytes, "density": note.get("density"), "diff_s": note.get("diff_s"),
+                                  "apply_s": stats.load_s, "wait_s": stats.wait_s, "pack_s": stats.pack_s,
+                                  "baseline_bytes": note.get("baseline_bytes"), "reason": note.get("reason"),
+                                  "check": peer.get("notes", {}).get("delta_check")})
 
         sync(0, 0, True)  # the first: full, it makes the baseline
         for step in range(1, steps + 1):
@@ -102,16 +115,19 @@ def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, 
             sync(step, step, True)
         for extra in range(FULL_SYNCS):
             sync(steps, steps + 1 + extra, False)
+        beside.join(timeout_s)
     out["new_bytes"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return out
 
 
-def engine(endpoint: str, hidden: int, layers: int, syncs: int, timeout_s: float) -> dict[str, Any]:
-    """The engine host: holds the model in bf16 and receives `syncs` syncs into it."""
+def engine(endpoint: str | None, hidden: int, layers: int, syncs: int, timeout_s: float,
+           local: str | None = None) -> dict[str, Any]:
+    """The engine: holds the model in bf16 and receives `syncs` syncs into it, from across the link (`endpoint`)
+    or from a sender on this host (`local`: a WeightSender's endpoint)."""
     import torch
     from transformers import LlamaForCausalLM
 
-    from hwsync import CrossNodeReceiver
+    from hwsync import CrossNodeReceiver, WeightReceiver
     from hwsync.casting import engine_dtypes
     from hwsync.delta import apply_into, encode
 
@@ -123,7 +139,9 @@ def engine(endpoint: str, hidden: int, layers: int, syncs: int, timeout_s: float
     held = {name: torch.empty(t.shape, dtype=torch.bfloat16) for name, t in shapes.items()}
     state = {"dtypes": engine_dtypes(held.items())}
     seconds = []
-    with CrossNodeReceiver(endpoint, rank=0, timeout_s=timeout_s) as receiver:
+    receiver = WeightReceiver(local, timeout_s=timeout_s) if local else \
+        CrossNodeReceiver(str(endpoint), rank=0, timeout_s=timeout_s)
+    with receiver:
         for _ in range(syncs):
             stats = receiver.receive(into=lambda name, dtype, shape: held.get(name), state=state)
             seconds.append(stats.total_s)
@@ -161,7 +179,12 @@ def _summary(run: dict[str, Any], rate_bps: float) -> dict[str, Any]:
     full_s = statistics.median(f["seconds"] for f in fulls) if fulls else None
     delta_s = statistics.median(d["seconds"] for d in deltas) if deltas else None
     full_bytes = fulls[0]["bytes"] if fulls else None
+    near = run.get("colocated", [])
+    near_fulls = [s["seconds"] for s in near if s["mode"] == "full" and s["step"] > 0]
+    colocated = {"deltas": [s for s in near if s["mode"] == "delta"],
+                 "full_s": statistics.median(near_fulls) if near_fulls else None}
     return {"params": run["params"], "copy_gbps": run["copy_gbps"], "deltas": rows, "fulls": fulls,
+            "colocated": colocated,
             "full_s": full_s, "full_bytes": full_bytes, "delta_s": delta_s,
             "speedup": full_s / delta_s if full_s and delta_s else None,
             "full_vs_line": full_bytes / full_s / line if full_bytes and full_s else None}
@@ -204,3 +227,10 @@ def _print(r: dict[str, Any]) -> None:
               f"{d['vs_floor']:>7.2f}x  {d.get('check') or '-'}")
     if r["speedup"]:
         print(f"   delta sync {r['speedup']:.1f}x faster than a full sync (medians)")
+    near = r["colocated"]
+    if near["deltas"]:
+        full = f"{near['full_s']:.3f} s" if near["full_s"] else "-"
+        print(f"   same host (WeightSender to a WeightReceiver process beside it; a full sync {full}):")
+        print("   step   delta s   diff s   wire MB")
+        for d in near["deltas"]:
+            print(f"   {d['step']:>4}  {d['seconds']:>8.3f}  {d['diff_s']:>7.3f}  {d['bytes'] / 1e6:>8.2f}")
