@@ -95,6 +95,9 @@ def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, 
 
         def sync(step: int, version: int, delta: bool) -> None:
             for path, tx in (("syncs", sender), ("colocated", local)):
+                # the other sender's last baseline writes end first (reading the size waits for them): the two
+                # paths' costs do not overlap
+                out["baselines_bytes"] = sender.delta_baseline_bytes + local.delta_baseline_bytes
                 t0 = time.perf_counter()
                 stats = tx.send(list(model.state_dict().items()), version=version, delta=delta)
                 note = stats.notes.get("delta", {})
