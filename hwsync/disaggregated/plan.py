@@ -88,12 +88,11 @@ def assign_owners(sizes: list[int], num_senders: int) -> list[int]:
     return owners
 
 
-def make_plan(manifest: list[TensorSpec], bucket_bytes: int, num_senders: int, owner: int | None = None
-              ) -> CollectivePlan:
-    """The whole plan of one sync (called on sender rank 0 only, then announced); `owner`: one sender sends all."""
+def make_plan(manifest: list[TensorSpec], bucket_bytes: int, num_senders: int) -> CollectivePlan:
+    """The whole plan of one sync (called on sender rank 0 only, then announced)."""
     layout = pack_layout(manifest, bucket_bytes)
     sizes = [bucket.nbytes for bucket in layout]
-    owners = assign_owners(sizes, num_senders) if owner is None else [owner] * len(sizes)
+    owners = assign_owners(sizes, num_senders)
     buckets = [BucketSpec(owner, bucket.nbytes, tuple(bucket.entries)) for owner, bucket in zip(owners, layout)]
     return CollectivePlan(bucket_bytes, num_senders, list(manifest), buckets)
 

@@ -207,15 +207,20 @@ class CrossNodeReceiver:
             assert comm is not None and self._worker is not None
             self._worker.submit(("recv", k, s, j), comm.broadcast, self._buffers[s][j][:nbytes], 0)
 
-    def _stream(self, plan: CollectivePlan, load: LoadFn | None, into: IntoFn | None, stats: SyncStats) -> None:
-        """Post each sender's broadcasts ahead and load buckets in plan order as they land."""
-        if plan.num_senders != len(self._comms):
-            raise SyncError(f"the plan has {plan.num_senders} senders but this rank joined {len(self._comms)} groups")
+    def _ensure_buffers(self, plan: CollectivePlan) -> list[list[torch.Tensor]]:
+        """`num_buffers` receive buffers of a bucket per sender of the plan, kept while the geometry holds."""
         if not self._buffers or self._buffers[0][0].numel() != plan.bucket_bytes or \
                 len(self._buffers) != plan.num_senders:
             device = self.backend.device().torch_device()
             self._buffers = [[torch.empty(plan.bucket_bytes, dtype=torch.uint8, device=device)
                               for _ in range(self.num_buffers)] for _ in range(plan.num_senders)]
+        return self._buffers
+
+    def _stream(self, plan: CollectivePlan, load: LoadFn | None, into: IntoFn | None, stats: SyncStats) -> None:
+        """Post each sender's broadcasts ahead and load buckets in plan order as they land."""
+        if plan.num_senders != len(self._comms):
+            raise SyncError(f"the plan has {plan.num_senders} senders but this rank joined {len(self._comms)} groups")
+        self._ensure_buffers(plan)
         queues = [plan.owned_by(s) for s in range(plan.num_senders)]
         free = [list(range(self.num_buffers)) for _ in range(plan.num_senders)]
         self._arrived = {}
@@ -257,10 +262,7 @@ class CrossNodeReceiver:
         if len(self._comms) < 1:
             raise SyncError("a delta sync comes from sender 0, but this rank joined no group")
         device = self.backend.device().torch_device()
-        if not self._buffers or self._buffers[0][0].numel() != plan.bucket_bytes:
-            self._buffers = [[torch.empty(plan.bucket_bytes, dtype=torch.uint8, device=device)
-                              for _ in range(self.num_buffers)] for _ in range(max(1, len(self._comms)))]
-        slots = self._buffers[0]  # kept across syncs: no fresh pages to fault in per sync
+        slots = self._ensure_buffers(plan)[0]  # sender 0's, kept across syncs: no fresh pages to fault in per sync
         applying: list[Applying] = []
         self._groups_in = set()
         self._data = [time.monotonic(), 0.0, float(plan.total_bytes)]
