@@ -145,6 +145,7 @@ def _dying_receiver(endpoint: str, out, rank: int, die_at: int | None, steps: li
 
 @pytest.mark.cpu_is_enough("a killed peer mid-sync is process and socket logic")
 def test_a_receiver_killed_mid_streamed_delta_and_the_next_sync_is_full_and_exact(backend):
+    need_devices(backend, 3)  # sender 0 and two receivers, a device each (NCCL refuses two ranks on one GPU)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with CrossNodeSender(f"tcp://{HOST}:0", num_receivers=2, group_host=HOST, timeout_s=TIMEOUT,
