@@ -70,8 +70,8 @@ def test_mapped_device_tensors_sync_bit_exact_across_steps_copying_each_byte_onc
                 assert stats.buckets > 0 and "mapped" not in stats.notes
                 continue
             assert stats.notes["mapped"]["tensors"] == n and stats.buckets == 0, "every tensor went by reference"
-            if version == 0:
-                assert stats.notes["mapped"]["exports"] == n
+            if version == 0:  # one export per allocator segment: the sim gives each parameter its own, CUDA packs them
+                assert 1 <= stats.notes["mapped"]["exports"] <= n
             else:
                 assert "exports" not in stats.notes["mapped"], "exported again"
             if not counts:
