@@ -8,10 +8,12 @@ the tensor the sender holds; a payload is applied only when the sync's declared 
 receiver holds, then the result's digest is compared with the sender's, which fails the sync on a
 mismatch (DeltaCheckError, reported to the sender; the next sync is full).
 
-How the digest is taken: where the receiver knows the digest of what it holds (it checked the tensor at
-an earlier delta) and the delta is sparse (at most 1 in CHANGED_CHECK_RATIO elements), from the changed
-elements alone: the digest is linear, so the held digest plus the terms of the values found at the changed
-positions and of the values written is the result's (patch.apply_into(gain=True)); that catches a wrong
+How the digest is taken: on the host, where the receiver knows the digest of what it holds (it checked the
+tensor at an earlier delta) and the delta is sparse (at most 1 in CHANGED_CHECK_RATIO elements), from the
+changed elements alone (on an H100 the torch ops of that path took 47 ms for 268M elements at 2% changed,
+a whole digest 3.7 ms: a device digests whole): the digest is linear, so the held digest plus the terms of
+the values found at the changed positions and of the values written is the result's
+(patch.apply_into(gain=True)); that catches a wrong
 base or a corrupted payload at any changed element, at a cost that scales with the changes, not the model.
 Otherwise, and at every HWSYNC_DELTA_FULL_CHECK_EVERY-th delta sync (default 8; 1: always), the whole
 tensor is digested, which also catches a byte changed behind hwsync's back where no delta wrote.
@@ -165,8 +167,8 @@ class ReceiverDeltas:
         payload = payload.to(result.device)
         if held is not None and header.code == SAME:
             ok, how = held == header.digest, "the digest it held (nothing changed)"
-        elif held is not None and header.code in (BLOCKS, BITMAP) and \
-                header.count * CHANGED_CHECK_RATIO <= header.numel:
+        elif held is not None and header.code in (BLOCKS, BITMAP) and result.device.type == "cpu" and \
+                header.count * CHANGED_CHECK_RATIO <= header.numel:  # on a GPU a whole digest is the cheaper
             gain = apply_into(result, header, payload, name=name, gain=True)
             ok, how = gain is not None and (held + gain) % (1 << 64) == header.digest, "its changed elements"
         else:
