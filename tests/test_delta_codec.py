@@ -122,6 +122,31 @@ def test_fp32_masters_cast_exactly_as_the_loaders_copy(engine, target):
     assert delta.header.digest == tensor_digest(loaded)
 
 
+def test_the_compiled_cast_gives_torchs_bits_and_hands_nans_to_torch():
+    """The encode threads cast fp32 to bfloat16 in the compiled kernel: every non-NaN bit pattern as torch rounds it
+    (ties to even, subnormals, overflow to inf, -0.0), and a chunk with a NaN is reported so torch casts it."""
+    if native.cast_bf16() is None:
+        pytest.skip("numba is not installed here, or its cast differs from this torch's: torch casts")
+    cast = native.cast_bf16()
+    gen = torch.Generator().manual_seed(3)
+    bits = torch.randint(-(1 << 31), 1 << 31, (1 << 20,), dtype=torch.int64, generator=gen).to(torch.int32)
+    ties = torch.arange(1 << 16, dtype=torch.int32) << 16 | 0x8000  # every upper half, exactly half-way
+    for t in (bits, ties):
+        t[(t & 0x7FFFFFFF) > 0x7F800000] &= -0x800000  # no NaN: each becomes an infinity of its sign
+    for src in (bits, ties, bits[:7]):
+        out = torch.empty(src.numel(), dtype=torch.bfloat16)
+        assert not cast(src.numpy().view("uint32"), out.view(torch.int16).numpy().view("uint16"))
+        assert torch.equal(out.view(torch.int16), src.view(torch.float32).to(torch.bfloat16).view(torch.int16))
+    with_nan = bits.clone()
+    with_nan[12345] = 0x7FC00001
+    assert cast(with_nan.numpy().view("uint32"), torch.empty(with_nan.numel(), dtype=torch.int16).numpy())
+    master = with_nan.view(torch.float32)  # through the encoder: the chunk with the NaN is cast by torch
+    base = torch.zeros(master.numel(), dtype=torch.bfloat16)
+    delta = DeltaEncoder(**SMALL).encode(master, base)
+    assert torch.equal(_bits(apply_to_copy(base, delta.header, delta.payload)), _bits(to_engine_dtype(master,
+                                                                                                     torch.bfloat16)))
+
+
 # (exponent bits, mantissa width) of each float format: a NaN has every exponent bit and a non-zero mantissa
 _NAN = {torch.bfloat16: (0x7F80, 7), torch.float16: (0x7C00, 10), torch.float32: (0x7F800000, 23),
         torch.float64: (0x7FF0000000000000, 52)}

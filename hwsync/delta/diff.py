@@ -79,7 +79,8 @@ class _Scan:
     counts: list[torch.Tensor] = field(default_factory=list)
     offsets: list[torch.Tensor] = field(default_factory=list)
     values: list[torch.Tensor] = field(default_factory=list)
-    packed: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+    #: the change bits, or None where the scan made none (the host kernel: built from the block code if needed)
+    packed: torch.Tensor | None = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
 
 
 class _Scratch:
@@ -91,7 +92,8 @@ class _Scratch:
         self.mask = torch.empty(elems, dtype=torch.bool, device=device)
         self.words = torch.empty(elems // 8, dtype=torch.int64, device=device)
         self.cast = torch.empty(elems, dtype=dtype, device=device)
-        self.positions = torch.empty(elems, dtype=torch.int64, device=device)
+        self.offsets = torch.empty(elems, dtype=torch.int16, device=device)
+        self.dirty = torch.empty(native.DIRTY_RUN, dtype=torch.int64, device=device)
         self.packed = torch.empty(0, dtype=torch.uint8, device=device)
 
     def bits_for(self, numel: int) -> torch.Tensor:
@@ -131,15 +133,26 @@ class DeltaEncoder:
 
     def _chunks(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
                 s: _Scratch, span0: int, span1: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """(start, new chunk, baseline chunk) as integers, the new one cast to the engine's dtype in cache."""
+        """(start, new chunk, baseline chunk) as integers, the new one cast to the engine's dtype in cache.
+
+        On the host an fp32 chunk for a bfloat16 engine is cast by the compiled kernel where it gives torch's
+        bits (native.cast_bf16): one thread, as the encode threads are (torch's op would start its own threads
+        inside each); a chunk with a NaN is cast by torch, whose NaN bits the kernel does not model.
+        """
+        fast = None
+        if not direct and new_flat.dtype == torch.float32 and s.cast.dtype == torch.bfloat16 \
+                and new_flat.device.type == "cpu" and self.engine != "torch":
+            fast = native.cast_bf16()
         for start in range(span0, span1, self.chunk_elems):
             stop = min(span1, start + self.chunk_elems)
             if direct:
                 yield start, new_flat[start:stop].view(ints), base_i[start:stop]
-            else:
-                a = s.cast[: stop - start]
+                continue
+            a = s.cast[: stop - start]
+            if fast is None or fast(new_flat[start:stop].detach().view(torch.int32).numpy().view("uint32"),
+                                    a.view(torch.int16).numpy().view("uint16")):
                 a.copy_(new_flat[start:stop])
-                yield start, a.view(ints), base_i[start:stop]
+            yield start, a.view(ints), base_i[start:stop]
 
     def _scan_native(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
                      s: _Scratch, cap: int, digest: bool) -> _Scan | None:
@@ -148,31 +161,32 @@ class DeltaEncoder:
         assert scan is not None
         keys = dg.key_table("col", base_i.device, 1 << 16).numpy()
         rows = dg.key_table("row", base_i.device, ((n * size + 3) // 4 >> 16) + 1).numpy()
-        pos, val = s.positions.numpy(), s.xor.numpy()
+        offsets, val, dirty = s.offsets.numpy(), s.xor.numpy(), s.dirty.numpy()
         counts = torch.zeros(blocks(n), dtype=torch.int64)
-        out = _Scan(counts=[counts], packed=s.bits_for(n).zero_())
+        out = _Scan(counts=[counts], packed=None)
         for start, a, b in self._chunks(new_flat, base_i, ints, direct, s, 0, n):
             an, bn = a.numpy(), b.numpy()
-            k, gain = scan(an, bn, native.words(an), native.words(bn), start, pos, val, counts.numpy(),
-                           out.packed.numpy(), keys, rows, digest)
+            k, gain = scan(an, bn, native.words(an), native.words(bn), start, offsets, val, counts.numpy(), dirty,
+                           keys, rows, digest)
             out.found += k
             if out.found >= cap:
                 return None
             if k:
                 out.gained += int(gain) % (1 << 64)
                 out.values.append(s.xor[:k].clone())
-                out.offsets.append(s.positions[:k].to(torch.int16))
+                out.offsets.append(s.offsets[:k].clone())
         return out
 
     def _scan_torch(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
                     s: _Scratch, cap: int, digest: bool) -> _Scan | None:
         n = base_i.numel()
-        out = _Scan(packed=s.bits_for(n))
+        packed = s.bits_for(n)
+        out = _Scan(packed=packed)
         for span0 in range(0, n, self.span_elems):
             span1 = min(n, span0 + self.span_elems)
             for start, a, b in self._chunks(new_flat, base_i, ints, direct, s, span0, span1):
-                self._pack_changes(a, b, out.packed[start // 8:], s)
-            pos = bits.set_positions(out.packed.view(torch.int64)[span0 // 64: (span1 + 63) // 64]).add_(span0)
+                self._pack_changes(a, b, packed[start // 8:], s)
+            pos = bits.set_positions(packed.view(torch.int64)[span0 // 64: (span1 + 63) // 64]).add_(span0)
             out.found += pos.numel()
             if out.found >= cap:
                 return None
@@ -244,7 +258,13 @@ class DeltaEncoder:
             at = pad8(at + 2 * k)
         else:
             at = pad8((n + 7) // 8)
-            payload[:at].copy_(found.packed)  # the bits as the scan packed them, zero past the last element
+            if found.packed is not None:
+                payload[:at].copy_(found.packed)  # the bits as the scan packed them, zero past the last element
+            else:
+                mark = native.mark_bits()
+                assert mark is not None
+                payload[:at].zero_()
+                mark(counts.numpy(), torch.cat(found.offsets).numpy(), payload[:at].numpy())
         torch.cat(found.values, out=payload[at:].view(ints))
         return Delta(DeltaHeader(code, wire, n, k, new_digest), payload, k)
 
