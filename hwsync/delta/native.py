@@ -140,7 +140,7 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
             u = src[i]
             top = max(top, u & np.uint32(0x7FFFFFFF))  # a max, not a flag: it keeps the loop vectorised
             out[i] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-        return top > np.uint32(0x7F800000)
+        return top > np.uint32(0x7F800000)  # type: ignore[return-value]  # numba returns a bool
 
     @numba.njit(nogil=True, cache=True)
     def scatter_bits(packed: Any, values: Any, dest: Any, keys: Any, rows: Any, digest: bool) -> tuple[int, int]:
@@ -209,7 +209,7 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
     scans = {1: scan1, 2: scan2, 4: scan4, 8: scan8}
 
     def scan_any(a: Any, *rest: Any) -> tuple[int, int]:
-        return scans[a.itemsize](a, *rest)  # type: ignore[no-any-return]
+        return scans[a.itemsize](a, *rest)
 
     return scan_any, scatter_bits, digest_lanes, scatter_blocks, mark_bits, cast_bf16
 

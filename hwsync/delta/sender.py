@@ -18,9 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import time
-from collections import deque
-from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,9 +26,10 @@ from typing import Any
 import torch
 
 from hwsync.casting import EngineDtypes
+from hwsync.delta.ahead import EncodeAhead, Job
 from hwsync.delta.diff import Delta, encode, to_engine_dtype
 from hwsync.delta.digest import tensor_digest
-from hwsync.delta.header import CODES, DENSE, DeltaHeader
+from hwsync.delta.header import DENSE, DeltaHeader
 from hwsync.delta.patch import advance
 from hwsync.devices import DeviceOwner
 from hwsync.errors import ManifestError
@@ -61,7 +60,7 @@ class Prepared:
     wire: dict[str, Any] | None
     deltas: dict[str, Delta] = field(default_factory=dict)
     #: a streamed delta: each target's (spec, delta) in order, encoded as it is asked for
-    encoded: Generator[tuple[TensorSpec, Delta], None, None] | None = None
+    encoded: EncodeAhead | None = None
 
     @property
     def is_delta(self) -> bool:
@@ -203,10 +202,10 @@ class SenderDeltas:
             if targets is None:
                 raise ValueError("a streamed delta sync needs the manifest before the first tensor")
             prepared = Prepared(None, None, targets, wire)
-            prepared.encoded = self._encoded(pairs, dtypes, note, prepared, targets)
+            prepared.encoded = self._ahead(pairs, dtypes, note, prepared, targets)  # the encodes start now
             return prepared
         prepared = Prepared(None, [], [], wire)
-        found = list(self._encoded(pairs, dtypes, note, prepared, None))
+        found = list(self._ahead(pairs, dtypes, note, prepared, None))
         assert prepared.stream_manifest is not None and prepared.targets is not None
         prepared.source = [(spec.name, delta.payload) for spec, delta in found]
         prepared.stream_manifest += [TensorSpec(spec.name, "uint8", (delta.payload.numel(),)) for spec, delta in found]
@@ -214,54 +213,24 @@ class SenderDeltas:
         wire["headers"] = [delta.header.to_wire() for _, delta in found]
         return prepared
 
-    def _encoded(self, pairs: NamedTensors, dtypes: EngineDtypes, note: dict[str, Any], prepared: Prepared,
-                 targets: list[TensorSpec] | None) -> Generator[tuple[TensorSpec, Delta], None, None]:
-        """Each tensor's (target, delta) in source order, encoded a few tensors ahead of the caller.
+    def _ahead(self, pairs: NamedTensors, dtypes: EngineDtypes, note: dict[str, Any], prepared: Prepared,
+               targets: list[TensorSpec] | None) -> EncodeAhead:
+        """Each tensor's (target, delta) in source order, the encodes started now and run ahead of the reader."""
+        return EncodeAhead(self._jobs(pairs, dtypes, targets), self._encoders(), prepared.deltas, note,
+                           expected=None if targets is None else len(targets), min_jobs=2 * self.threads)
 
-        Tensors are taken from the source in order on this thread (a DTensor gathers here); each is encoded on one
-        of `threads` threads: the host kernel and torch's ops release the GIL, so they run side by side. `note`
-        (the sync's stats) is kept current: diff_s counts only the time the caller waited for encodes.
-        """
-        note.update(diff_s=0.0, density=0.0, wire_bytes=0, codes=dict.fromkeys(CODES, 0))
-        changed = total = 0
-        window: deque[tuple[TensorSpec, Future[Delta]]] = deque()
-        pool = self._encoders()
-        try:
-            taken = enumerate(pairs)
-            exhausted = False
-            while True:
-                t0 = time.perf_counter()
-                while not exhausted and len(window) < 2 * self.threads:
-                    step = next(taken, None)
-                    if step is None:
-                        exhausted = True
-                        break
-                    name, tensor = named_tensor(*step)
-                    spec = self._target_spec(step[0], name, tensor, dtypes, targets)
-                    base = self._tensors.get(name)
-                    target_dtype = dtype_from_name(spec.dtype)
-                    if base is None or base.shape != tensor.shape or base.dtype != target_dtype:
-                        job = pool.submit(dense, tensor, target_dtype)  # new to the baseline (or reshaped): no patch
-                    else:
-                        job = pool.submit(encode, tensor, base, base_digest=self._digests.get(name), name=name)
-                    window.append((spec, job))
-                if not window:
-                    break
-                spec, job = window.popleft()
-                found = job.result()
-                prepared.deltas[spec.name] = found
-                changed += found.changed if found.changed is not None else found.header.numel
-                total += found.header.numel
-                note["codes"][found.header.code] += 1
-                note.update(diff_s=note["diff_s"] + time.perf_counter() - t0, density=changed / total if total else 0.0,
-                            wire_bytes=note["wire_bytes"] + found.payload.numel())
-                yield spec, found
-        finally:
-            for _, job in window:  # a sync that ended early: what was not started is not
-                job.cancel()
-        if targets is not None and len(prepared.deltas) != len(targets):
-            raise ManifestError(f"the source gave {len(prepared.deltas)} tensors, the manifest announced "
-                                f"{len(targets)}; a delta sync sends exactly the announced tensors")
+    def _jobs(self, pairs: NamedTensors, dtypes: EngineDtypes, targets: list[TensorSpec] | None) -> Iterator[Job]:
+        """Each tensor's encode, taken from the source as the encodes ask for it (on the calling thread: a DTensor
+        gathers here); the host kernel and torch's ops release the GIL, so the encodes run side by side."""
+        for position, item in enumerate(pairs):
+            name, tensor = named_tensor(position, item)
+            spec = self._target_spec(position, name, tensor, dtypes, targets)
+            base = self._tensors.get(name)
+            target_dtype = dtype_from_name(spec.dtype)
+            if base is None or base.shape != tensor.shape or base.dtype != target_dtype:
+                yield spec, dense, (tensor, target_dtype)  # new to the baseline (or reshaped): no patch
+            else:
+                yield spec, _encode, (tensor, base, self._digests.get(name), name)
 
     def _encoders(self) -> ThreadPoolExecutor:
         """The encode threads, kept across syncs (each keeps its chunk buffers: no fresh pages per sync), on the
@@ -362,6 +331,11 @@ class SenderDeltas:
         if freed:
             log.info("hwsync: delta baseline dropped: %.1f MB freed", freed / 1e6)
         return freed
+
+
+def _encode(tensor: torch.Tensor, base: torch.Tensor, base_digest: int | None, name: str) -> Delta:
+    """One tensor against its baseline (an encode thread's job)."""
+    return encode(tensor, base, base_digest=base_digest, name=name)
 
 
 def _advance_all(moves: list[tuple[str, torch.Tensor, Delta]], tensors: Mapping[str, torch.Tensor],
