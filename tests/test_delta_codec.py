@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from hwsync.delta import BITMAP, BLOCK, BLOCKS, DENSE, SAME, DeltaEncoder, DeltaHeader, advance, apply_into, \
+from hwsync.delta import BITMAP, BLOCK, BLOCKS, DENSE, SAME, STEPS, DeltaEncoder, DeltaHeader, advance, apply_into, \
     apply_to_copy, encode, native, payload_bytes, smallest_code, tensor_digest, to_engine_dtype, verify
 
 INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -52,6 +52,27 @@ def _changed(base: torch.Tensor, density: float, gen: torch.Generator) -> torch.
     return new
 
 
+def _far(base: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
+    """`base` with about `density` of its elements' bit patterns replaced by random ones (far from the old)."""
+    new = base.clone()
+    mask = (torch.rand(base.shape, generator=gen) < density).view(-1)
+    flat = _bits(new)
+    flat[mask] = torch.randint(-(1 << 15), 1 << 15, (int(mask.sum()),), generator=gen).to(flat.dtype) ^ 0x5A5A
+    return new
+
+
+def _step_units(new: torch.Tensor, base: torch.Tensor) -> int | None:
+    """The step code's count for 2-byte elements, computed the plain way: a unit per change, a filler per 255
+    elements of a longer step, a raw value per difference outside -127..127."""
+    if base.element_size() != 2:
+        return None
+    a, b = _bits(to_engine_dtype(new, base.dtype)).to(torch.int32), _bits(base).to(torch.int32)
+    pos = torch.nonzero(a != b).view(-1)
+    distance = torch.diff(pos, prepend=torch.tensor([-1]))
+    diff = a[pos] - b[pos]
+    return int(pos.numel() + ((distance - 1) // 255).sum() + ((diff < -127) | (diff > 127)).sum())
+
+
 def _round_trip(new: torch.Tensor, base: torch.Tensor, **encoder) -> DeltaHeader:
     """Encode with and without the baseline's digest, apply three ways, check everything; the header."""
     enc = DeltaEncoder(**encoder)
@@ -83,10 +104,63 @@ def test_round_trip_is_exact_and_picks_the_smallest_code(engine, dtype, density)
     header = _round_trip(new, base, **SMALL)
     changed = int((_bits(new) != _bits(base)).sum())
     size = dtype.itemsize
-    assert header.code == smallest_code(base.numel(), changed, size)
-    assert header.count == (base.numel() if header.code == DENSE else changed)
+    units = _step_units(new, base)
+    assert header.code == smallest_code(base.numel(), changed, size, units)
+    assert header.count == {DENSE: base.numel(), STEPS: units}.get(header.code, changed)
     chosen = payload_bytes(header.code, base.numel(), header.count, size)
     assert all(chosen <= payload_bytes(c, base.numel(), changed, size) for c in (DENSE, BLOCKS, BITMAP) if changed)
+    assert size != 2 or not changed or chosen <= payload_bytes(STEPS, base.numel(), units, size)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_the_step_code_at_its_edges(engine, dtype):
+    """Steps of exactly 255, 256, 510 and 511 (fillers), a change at the first and the last element, across chunk
+    ends (a long unchanged stretch over several), sign flips, NaN and -0.0 (escapes): exact, and the same bytes
+    from both engines."""
+    gen = torch.Generator().manual_seed(11)
+    n = 5 * (1 << 16) + 77
+    base = _random(n, dtype, gen)
+    new = _changed(base, 0.03, gen)
+    flat = _bits(new)
+    flat[(1 << 16) - 300: 3 * (1 << 16) + 5] = _bits(base)[(1 << 16) - 300: 3 * (1 << 16) + 5]  # 2 chunks unchanged
+    at = 4 * (1 << 16)
+    flat[at: at + 2000] = _bits(base)[at: at + 2000]
+    for p in (at, at + 255, at + 511, at + 1021, at + 1532):  # steps of 255, 256, 510, 511
+        flat[p] ^= 1
+    flat[0] ^= 1
+    flat[n - 1] ^= 1
+    new.view(-1)[[10, 20, 30, 40]] = torch.tensor([float("nan"), -0.0, 1e30, -1e30]).to(dtype)
+    header = _round_trip(new, base, **SMALL)
+    assert header.code == STEPS and header.count == _step_units(new, base)
+    if engine == "numba":
+        plain = DeltaEncoder(engine="torch", **SMALL).encode(new, base)
+        compiled = DeltaEncoder(engine="numba", **SMALL).encode(new, base)
+        assert compiled.header == plain.header and torch.equal(compiled.payload, plain.payload)
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda p, u: p[8:10].view(torch.int16).fill_(0x0300), "filler"),  # a filler with a difference
+    (lambda p, u: p[:8].view(torch.int64).add_(1), "escape"),  # one escape more than raw values
+    (lambda p, u: p[:8].view(torch.int64).fill_(u + 1), "escape"),  # more escapes than units
+    (lambda p, u: p[8:10].view(torch.int16).fill_(0x00FF), "past|escape|filler"),  # a first step of 255
+])
+def test_a_corrupt_step_code_is_refused_before_any_write(engine, corrupt, message):
+    gen = torch.Generator().manual_seed(12)
+    base = _random(600, torch.bfloat16, gen)
+    new = base.clone()
+    _bits(new)[[100, 300, 599]] += 1
+    delta = encode(new, base)
+    assert delta.header.code == STEPS
+    payload = delta.payload.clone()
+    corrupt(payload, delta.header.count)
+    if message == "past|escape|filler":  # steps summing past the end: make the last one long
+        payload = delta.payload.clone()
+        units = payload[8: 8 + 2 * delta.header.count].view(torch.int16)
+        units[-1] = 0x00FF  # the last change 255 on: past element 599
+    dest = base.clone()
+    with pytest.raises(ValueError, match=message):
+        apply_into(dest, delta.header, payload)
+    assert torch.equal(dest, base)
 
 
 def test_both_engines_give_the_same_bytes(monkeypatch):
@@ -196,7 +270,7 @@ def test_block_boundaries_empty_and_scalar_tensors(engine, n):
 
 def test_block_code_at_a_block_with_every_element_changed(engine):
     """A block whose 65536 elements all changed (its count no longer fits a uint16) in a sparse tensor."""
-    base = _random(40 * BLOCK, torch.bfloat16, torch.Generator().manual_seed(4))
+    base = _random(40 * BLOCK, torch.float32, torch.Generator().manual_seed(4))  # 4-byte: no step code
     new = base.clone()
     _bits(new)[BLOCK: 2 * BLOCK] ^= 1
     assert _round_trip(new, base, **SMALL).code == BLOCKS
@@ -331,7 +405,7 @@ def test_corrupt_payloads_are_refused_before_a_wrong_write(engine):
     counts[:4].view(torch.int32)[0] += 1
     with pytest.raises(ValueError, match="add up to"):
         apply_into(base.clone(), delta.header, counts)
-    bitmap = encode(_changed(base, 0.3, gen), base)
+    bitmap = encode(_far(base, 0.3, gen), base)
     assert bitmap.header.code == BITMAP
     tail = bitmap.payload.clone()
     tail[(70_000 // 8)] |= 0x80  # a bit past the last element

@@ -150,7 +150,7 @@ def test_a_group_descriptor_round_trips_and_a_bad_one_names_the_tensor():
     targets = [("w", "bfloat16", 1 << 17), ("b", "bfloat16", 4)]
     assert headers_from_words(headers_to_words(headers), targets) == headers
     words = headers_to_words(headers)
-    for index, value, match in [(0, 4, "w: delta code number 4"), (4, 1, "b: a same delta of 4 elements cannot "
+    for index, value, match in [(0, 5, "w: delta code number 5"), (4, 1, "b: a same delta of 4 elements cannot "
                                                                           "carry 1"), (1, -1, "w: a block delta")]:
         bad = words.clone()
         bad[index] = value

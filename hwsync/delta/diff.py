@@ -16,12 +16,13 @@ from typing import Iterator
 
 import torch
 
-from hwsync.delta import bits, digest as dg, native
+from hwsync.delta import bits, digest as dg, native, steps
 from hwsync.delta.header import (
     BITMAP,
     BLOCKS,
     DENSE,
     SAME,
+    STEPS,
     DeltaHeader,
     blocks,
     int_view,
@@ -63,7 +64,11 @@ def _dense_from(numel: int, itemsize: int) -> int:
     lo, hi = 1, max(1, numel)
     while lo < hi:
         mid = (lo + hi) // 2
-        if min(payload_bytes(c, numel, mid, itemsize) for c in (BLOCKS, BITMAP)) >= numel * itemsize:
+        # the step code takes at least a unit per change
+        sparse = [payload_bytes(c, numel, mid, itemsize) for c in (BLOCKS, BITMAP)]
+        if itemsize == 2:
+            sparse.append(payload_bytes(STEPS, numel, mid, itemsize))
+        if min(sparse) >= numel * itemsize:
             hi = mid
         else:
             lo = mid + 1
@@ -81,6 +86,16 @@ class _Scan:
     values: list[torch.Tensor] = field(default_factory=list)
     #: the change bits, or None where the scan made none (the host kernel: built from the block code if needed)
     packed: torch.Tensor | None = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
+    #: the step code's units and raw values (2-byte elements only), and the last change's position
+    units: list[torch.Tensor] = field(default_factory=list)
+    raws: list[torch.Tensor] = field(default_factory=list)
+    last: int = -1
+    steps: bool = False
+
+    @property
+    def step_units(self) -> int | None:
+        """The step code's count (units and raw values), or None where it was not made."""
+        return sum(u.numel() for u in self.units) + sum(r.numel() for r in self.raws) if self.steps else None
 
 
 class _Scratch:
@@ -94,6 +109,9 @@ class _Scratch:
         self.cast = torch.empty(elems, dtype=dtype, device=device)
         self.offsets = torch.empty(elems, dtype=torch.int16, device=device)
         self.dirty = torch.empty(native.DIRTY_RUN, dtype=torch.int64, device=device)
+        # a chunk's step units: a unit per change and the fillers of its unchanged stretches (see native.scan)
+        self.units = torch.empty(elems + elems // 255 + 8, dtype=torch.int16, device=device)
+        self.raws = torch.empty(elems, dtype=torch.int16, device=device)
         self.packed = torch.empty(0, dtype=torch.uint8, device=device)
 
     def bits_for(self, numel: int) -> torch.Tensor:
@@ -161,13 +179,15 @@ class DeltaEncoder:
         assert scan is not None
         keys = dg.key_table("col", base_i.device, 1 << 16).numpy()
         rows = dg.key_table("row", base_i.device, ((n * size + 3) // 4 >> 16) + 1).numpy()
-        offsets, val, dirty = s.offsets.numpy(), s.xor.numpy(), s.dirty.numpy()
+        offsets, val, dirty, units, raws = s.offsets.numpy(), s.xor.numpy(), s.dirty.numpy(), s.units.numpy(), \
+            s.raws.numpy()
         counts = torch.zeros(blocks(n), dtype=torch.int64)
-        out = _Scan(counts=[counts], packed=None)
+        out = _Scan(counts=[counts], packed=None, steps=size == 2)
         for start, a, b in self._chunks(new_flat, base_i, ints, direct, s, 0, n):
             an, bn = a.numpy(), b.numpy()
-            k, gain = scan(an, bn, native.words(an), native.words(bn), start, offsets, val, counts.numpy(), dirty,
-                           keys, rows, digest)
+            k, gain, u, r, out.last = scan(an, bn, native.words(an), native.words(bn), start, offsets, val,
+                                           counts.numpy(), dirty, keys, rows, digest, units, raws, out.last,
+                                           start + an.size == n)
             out.found += k
             if out.found >= cap:
                 return None
@@ -175,13 +195,17 @@ class DeltaEncoder:
                 out.gained += int(gain) % (1 << 64)
                 out.values.append(s.xor[:k].clone())
                 out.offsets.append(s.offsets[:k].clone())
+            if u:
+                out.units.append(s.units[:u].clone())
+            if r:
+                out.raws.append(s.raws[:r].clone())
         return out
 
     def _scan_torch(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
                     s: _Scratch, cap: int, digest: bool) -> _Scan | None:
         n = base_i.numel()
         packed = s.bits_for(n)
-        out = _Scan(packed=packed)
+        out = _Scan(packed=packed, steps=base_i.element_size() == 2)
         for span0 in range(0, n, self.span_elems):
             span1 = min(n, span0 + self.span_elems)
             for start, a, b in self._chunks(new_flat, base_i, ints, direct, s, span0, span1):
@@ -199,8 +223,13 @@ class DeltaEncoder:
                     vals = vals.copy_(new_flat.index_select(0, pos.to(new_flat.device))).view(ints)
                 out.values.append(vals)
                 out.offsets.append(pos.to(torch.int16))  # the low 16 bits: the offset in the block
+                old = base_i.index_select(0, pos)
                 if digest:
-                    out.gained += dg.element_delta(pos, base_i.index_select(0, pos), vals)
+                    out.gained += dg.element_delta(pos, old, vals)
+                if out.steps:
+                    units, raws, out.last = steps.encode_units(pos, vals, old, out.last)
+                    out.units.append(units)
+                    out.raws.append(raws)
         return out
 
     @staticmethod
@@ -240,12 +269,14 @@ class DeltaEncoder:
             new_digest = dg.tensor_digest(to_engine_dtype(new, dtype) if k else base)
         else:
             new_digest = (base_digest + found.gained) % (1 << 64)
-        code = smallest_code(n, k, size)
+        code = smallest_code(n, k, size, found.step_units)
         if code == SAME:
             return Delta(DeltaHeader(SAME, wire, n, 0, new_digest),
                          torch.empty(0, dtype=torch.uint8, device=base.device), 0)
         if code == DENSE:
             return self._dense(new, dtype, wire, n, new_digest, k)
+        if code == STEPS:
+            return Delta(*self._steps(found, wire, n, new_digest, base.device), k)
         payload = torch.empty(payload_bytes(code, n, k, size), dtype=torch.uint8, device=base.device)
         counts = torch.cat(found.counts)
         if code == BLOCKS:
@@ -267,6 +298,21 @@ class DeltaEncoder:
                 mark(counts.numpy(), torch.cat(found.offsets).numpy(), payload[:at].numpy())
         torch.cat(found.values, out=payload[at:].view(ints))
         return Delta(DeltaHeader(code, wire, n, k, new_digest), payload, k)
+
+    @staticmethod
+    def _steps(found: _Scan, wire: str, n: int, new_digest: int, device: torch.device
+               ) -> tuple[DeltaHeader, torch.Tensor]:
+        """The step code's header and payload: the escape count, the units, the raw values (steps.py)."""
+        count = found.step_units
+        assert count is not None
+        escapes = sum(r.numel() for r in found.raws)
+        payload = torch.empty(payload_bytes(STEPS, n, count, 2), dtype=torch.uint8, device=device)
+        payload[:8].view(torch.int64).fill_(escapes)
+        body = payload[8: 8 + 2 * count].view(torch.int16)
+        if count:
+            torch.cat(found.units + found.raws, out=body)
+        payload[8 + 2 * count:].zero_()
+        return DeltaHeader(STEPS, wire, n, count, new_digest), payload
 
     @staticmethod
     def _dense(new: torch.Tensor, dtype: torch.dtype, wire: str, n: int, new_digest: int | None,

@@ -19,7 +19,10 @@ DENSE = "dense"
 BLOCKS = "block"
 #: a bit per element (set where changed), then the values in element order
 BITMAP = "bitmap"
-CODES = (SAME, DENSE, BLOCKS, BITMAP)
+#: 2-byte elements only: per change a step (uint8) from the last and the value's difference (int8) from the one
+#: held, escapes for the rest (steps.py); about 2 bytes a change where the block code takes 4
+STEPS = "step"
+CODES = (SAME, DENSE, BLOCKS, BITMAP, STEPS)  # a code's index is its number on the wire: append only
 
 # the integer of each element width: diffs compare bit patterns, so NaN payloads, -0.0 and subnormals are exact
 INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -54,14 +57,25 @@ def payload_bytes(code: str, numel: int, count: int, itemsize: int) -> int:
         return pad8(4 * blocks(numel)) + pad8(2 * count) + itemsize * count
     if code == BITMAP:
         return pad8((numel + 7) // 8) + itemsize * count
+    if code == STEPS:  # the escape count, then `count` 2-byte units
+        return pad8(8 + 2 * count)
     raise ValueError(f"unknown delta code {code!r}: one of {', '.join(CODES)}")
 
 
-def smallest_code(numel: int, count: int, itemsize: int) -> str:
-    """The code with the fewest payload bytes for `count` changed elements (ties: the simpler one)."""
+def max_step_units(numel: int) -> int:
+    """The most units a step code of `numel` elements can hold: every element changed and escaped, and fillers."""
+    return 2 * numel + numel // 255 + 1
+
+
+def smallest_code(numel: int, count: int, itemsize: int, step_units: int | None = None) -> str:
+    """The code with the fewest payload bytes for `count` changed elements (ties: the simpler one); the step code
+    competes when its size is known (`step_units`, from the scan: it depends on where and how much they changed)."""
     if count == 0:
         return SAME
-    return min((DENSE, BITMAP, BLOCKS), key=lambda c: payload_bytes(c, numel, count, itemsize))
+    sizes = {c: payload_bytes(c, numel, count, itemsize) for c in (DENSE, BITMAP, BLOCKS)}
+    if step_units is not None and itemsize == 2:
+        sizes[STEPS] = payload_bytes(STEPS, numel, step_units, itemsize)
+    return min(sizes, key=lambda c: sizes[c])
 
 
 @dataclass(frozen=True)
@@ -69,7 +83,8 @@ class DeltaHeader:
     """How one tensor is encoded: code, wire dtype name, elements, elements carried, digest of the result.
 
     `count` is the number of values in the payload: 0 for same, `numel` for dense, the changed elements
-    otherwise. `digest` is `tensor_digest` of the new tensor (in the engine's dtype): a receiver checks it
+    for block and bitmap, the 2-byte units after the escape count for step (steps.py).
+    `digest` is `tensor_digest` of the new tensor (in the engine's dtype): a receiver checks it
     on what it holds after applying.
     """
 
@@ -103,8 +118,11 @@ class DeltaHeader:
         if any(type(v) is not int for v in (numel, count, digest)) or numel < 0 or not 0 <= digest < 1 << 64:
             raise ValueError(f"{name}: numel, count and digest of a delta header must be ints in range, got "
                              f"{numel!r}, {count!r}, {digest!r}")
+        if code == STEPS and WIRE_DTYPES[dtype].itemsize != 2:
+            raise ValueError(f"{name}: a step delta carries 2-byte elements, not {dtype}")
         expected = {SAME: 0, DENSE: numel}.get(code)
-        if (expected is not None and count != expected) or not 0 <= count <= numel:
+        most = max_step_units(numel) if code == STEPS else numel
+        if (expected is not None and count != expected) or not 0 <= count <= most:
             raise ValueError(f"{name}: a {code} delta of {numel} elements cannot carry {count} values")
         return cls(code, dtype, numel, count, digest)
 

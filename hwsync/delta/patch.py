@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from hwsync.delta import bits, digest as dg, native
-from hwsync.delta.header import BLOCK, BLOCKS, DENSE, SAME, DeltaHeader, blocks, int_view, pad8
+from hwsync.delta import bits, digest as dg, native, steps
+from hwsync.delta.header import BLOCK, BLOCKS, DENSE, SAME, STEPS, DeltaHeader, blocks, int_view, pad8
 from hwsync.manifest import dtype_name
 
 _APPLY_BLOCKS = 64  # blocks (4 Mi elements) per scatter: bounds the index temporaries
@@ -92,6 +92,8 @@ def apply_into(dest: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, *
     if header.code == DENSE:
         flat.copy_(_section(payload, 0, n, ints))
         found = None
+    elif header.code == STEPS:
+        found = _apply_steps(flat, header, payload, name, gain)
     elif header.code == BLOCKS:
         nb = blocks(n)
         counts_host = _section(payload, 0, nb, torch.int32).cpu()  # small: one int per 65536 elements
@@ -138,6 +140,32 @@ def apply_into(dest: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, *
     if target is not dest:
         dest.copy_(target)
     return None if found is None else found % (1 << 64)
+
+
+_STEP_ERRORS = {-1: "a filler of its step code carries a difference", -2: "its steps run past the tensor's end",
+                -3: "its step code's escapes and raw values disagree"}
+
+
+def _apply_steps(flat: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, name: str, gain: bool) -> int:
+    """Write a step code's changes into `flat` (int16), checked whole first; the digest's gain."""
+    count = header.count
+    escapes = int(_section(payload, 0, 1, torch.int64).cpu()[0])
+    if not 0 <= escapes <= count:
+        raise ValueError(f"{name}: the delta's step code says {escapes} escapes in {count} units")
+    data = payload.to(flat.device)
+    units = _section(data, 8, count - escapes, torch.int16)
+    raws = _section(data, 8 + 2 * (count - escapes), escapes, torch.int16)
+    scatter = native.scatter_steps() if flat.device.type == "cpu" else None
+    if scatter is not None:  # on the host, one compiled pass to check and one to write
+        keys, rows = _host_keys(flat)
+        status, found = scatter(units.numpy(), raws.numpy(), flat.numpy(), keys, rows, gain)
+        if status:
+            raise ValueError(f"{name}: the delta is malformed: {_STEP_ERRORS.get(status, status)}")
+        return int(found)
+    pos, byte, escaped = steps.decode_units(units, raws, header.numel, name)
+    if pos.numel() == 0:
+        return 0
+    return _write(flat, pos, steps.new_values(flat.index_select(0, pos), byte, escaped, raws), gain)
 
 
 def advance(baseline: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, *, name: str = "tensor") -> None:

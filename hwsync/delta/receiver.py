@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from hwsync.bucket import IntoFn, LoadFn
-from hwsync.delta.header import BITMAP, BLOCKS, SAME, DeltaHeader, headers_from_words
+from hwsync.delta.header import BITMAP, BLOCKS, SAME, STEPS, DeltaHeader, headers_from_words
 from hwsync.delta.patch import apply_into, verify
 from hwsync.devices import DeviceOwner
 from hwsync.errors import DeltaCheckError, ProtocolError
@@ -167,7 +167,7 @@ class ReceiverDeltas:
         payload = payload.to(result.device)
         if held is not None and header.code == SAME:
             ok, how = held == header.digest, "the digest it held (nothing changed)"
-        elif held is not None and header.code in (BLOCKS, BITMAP) and result.device.type == "cpu" and \
+        elif held is not None and header.code in (BLOCKS, BITMAP, STEPS) and result.device.type == "cpu" and \
                 header.count * CHANGED_CHECK_RATIO <= header.numel:  # on a GPU a whole digest is the cheaper
             gain = apply_into(result, header, payload, name=name, gain=True)
             ok, how = gain is not None and (held + gain) % (1 << 64) == header.digest, "its changed elements"

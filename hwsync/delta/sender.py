@@ -6,9 +6,10 @@ back. A sync is a delta from the baseline only when every receiver of the sync r
 what it holds, completely (a receiver tracks it itself, and drops it at the start of any sync until
 that sync completes and checks out), its engine says it kept its weights, and the sender still has
 the baseline; otherwise the sync is full, and its reason is in the stats. A delta sync encodes every
-tensor up front (hwsync.delta.encode: the smallest of same, dense, block, bitmap; each with the
-digest of the new tensor that receivers check after applying), so both paths plan and stream the
-payloads as ordinary byte tensors. The baseline moves only once every receiver completed the sync
+tensor (hwsync.delta.encode: the smallest of same, dense, block, bitmap, step; each with the digest
+of the new tensor that receivers check after applying) on the encode threads: up front on the same
+host (the payloads are announced with the offer and stream as byte tensors), or ahead of the stream
+across nodes (hwsync.delta.ahead: each group's headers travel with it). The baseline moves only once every receiver completed the sync
 (`commit`): a failed delta leaves it as it was, a failed full sync drops it (it was overwritten as
 the sync streamed).
 """
