@@ -61,9 +61,10 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
         chunk's unchanged end included unless it is the `final` one. Passes per run of DIRTY_RUN words, all
         in one block: the first lists the words that differ without a branch (`dirty`, in cache), the second
         takes those apart, a third turns the run's changes into steps (their values and the old ones are
-        still in cache; in the second pass the step's chain through every lane cost 70% more). A branch per word mispredicts at every changed one, and at the densities of
-        RL updates that was the larger part of the scan (measured 27% faster). A 64-bit word that differs is
-        two lanes of the digest whatever the dtype, and its elements are taken from it by shifts, branch-free.
+        still in cache; in the second pass the step's chain through every lane cost 70% more). A branch per
+        word mispredicts at every changed one, and at the densities of RL updates that was the larger part of
+        the scan (measured 27% faster). A 64-bit word that differs is two lanes of the digest whatever the
+        dtype, and its elements are taken from it by shifts, branch-free.
         The element width is a constant of each caller below (inlined): unrolled, the loop is 25% faster.
         """
         lane0 = (start * size) >> 2  # the chunk's first 32-bit lane in the tensor

@@ -9,9 +9,9 @@ the baseline; otherwise the sync is full, and its reason is in the stats. A delt
 tensor (hwsync.delta.encode: the smallest of same, dense, block, bitmap, step; each with the digest
 of the new tensor that receivers check after applying) on the encode threads: up front on the same
 host (the payloads are announced with the offer and stream as byte tensors), or ahead of the stream
-across nodes (hwsync.delta.ahead: each group's headers travel with it). The baseline moves only once every receiver completed the sync
-(`commit`): a failed delta leaves it as it was, a failed full sync drops it (it was overwritten as
-the sync streamed).
+across nodes (hwsync.delta.ahead: each group's headers travel with it). The baseline moves only once
+every receiver completed the sync (`commit`): a failed delta leaves it as it was, a failed full sync
+drops it (it was overwritten as the sync streamed).
 """
 
 from __future__ import annotations
