@@ -454,3 +454,15 @@ def test_positions_past_two_to_the_31():
     del new
     advance(base, delta.header, delta.payload)
     assert torch.equal(torch.nonzero(base).view(-1), where) and verify(base, delta.header)
+
+
+def test_warm_up_runs_the_kernels_of_every_dtype_once():
+    """Senders and receivers load the kernels after a full sync in delta mode (hwsync.delta.warm): every width,
+    floating or not, goes through encode and apply without error, and a second call does nothing."""
+    from hwsync.delta import warm
+
+    dtypes = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.bool]
+    warm.warm_up(dtypes)
+    if native.kernel() is not None:
+        assert set(dtypes) <= warm._warm
+    warm.warm_up(dtypes)  # loaded: returns at once

@@ -36,6 +36,7 @@ import torch
 from hwsync.bucket import IntoFn, LoadFn
 from hwsync.delta.header import BITMAP, BLOCKS, SAME, STEPS, DeltaHeader, headers_from_words
 from hwsync.delta.patch import apply_into, verify
+from hwsync.delta.warm import warm_up
 from hwsync.devices import DeviceOwner
 from hwsync.errors import DeltaCheckError, ProtocolError
 from hwsync.interfaces import Device
@@ -78,6 +79,8 @@ class ReceiverDeltas:
         self._full = True
         self._pool: ThreadPoolExecutor | None = None
         self._owner: DeviceOwner | None = None
+        #: the dtypes of a full sync in delta mode: their kernels are loaded once it completes
+        self._warm: list[torch.dtype] = []
 
     def report(self) -> dict[str, Any]:
         """What goes into the receiver's state for the sender: the id it holds (nothing when none)."""
@@ -88,6 +91,8 @@ class ReceiverDeltas:
         completes. A delta's headers come with it (an offer) or group by group (`announce`: a streamed plan)."""
         held, self.held, self._wire = self.held, None, wire
         self._headers, self._targets, self._delta = {}, {}, False
+        if wire is not None and wire["base"] is None:  # deltas of these dtypes will follow (bf16: not announced)
+            self._warm = sorted({dtype_from_name(spec.dtype) for spec in targets or []} or {torch.bfloat16}, key=str)
         if wire is None or wire["base"] is None:
             self._digests, self._since_full = {}, 0  # what a full sync writes is not checked: digest it at the next
             if wire is None:
@@ -187,6 +192,9 @@ class ReceiverDeltas:
             self.held = self._wire["next"]
         if self._delta:
             self._since_full = 0 if self._full else self._since_full + 1
+        if self._warm:  # after a full sync in delta mode: the kernels load while the trainer trains (once a process)
+            self.pool().submit(warm_up, self._warm)
+            self._warm = []
 
     def pool(self) -> ThreadPoolExecutor:
         """Threads that apply and check tensors side by side (made at the first delta sync, kept)."""

@@ -32,6 +32,7 @@ from hwsync.delta.diff import Delta, encode, to_engine_dtype
 from hwsync.delta.digest import tensor_digest
 from hwsync.delta.header import DENSE, DeltaHeader
 from hwsync.delta.patch import advance
+from hwsync.delta.warm import warm_up
 from hwsync.devices import DeviceOwner
 from hwsync.errors import ManifestError
 from hwsync.interfaces import Device
@@ -280,7 +281,8 @@ class SenderDeltas:
             if self._advancer is None:
                 owner = DeviceOwner(self._device)
                 self._advancer = ThreadPoolExecutor(1, thread_name_prefix="hwsync-baseline", initializer=owner.enter)
-            self._settling = self._advancer.submit(_advance_all, moves, self._tensors, todo, self._digests)
+            warm = [] if pending.deltas else sorted({t.dtype for t in self._tensors.values()}, key=str)
+            self._settling = self._advancer.submit(_advance_all, moves, self._tensors, todo, self._digests, warm)
         first = self.base_id is None
         self.base_id = self._next
         if first:
@@ -340,10 +342,11 @@ def _encode(tensor: torch.Tensor, base: torch.Tensor, base_digest: int | None, n
 
 
 def _advance_all(moves: list[tuple[str, torch.Tensor, Delta]], tensors: Mapping[str, torch.Tensor],
-                 todo: list[str], digests: dict[str, int]) -> None:
-    """Write each committed delta into its baseline tensor (the changes only; a dense one whole), and digest the
-    tensors in `todo` (a full sync's) into `digests`."""
+                 todo: list[str], digests: dict[str, int], warm: list[torch.dtype]) -> None:
+    """Write each committed delta into its baseline tensor (the changes only; a dense one whole), digest the
+    tensors in `todo` (a full sync's) into `digests`, and load the kernels that deltas of `warm` will run."""
     for name, kept, found in moves:
         advance(kept, found.header, found.payload, name=name)
     for name in todo:
         digests[name] = tensor_digest(tensors[name])
+    warm_up(warm)
