@@ -12,8 +12,27 @@ import os
 import pytest
 import torch
 
-from hwsync.delta import BITMAP, BLOCK, BLOCKS, DENSE, SAME, STEPS, DeltaEncoder, DeltaHeader, advance, apply_into, \
-    apply_to_copy, encode, native, payload_bytes, smallest_code, tensor_digest, to_engine_dtype, verify
+from hwsync.delta import (
+    BITMAP,
+    BLOCK,
+    BLOCKS,
+    DENSE,
+    SAME,
+    STEPS,
+    DeltaEncoder,
+    DeltaHeader,
+    advance,
+    apply_into,
+    apply_to_copy,
+    encode,
+    native,
+    payload_bytes,
+    smallest_code,
+    tensor_digest,
+    to_engine_dtype,
+    verify,
+)
+from hwsync.delta.patch import BaseMismatch
 
 INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.bool]
@@ -139,24 +158,21 @@ def test_the_step_code_at_its_edges(engine, dtype):
 
 
 @pytest.mark.parametrize("corrupt, message", [
-    (lambda p, u: p[8:10].view(torch.int16).fill_(0x0300), "filler"),  # a filler with a difference
+    (lambda p, u: p[16:18].view(torch.int16).fill_(0x0300), "filler"),  # a filler with a difference
     (lambda p, u: p[:8].view(torch.int64).add_(1), "escape"),  # one escape more than raw values
     (lambda p, u: p[:8].view(torch.int64).fill_(u + 1), "escape"),  # more escapes than units
-    (lambda p, u: p[8:10].view(torch.int16).fill_(0x00FF), "past|escape|filler"),  # a first step of 255
+    (lambda p, u: p[16 + 2 * u - 2: 16 + 2 * u].view(torch.int16).fill_(0x00FF), "past"),  # the last 255 on
+    (lambda p, u: p[8:16].view(torch.int64).add_(1), "not the delta's base"),  # the old values' terms
 ])
 def test_a_corrupt_step_code_is_refused_before_any_write(engine, corrupt, message):
     gen = torch.Generator().manual_seed(12)
     base = _random(600, torch.bfloat16, gen)
     new = base.clone()
-    _bits(new)[[100, 300, 599]] += 1
+    _bits(new)[::20] += 1
     delta = encode(new, base)
     assert delta.header.code == STEPS
     payload = delta.payload.clone()
     corrupt(payload, delta.header.count)
-    if message == "past|escape|filler":  # steps summing past the end: make the last one long
-        payload = delta.payload.clone()
-        units = payload[8: 8 + 2 * delta.header.count].view(torch.int16)
-        units[-1] = 0x00FF  # the last change 255 on: past element 599
     dest = base.clone()
     with pytest.raises(ValueError, match=message):
         apply_into(dest, delta.header, payload)
@@ -282,8 +298,12 @@ def test_a_wrong_base_is_caught_by_the_digest(engine):
     base = _changed(older, 0.01, gen)
     new = _changed(base, 0.01, gen)
     delta = encode(new, base, base_digest=tensor_digest(base))
-    wrong = apply_to_copy(older, delta.header, delta.payload)  # the receiver held the version before
-    assert not verify(wrong, delta.header)
+    try:
+        wrong = apply_to_copy(older, delta.header, delta.payload)  # the receiver held the version before
+    except BaseMismatch:  # the step code checks the values at its changes before it writes
+        assert delta.header.code == STEPS
+    else:
+        assert not verify(wrong, delta.header)
     one_off = base.clone()
     untouched = int(torch.nonzero(_bits(new) == _bits(base))[0])
     _bits(one_off)[untouched] ^= 1  # a single element the delta does not touch
@@ -454,6 +474,27 @@ def test_positions_past_two_to_the_31():
     del new
     advance(base, delta.header, delta.payload)
     assert torch.equal(torch.nonzero(base).view(-1), where) and verify(base, delta.header)
+
+
+def test_a_step_code_writes_nothing_on_a_copy_that_is_not_its_base(engine):
+    """A difference is right only on the value it was taken from: a copy changed at a changed element (behind
+    hwsync's back, or a delta applied twice) is refused before a write, where a block code's whole values would
+    land and only the digest would tell."""
+    gen = torch.Generator().manual_seed(13)
+    base = _random(200_000, torch.bfloat16, gen)
+    new = _changed(base, 0.02, gen)
+    delta = DeltaEncoder(**SMALL).encode(new, base, base_digest=tensor_digest(base))
+    assert delta.header.code == STEPS
+    at = int(torch.nonzero(_bits(new) != _bits(base))[5])
+    for wrong in (base.clone(), None):
+        if wrong is None:  # the same delta again on its own result
+            wrong = apply_to_copy(base, delta.header, delta.payload)
+        else:
+            _bits(wrong)[at] ^= 0x10
+        before = wrong.clone()
+        with pytest.raises(BaseMismatch, match="not the delta's base"):
+            apply_into(wrong, delta.header, delta.payload, gain=True)
+        assert torch.equal(_bits(wrong), _bits(before))
 
 
 def test_warm_up_runs_the_kernels_of_every_dtype_once():

@@ -91,6 +91,8 @@ class _Scan:
     raws: list[torch.Tensor] = field(default_factory=list)
     last: int = -1
     steps: bool = False
+    #: the digest terms of the old values at the changes (mod 2**64): the step code's check of its base
+    olds: int = 0
 
     @property
     def step_units(self) -> int | None:
@@ -185,9 +187,10 @@ class DeltaEncoder:
         out = _Scan(counts=[counts], packed=None, steps=size == 2)
         for start, a, b in self._chunks(new_flat, base_i, ints, direct, s, 0, n):
             an, bn = a.numpy(), b.numpy()
-            k, gain, u, r, out.last = scan(an, bn, native.words(an), native.words(bn), start, offsets, val,
-                                           counts.numpy(), dirty, keys, rows, digest, units, raws, out.last,
-                                           start + an.size == n)
+            k, gain, u, r, out.last, olds = scan(an, bn, native.words(an), native.words(bn), start, offsets, val,
+                                                 counts.numpy(), dirty, keys, rows, digest, units, raws, out.last,
+                                                 start + an.size == n)
+            out.olds = (out.olds + int(olds)) % (1 << 64)
             out.found += k
             if out.found >= cap:
                 return None
@@ -227,6 +230,7 @@ class DeltaEncoder:
                 if digest:
                     out.gained += dg.element_delta(pos, old, vals)
                 if out.steps:
+                    out.olds = (out.olds + steps.old_terms(pos, old)) % (1 << 64)
                     units, raws, out.last = steps.encode_units(pos, vals, old, out.last)
                     out.units.append(units)
                     out.raws.append(raws)
@@ -302,16 +306,16 @@ class DeltaEncoder:
     @staticmethod
     def _steps(found: _Scan, wire: str, n: int, new_digest: int, device: torch.device
                ) -> tuple[DeltaHeader, torch.Tensor]:
-        """The step code's header and payload: the escape count, the units, the raw values (steps.py)."""
+        """The step code's header and payload: the escape count, the old values' terms, the units, the raw values
+        (steps.py)."""
         count = found.step_units
         assert count is not None
         escapes = sum(r.numel() for r in found.raws)
         payload = torch.empty(payload_bytes(STEPS, n, count, 2), dtype=torch.uint8, device=device)
-        payload[:8].view(torch.int64).fill_(escapes)
-        body = payload[8: 8 + 2 * count].view(torch.int16)
+        payload[:16].view(torch.int64).copy_(torch.tensor([escapes, _signed64(found.olds)], dtype=torch.int64))
         if count:
-            torch.cat(found.units + found.raws, out=body)
-        payload[8 + 2 * count:].zero_()
+            torch.cat(found.units + found.raws, out=payload[16: 16 + 2 * count].view(torch.int16))
+        payload[16 + 2 * count:].zero_()
         return DeltaHeader(STEPS, wire, n, count, new_digest), payload
 
     @staticmethod
@@ -321,6 +325,11 @@ class DeltaEncoder:
         if new_digest is None:
             new_digest = dg.tensor_digest(engine)
         return Delta(DeltaHeader(DENSE, wire, n, n, new_digest), engine.view(-1).view(torch.uint8), changed)
+
+
+def _signed64(v: int) -> int:
+    """An int in [0, 2**64) as the int64 of the same bits."""
+    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 _local = threading.local()

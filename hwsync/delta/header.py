@@ -57,8 +57,8 @@ def payload_bytes(code: str, numel: int, count: int, itemsize: int) -> int:
         return pad8(4 * blocks(numel)) + pad8(2 * count) + itemsize * count
     if code == BITMAP:
         return pad8((numel + 7) // 8) + itemsize * count
-    if code == STEPS:  # the escape count, then `count` 2-byte units
-        return pad8(8 + 2 * count)
+    if code == STEPS:  # the escape count, the check of the base, then `count` 2-byte units
+        return pad8(16 + 2 * count)
     raise ValueError(f"unknown delta code {code!r}: one of {', '.join(CODES)}")
 
 
@@ -83,7 +83,7 @@ class DeltaHeader:
     """How one tensor is encoded: code, wire dtype name, elements, elements carried, digest of the result.
 
     `count` is the number of values in the payload: 0 for same, `numel` for dense, the changed elements
-    for block and bitmap, the 2-byte units after the escape count for step (steps.py).
+    for block and bitmap, the 2-byte units (and raw values) of step (steps.py).
     `digest` is `tensor_digest` of the new tensor (in the engine's dtype): a receiver checks it
     on what it holds after applying.
     """

@@ -51,9 +51,10 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
     @numba.njit(nogil=True, cache=True, inline="always")
     def scan(a: Any, b: Any, wa: Any, wb: Any, start: int, offsets: Any, val: Any, counts: Any, dirty: Any,
              keys: Any, rows: Any, digest: bool, units: Any, raws: Any, last: int, final: bool,
-             size: int, per_word: int, width: int, mask: int, steps: bool) -> tuple[int, int, int, int, int]:
+             size: int, per_word: int, width: int, mask: int, steps: bool) -> tuple[int, int, int, int, int, int]:
         """Changes of chunk `a` against `b` (starting at element `start`, a multiple of 65536): (how many, the
-        digest's gain, step units, raw values, the last change's position).
+        digest's gain, step units, raw values, the last change's position, the digest terms of the old values
+        at the changes: the step code's check of its base).
 
         Writes each change's offset in its block of 65536 to `offsets` and its value to `val`, and counts it
         in `counts` (per block of the tensor); with `steps` (2-byte elements) also the step code's units and
@@ -70,7 +71,7 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
         lane0 = (start * size) >> 2  # the chunk's first 32-bit lane in the tensor
         run = DIRTY_RUN  # divides a block's words for every width: a run never straddles two blocks
         k = u = r = 0
-        gain = np.int64(0)
+        gain = olds = np.int64(0)
         for w0 in range(0, wa.size, run):
             w1 = min(wa.size, w0 + run)
             m = 0
@@ -101,7 +102,9 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
                         units[u] = 0
                         u += 1
                         step -= 255
-                    diff = int(val[i]) - int(b[g - start])  # int16 values: signed
+                    old = b[g - start]
+                    olds += term(g, old, np.int16(0), 2, keys, rows)
+                    diff = int(val[i]) - int(old)  # int16 values: signed
                     if diff < -127 or diff > 127:  # rare: an escape, the value raw
                         units[u] = step | (0x80 << 8)
                         raws[r] = val[i]
@@ -126,6 +129,7 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
                         units[u] = 0
                         u += 1
                         step -= 255
+                    olds += term(g, b[i], np.int16(0), 2, keys, rows)
                     diff = int(a[i]) - int(b[i])  # 2-byte elements come as int16: signed already
                     if diff < -127 or diff > 127:
                         units[u] = step | (0x80 << 8)
@@ -140,41 +144,43 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
                 units[u] = 0
                 u += 1
                 last += 255
-        return k, gain, u, r, last  # type: ignore[return-value]  # numba's int64
+        return k, gain, u, r, last, olds  # type: ignore[return-value]  # numba's int64
 
     @numba.njit(nogil=True, cache=True)
     def scan1(a: Any, b: Any, wa: Any, wb: Any, start: int, offsets: Any, val: Any, counts: Any, dirty: Any,
               keys: Any, rows: Any, digest: bool, units: Any, raws: Any, last: int, final: bool
-              ) -> tuple[int, int, int, int, int]:
+              ) -> tuple[int, int, int, int, int, int]:
         return scan(a, b, wa, wb, start, offsets, val, counts, dirty, keys, rows, digest, units, raws, last, final,
                     1, 8, 8, np.int64(0xFF), False)
 
     @numba.njit(nogil=True, cache=True)
     def scan2(a: Any, b: Any, wa: Any, wb: Any, start: int, offsets: Any, val: Any, counts: Any, dirty: Any,
               keys: Any, rows: Any, digest: bool, units: Any, raws: Any, last: int, final: bool
-              ) -> tuple[int, int, int, int, int]:
+              ) -> tuple[int, int, int, int, int, int]:
         return scan(a, b, wa, wb, start, offsets, val, counts, dirty, keys, rows, digest, units, raws, last, final,
                     2, 4, 16, np.int64(0xFFFF), True)
 
     @numba.njit(nogil=True, cache=True)
     def scan4(a: Any, b: Any, wa: Any, wb: Any, start: int, offsets: Any, val: Any, counts: Any, dirty: Any,
               keys: Any, rows: Any, digest: bool, units: Any, raws: Any, last: int, final: bool
-              ) -> tuple[int, int, int, int, int]:
+              ) -> tuple[int, int, int, int, int, int]:
         return scan(a, b, wa, wb, start, offsets, val, counts, dirty, keys, rows, digest, units, raws, last, final,
                     4, 2, 32, np.int64(0xFFFFFFFF), False)
 
     @numba.njit(nogil=True, cache=True)
     def scan8(a: Any, b: Any, wa: Any, wb: Any, start: int, offsets: Any, val: Any, counts: Any, dirty: Any,
               keys: Any, rows: Any, digest: bool, units: Any, raws: Any, last: int, final: bool
-              ) -> tuple[int, int, int, int, int]:
+              ) -> tuple[int, int, int, int, int, int]:
         return scan(a, b, wa, wb, start, offsets, val, counts, dirty, keys, rows, digest, units, raws, last, final,
                     8, 1, 64, np.int64(-1), False)
 
     @numba.njit(nogil=True, cache=True)
-    def scatter_steps(units: Any, raws: Any, dest: Any, keys: Any, rows: Any, digest: bool) -> tuple[int, int]:
+    def scatter_steps(units: Any, raws: Any, olds: int, dest: Any, keys: Any, rows: Any, digest: bool
+                      ) -> tuple[int, int]:
         """Apply a step code (steps.py) to int16 `dest`: (0 and the digest's gain when `digest`, or a negative
-        error: -1 a filler with a difference, -2 past the end, -3 escapes and raw values disagree). Checked
-        whole before the first write: a bad payload changes nothing."""
+        error: -1 a filler with a difference, -2 past the end, -3 escapes and raw values disagree, -4 the values
+        at the changes are not the base's: their digest terms are not `olds`). Checked whole before the first
+        write: a bad payload or a wrong base changes nothing."""
         n = dest.size
         p = last = np.int64(-1)
         escapes = 0
@@ -193,6 +199,17 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
             return -2, 0
         if escapes != raws.size:
             return -3, 0
+        found = np.int64(0)
+        p = np.int64(-1)
+        for i in range(units.size):  # the step code writes differences: they are right only on the base
+            unit = np.int64(units[i]) & 0xFFFF
+            if unit & 0xFF == 0:
+                p += 255
+            else:
+                p += unit & 0xFF
+                found += term(p, dest[p], np.int16(0), 2, keys, rows)
+        if found != olds:
+            return -4, 0
         gain = np.int64(0)
         p = np.int64(-1)
         e = 0
@@ -301,7 +318,7 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
 
     scans = {1: scan1, 2: scan2, 4: scan4, 8: scan8}
 
-    def scan_any(a: Any, *rest: Any) -> tuple[int, int, int, int, int]:
+    def scan_any(a: Any, *rest: Any) -> tuple[int, int, int, int, int, int]:
         return scans[a.itemsize](a, *rest)
 
     return scan_any, scatter_bits, digest_lanes, scatter_blocks, mark_bits, cast_bf16, scatter_steps
@@ -316,7 +333,7 @@ def _get() -> tuple[Callable[..., Any], ...] | None:
     return _kernels
 
 
-def kernel() -> Callable[..., tuple[int, int, int, int, int]] | None:
+def kernel() -> Callable[..., tuple[int, int, int, int, int, int]] | None:
     """The compiled scan, or None without numba (or with HWSYNC_DELTA_NUMBA=0)."""
     got = _get()
     return got[0] if got else None

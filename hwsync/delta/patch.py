@@ -146,26 +146,40 @@ _STEP_ERRORS = {-1: "a filler of its step code carries a difference", -2: "its s
                 -3: "its step code's escapes and raw values disagree"}
 
 
+class BaseMismatch(ValueError):
+    """A step code's changes found other values than the ones its differences were taken from: not its base."""
+
+
 def _apply_steps(flat: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, name: str, gain: bool) -> int:
-    """Write a step code's changes into `flat` (int16), checked whole first; the digest's gain."""
+    """Write a step code's changes into `flat` (int16), all checked first (the base's values at the changes
+    included); the digest's gain."""
     count = header.count
-    escapes = int(_section(payload, 0, 1, torch.int64).cpu()[0])
+    escapes, olds = (int(v) for v in _section(payload, 0, 2, torch.int64).cpu())
     if not 0 <= escapes <= count:
         raise ValueError(f"{name}: the delta's step code says {escapes} escapes in {count} units")
+    olds %= 1 << 64
     data = payload.to(flat.device)
-    units = _section(data, 8, count - escapes, torch.int16)
-    raws = _section(data, 8 + 2 * (count - escapes), escapes, torch.int16)
+    units = _section(data, 16, count - escapes, torch.int16)
+    raws = _section(data, 16 + 2 * (count - escapes), escapes, torch.int16)
     scatter = native.scatter_steps() if flat.device.type == "cpu" else None
-    if scatter is not None:  # on the host, one compiled pass to check and one to write
+    if scatter is not None:  # on the host, compiled passes: check the payload, check the base, write
         keys, rows = _host_keys(flat)
-        status, found = scatter(units.numpy(), raws.numpy(), flat.numpy(), keys, rows, gain)
+        status, found = scatter(units.numpy(), raws.numpy(), olds - (1 << 64) if olds >= 1 << 63 else olds,
+                                flat.numpy(), keys, rows, gain)
+        if status == -4:
+            raise BaseMismatch(f"{name}: the values at the delta's changes are not the ones it was taken from: "
+                               "this copy is not the delta's base")
         if status:
             raise ValueError(f"{name}: the delta is malformed: {_STEP_ERRORS.get(status, status)}")
         return int(found)
     pos, byte, escaped = steps.decode_units(units, raws, header.numel, name)
     if pos.numel() == 0:
         return 0
-    return _write(flat, pos, steps.new_values(flat.index_select(0, pos), byte, escaped, raws), gain)
+    old = flat.index_select(0, pos)
+    if steps.old_terms(pos, old) != olds:
+        raise BaseMismatch(f"{name}: the values at the delta's changes are not the ones it was taken from: this "
+                           "copy is not the delta's base")
+    return _write(flat, pos, steps.new_values(old, byte, escaped, raws), gain)
 
 
 def advance(baseline: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, *, name: str = "tensor") -> None:

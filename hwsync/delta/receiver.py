@@ -35,7 +35,7 @@ import torch
 
 from hwsync.bucket import IntoFn, LoadFn
 from hwsync.delta.header import BITMAP, BLOCKS, SAME, STEPS, DeltaHeader, headers_from_words
-from hwsync.delta.patch import apply_into, verify
+from hwsync.delta.patch import BaseMismatch, apply_into, verify
 from hwsync.delta.warm import warm_up
 from hwsync.devices import DeviceOwner
 from hwsync.errors import DeltaCheckError, ProtocolError
@@ -172,18 +172,22 @@ class ReceiverDeltas:
         payload = payload.to(result.device)
         if held is not None and header.code == SAME:
             ok, how = held == header.digest, "the digest it held (nothing changed)"
-        elif held is not None and header.code in (BLOCKS, BITMAP, STEPS) and result.device.type == "cpu" and \
-                header.count * CHANGED_CHECK_RATIO <= header.numel:  # on a GPU a whole digest is the cheaper
-            gain = apply_into(result, header, payload, name=name, gain=True)
-            ok, how = gain is not None and (held + gain) % (1 << 64) == header.digest, "its changed elements"
         else:
-            apply_into(result, header, payload, name=name)
-            ok, how = verify(result, header), "the whole tensor"
+            try:
+                if held is not None and header.code in (BLOCKS, BITMAP, STEPS) and result.device.type == "cpu" and \
+                        header.count * CHANGED_CHECK_RATIO <= header.numel:  # on a GPU a whole digest is the cheaper
+                    gain = apply_into(result, header, payload, name=name, gain=True)
+                    ok, how = gain is not None and (held + gain) % (1 << 64) == header.digest, "its changed elements"
+                else:
+                    apply_into(result, header, payload, name=name)
+                    ok, how = verify(result, header), "the whole tensor"
+            except BaseMismatch:  # a step code checks its base's values first and then writes nothing
+                ok, how = False, "the values at its changes, before writing"
         if not ok:
             self._digests.pop(name, None)
-            raise DeltaCheckError(f"{name} does not have the sender's digest after its {header.code} delta was "
-                                  f"applied (checked on {how}): this receiver's copy was not the declared base "
-                                  "(changed behind hwsync's back?) or the apply was torn; the next sync is full")
+            raise DeltaCheckError(f"{name} does not have the sender's digest for its {header.code} delta (checked on "
+                                  f"{how}): this receiver's copy was not the declared base (changed behind "
+                                  "hwsync's back?) or the apply was torn; the next sync is full")
         self._digests[name] = header.digest
 
     def complete(self) -> None:

@@ -5,20 +5,30 @@ changed the next change is a few dozen elements on. So per change one 2-byte uni
 last change (uint8, 1..255) and the new value's difference from the one the receiver holds (int8,
 on the bit patterns as int16). A unit of 0 is a filler: 255 elements on, nothing changed (steps of
 256 or more take (step - 1) // 255 fillers first). A difference outside -127..127 is an escape (its
-byte is -128) and the new value is the next raw value, kept after the units. The payload: the escape
-count as int64, the units, the raw values: 8 + 2 x (units + escapes) bytes, which the header's count
-(units + escapes) fixes before the payload arrives. Canonical: one set of changes has one encoding,
-whichever engine or chunking made it.
+byte is -128) and the new value is the next raw value, kept after the units. A difference is right only
+on the value it was taken from, so the payload also carries the digest terms of the old values at the
+changes (`olds`): the receiver sums the same over what it holds there and writes nothing unless they
+agree (the block and bitmap codes carry whole values, which the digest check alone verifies). The
+payload: the escape count and olds as int64, the units, the raw values: 16 + 2 x (units + escapes)
+bytes, which the header's count (units + escapes) fixes before the payload arrives. Canonical: one set
+of changes has one encoding, whichever engine or chunking made it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from hwsync.delta import digest as dg
+
 #: the difference byte of an escape: the value is the next raw one
 ESCAPE = -128
 #: elements a filler moves on
 FILLER_STEP = 255
+
+
+def old_terms(pos: torch.Tensor, old: torch.Tensor) -> int:
+    """The digest terms of the values `old` (int16) at flat `pos`: the step code's check of its base."""
+    return dg.element_delta(pos, torch.zeros_like(old), old)
 
 
 def encode_units(pos: torch.Tensor, new: torch.Tensor, old: torch.Tensor, last: int
