@@ -1,7 +1,8 @@
 """Apply an encoded tensor where the destination lives, with torch ops that exist on every device.
 
-On the host, where numba is installed, one compiled pass (native.py) scatters a bitmap or a block code's
-changes; every other device uses torch ops (repeat_interleave, index_copy_), a few Mi elements at a time.
+On the host, where numba is installed, one compiled pass (native.py) scatters a bitmap's, a block code's
+or a step code's changes (the step code checked against its base's values first); every other device
+uses torch ops (repeat_interleave, index_copy_, cumsum), a few Mi elements at a time.
 Either can also sum what the destination's digest gains, from the values it found and wrote: a receiver
 then checks a delta by reading the changed elements only (receiver.py).
 """

@@ -3,7 +3,7 @@
 The receiver tracks the baseline id of the last sync it completed (`held`, reported to the sender
 in its state); any sync drops it until that sync completes and checks out, so a sync that breaks
 midway leaves it holding no known version and the next sync is full. In a delta sync every tensor
-arrives as its payload (hwsync.delta: same, dense, block or bitmap) and a header with the digest of
+arrives as its payload (hwsync.delta: same, dense, block, bitmap or step) and a header with the digest of
 the tensor the sender holds; a payload is applied only when the sync's declared base is what this
 receiver holds, then the result's digest is compared with the sender's, which fails the sync on a
 mismatch (DeltaCheckError, reported to the sender; the next sync is full).
