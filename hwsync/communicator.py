@@ -79,9 +79,17 @@ class ProcessGroupCommunicator(Communicator):
         self._last_work: Any = None  # the latest collective: destroy() aborts while it is unfinished
         self._failed = False
         self._barriers = 0
+        # a collective thread may launch while another tears the group down: under this lock destroy() sees every
+        # launch that got in, and none gets in after it (a launch it missed would outlive a group it shut down,
+        # and on NCCL hold the device's stream until the group's timeout)
+        self._lock = threading.Lock()
 
-    def _wait(self, work: Any) -> None:
-        self._last_work = work
+    def _run(self, what: str, launch: Callable[[Any], Any]) -> None:
+        """Launch a collective on the group (`launch(group)` returns its Work) and wait for it."""
+        with self._lock:
+            if self._group is None:
+                raise HwsyncError(f"{self.library} {what} on a group that was destroyed; build a new group")
+            work = self._last_work = launch(self._group)
         try:
             work.wait()
         except Exception:
@@ -99,13 +107,14 @@ class ProcessGroupCommunicator(Communicator):
         """Broadcast `tensor` in place from rank `src`, as raw bytes."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        self._wait(self._group.broadcast([self._bytes(tensor)], opts))
+        flat = self._bytes(tensor)
+        self._run("broadcast", lambda group: group.broadcast([flat], opts))
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Gather an equally shaped tensor from every rank, in rank order."""
         flat = self._bytes(tensor)
         out = [torch.empty_like(flat) for _ in range(self.world_size)]
-        self._wait(self._group.allgather([out], [flat]))
+        self._run("all_gather", lambda group: group.allgather([out], [flat]))
         return [o.view(tensor.dtype).view(tensor.shape) for o in out]
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
@@ -120,7 +129,7 @@ class ProcessGroupCommunicator(Communicator):
             )
         opts = dist.AllreduceOptions()
         opts.reduceOp = _REDUCE_OPS[op]
-        self._wait(self._group.allreduce([tensor], opts))
+        self._run("all_reduce", lambda group: group.allreduce([tensor], opts))
 
     def barrier(self) -> None:
         """Block the calling thread until every rank has called barrier (a host barrier, through the store)."""
@@ -136,9 +145,10 @@ class ProcessGroupCommunicator(Communicator):
         Waits at most WORKER_JOIN_S (FAILED_JOIN_S for a failed or unfinished group): the release happens
         on a thread that holds the group's only reference.
         """
-        group, self._group = self._group, None
-        if group is not None:
+        with self._lock:
+            group, self._group = self._group, None
             last = self._last_work
+        if group is not None:
             unfinished = self._failed or (last is not None and not _finished(last))
             # gloo's group, once released, waits for an operation stuck on a dead peer until the group's own
             # timeout; the caller is tearing a failed group down and must not wait that long

@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("hwsync_sim", reason="the sim backend is not installed: pip install -e tests/plugins/hwsync_sim")
 
+from hwsync.errors import HwsyncError  # noqa: E402
 from hwsync.registry import load_backend  # noqa: E402
 from hwsync_sim.peers import Peer  # noqa: E402
 
@@ -76,3 +77,55 @@ def test_destroy_after_the_peer_died_aborts_instead_of_waiting_for_it(sim, peers
     syncer.join(ENDS_WITHIN_S)
     assert not syncer.is_alive(), "the collective of a dead peer still holds the device stream: the group was " \
                                   "shut down, not aborted"
+
+
+def test_a_collective_launched_while_the_group_is_torn_down_is_aborted_with_it(sim, peers, free_port):
+    # a collective thread launches while the main thread destroys the group after a failure: destroy() must
+    # see that launch (and abort it), or the collective outlives a group it shut down and holds the device's stream
+    address = f"tcp://127.0.0.1:{free_port}"
+    mortal = Peer({"HWSYNC_SIM_DEVICE": "1"})
+    try:
+        mortal.send("join", address, 1, 2)
+        comm = sim.communicator(address, 0, 2, timeout_s=60)
+        assert mortal.recv() == "joined"
+        mortal.die()
+    finally:
+        mortal.close()
+    group = comm._group
+    launching, go_on = threading.Event(), threading.Event()
+    launch = group.broadcast
+
+    def slow_launch(*args):  # the launch is under way when destroy() is called
+        launching.set()
+        go_on.wait()
+        return launch(*args)
+
+    group.broadcast = slow_launch
+    zeros = torch.zeros(8, dtype=torch.uint8, device=sim.device().torch_device())
+    launcher = threading.Thread(target=comm.broadcast, args=(zeros, 0), daemon=True)
+    launcher.start()
+    assert launching.wait(ENDS_WITHIN_S)
+    destroyer = threading.Thread(target=comm.destroy, daemon=True)
+    destroyer.start()
+    destroyer.join(WATCH_S)  # destroy() waits for the launch in flight (without that it is over by now)
+    go_on.set()
+    for thread in (launcher, destroyer):
+        thread.join(ENDS_WITHIN_S)
+        assert not thread.is_alive()
+    syncer = threading.Thread(target=sim.device().synchronize, daemon=True)
+    syncer.start()
+    syncer.join(ENDS_WITHIN_S)
+    assert not syncer.is_alive(), "a collective launched during destroy() still holds the device stream: destroy() " \
+                                  "did not see it and shut the group down instead of aborting it"
+
+
+def test_a_collective_on_a_destroyed_group_is_refused_by_name(sim, peers, free_port):
+    address = f"tcp://127.0.0.1:{free_port}"
+    peer = peers["live"]
+    peer.send("join", address, 1, 2)
+    comm = sim.communicator(address, 0, 2, timeout_s=30)
+    assert peer.recv() == "joined"
+    assert peer.call("destroy") == "destroyed"
+    comm.destroy()
+    with pytest.raises(HwsyncError, match="destroyed"):
+        comm.broadcast(torch.zeros(8, dtype=torch.uint8, device=sim.device().torch_device()), 0)

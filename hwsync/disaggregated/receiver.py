@@ -271,6 +271,12 @@ class CrossNodeReceiver:
             self._post_group(("words", 0), [words[0]])
         try:
             self._receive_groups(plan, groups, apply, stats, slots, words, applying)
+        except BaseException:
+            # the applies run on the device's stream behind the broadcasts posted for the next group, which never
+            # end once sender 0 is gone (as an NCCL kernel waits): abort them first, or the wait below lasts
+            # until the group's timeout, and this receiver hears of the failure that late
+            self._drop_groups(failed=True)
+            raise
         finally:  # failed or not, no apply may still read a buffer the next sync receives into
             for pending in applying:
                 pending.wait()
