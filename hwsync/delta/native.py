@@ -181,11 +181,11 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
                       ) -> tuple[int, int]:
         """Apply a step code (steps.py) to int16 `dest`: (0 and the digest's gain when `digest`, or a negative
         error: -1 a filler with a difference, -2 past the end, -3 escapes and raw values disagree, -4 the values
-        at the changes are not the base's: their digest terms are not `olds`). Checked whole before the first
-        write: a bad payload or a wrong base changes nothing."""
+        at the changes are not the base's: their digest terms are not `olds`). The payload is checked whole before
+        the first write, the base as it is written (then put back): a bad payload or a wrong base changes nothing."""
         n = dest.size
         p = last = np.int64(-1)
-        escapes = 0
+        escapes = changes = 0
         for i in range(units.size):
             unit = np.int64(units[i]) & 0xFFFF
             gap, byte = unit & 0xFF, unit >> 8
@@ -196,25 +196,18 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
             else:
                 p += gap
                 last = p
+                changes += 1
                 escapes += byte == 0x80
         if last >= n:
             return -2, 0
         if escapes != raws.size:
             return -3, 0
-        found = np.int64(0)
+        # one pass writes and sums the old values' terms (a difference is right only on its base); the old values
+        # are kept, and put back if the sum says this was not the base: nothing is left changed
+        kept = np.empty(changes, np.int16)
+        found = gain = np.int64(0)
         p = np.int64(-1)
-        for i in range(units.size):  # the step code writes differences: they are right only on the base
-            unit = np.int64(units[i]) & 0xFFFF
-            if unit & 0xFF == 0:
-                p += 255
-            else:
-                p += unit & 0xFF
-                found += term(p, dest[p], np.int16(0), 2, keys, rows)
-        if found != olds:
-            return -4, 0
-        gain = np.int64(0)
-        p = np.int64(-1)
-        e = 0
+        c = e = 0
         for i in range(units.size):
             unit = np.int64(units[i]) & 0xFFFF
             gap, byte = unit & 0xFF, unit >> 8
@@ -223,6 +216,9 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
                 continue
             p += gap
             old = dest[p]
+            kept[c] = old
+            c += 1
+            found += term(p, old, np.int16(0), 2, keys, rows)
             if byte == 0x80:
                 new = raws[e]
                 e += 1
@@ -231,6 +227,18 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
             dest[p] = new
             if digest:
                 gain += term(p, new, old, 2, keys, rows)
+        if found != olds:
+            p = np.int64(-1)
+            c = 0
+            for i in range(units.size):
+                unit = np.int64(units[i]) & 0xFFFF
+                if unit & 0xFF == 0:
+                    p += 255
+                else:
+                    p += unit & 0xFF
+                    dest[p] = kept[c]
+                    c += 1
+            return -4, 0
         return 0, gain  # type: ignore[return-value]  # numba's int64
 
     @numba.njit(nogil=True, cache=True)

@@ -109,6 +109,9 @@ class SenderDeltas:
     def baseline_bytes(self) -> int:
         """Memory the baseline holds."""
         self.settle()
+        return self._held_bytes()
+
+    def _held_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors.values())
 
     def decide(self, states: Sequence[Mapping[str, Any]]) -> tuple[bool, str]:
@@ -286,8 +289,9 @@ class SenderDeltas:
         first = self.base_id is None
         self.base_id = self._next
         if first:
+            # the size without waiting for the writes just submitted (that would put them inside send())
             log.info("hwsync: delta baseline %s: %.1f MB of %s memory for %d tensors", self.base_id,
-                     self.baseline_bytes / 1e6, "device" if self.on_device else "host", len(self._tensors))
+                     self._held_bytes() / 1e6, "device" if self.on_device else "host", len(self._tensors))
 
     def settle(self) -> None:
         """Wait for the last commit's baseline writes; if they failed, drop the baseline (the next sync is full)."""
