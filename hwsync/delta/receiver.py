@@ -10,10 +10,10 @@ mismatch (DeltaCheckError, reported to the sender; the next sync is full).
 
 How the digest is taken: on the host, where the receiver knows the digest of what it holds (it checked the
 tensor at an earlier delta) and the delta is sparse (at most 1 in CHANGED_CHECK_RATIO elements changed; 1 in
-STEP_CHECK_RATIO for a step code the compiled kernel applies), from the changed elements alone (on an H100 the torch ops of that path took 47 ms for 268M elements at 2% changed,
-a whole digest 3.7 ms: a device digests whole): the digest is linear, so the held digest plus the terms of
-the values found at the changed positions and of the values written is the result's
-(patch.apply_into(gain=True)); that catches a wrong
+STEP_CHECK_RATIO for a step code the compiled kernel applies), from the changed elements alone (on an H100
+the torch ops of that path took 47 ms for 268M elements at 2% changed, a whole digest 3.7 ms: a device
+digests whole): the digest is linear, so the held digest plus the terms of the values found at the changed
+positions and of the values written is the result's (patch.apply_into(gain=True)); that catches a wrong
 base or a corrupted payload at any changed element, at a cost that scales with the changes, not the model.
 Otherwise, and at every HWSYNC_DELTA_FULL_CHECK_EVERY-th delta sync (default 8; 1: always), the whole
 tensor is digested, which also catches a byte changed behind hwsync's back where no delta wrote.
