@@ -201,7 +201,7 @@ def test_a_receiver_checks_changed_elements_and_digests_every_tensor_whole_at_ev
     manifest = [TensorSpec(n, "float32", tuple(t.shape)) for n, t in model.items()]
     held = {n: t.clone() for n, t in model.items()}
 
-    def sync() -> tuple[str, str | None]:
+    def sync(lands_wrong: bool = False) -> tuple[str, str | None]:
         stats = SyncStats()
         prepared = sender.prepare(list(model.items()), manifest, EngineDtypes([]), True, [receiver.report()], stats)
         receiver.begin(prepared.wire, prepared.targets)
@@ -211,9 +211,12 @@ def test_a_receiver_checks_changed_elements_and_digests_every_tensor_whole_at_ev
             if receiver.is_delta:
                 assert load is not None
                 load(list(prepared.source))
-            else:
+            else:  # where the reader writes a full sync: the destinations `into` names
+                assert into is not None
                 for name, tensor in prepared.source:
-                    held[name].copy_(tensor)
+                    into(name, tensor.dtype, tuple(tensor.shape)).copy_(tensor)
+                if lands_wrong:
+                    held["u"][9] += 1.0
         except DeltaCheckError as exc:
             sender.abort()
             return stats.notes["delta"]["mode"], str(exc)
@@ -228,13 +231,12 @@ def test_a_receiver_checks_changed_elements_and_digests_every_tensor_whole_at_ev
 
     assert sync() == ("full", None)
     step()
-    assert sync() == ("delta", None) and receiver.check == "whole tensors", "digests unknown after a full sync"
+    assert sync() == ("delta", None) and receiver.check == "changed elements", "the full sync digested once complete"
     held["u"][7] += 1.0  # behind hwsync's back, where no delta writes
-    for _ in range(2):
-        step()
-        assert sync() == ("delta", None) and receiver.check == "changed elements", "only the changes are read"
     step()
-    mode, error = sync()  # the third delta since the last whole check: every tensor digested whole
+    assert sync() == ("delta", None) and receiver.check == "changed elements", "only the changes are read"
+    step()
+    mode, error = sync()  # the third delta since the full sync: every tensor digested whole
     assert mode == "delta" and error is not None and "u does not have the sender's digest" in error, error
     assert "the whole tensor" in error and receiver.report() == {}
     assert sync() == ("full", None) and torch.equal(held["u"], model["u"]), "healed by the full sync"
@@ -245,6 +247,10 @@ def test_a_receiver_checks_changed_elements_and_digests_every_tensor_whole_at_ev
     mode, error = sync()
     assert receiver.check == "changed elements" and error is not None, error
     assert "w does not have the sender's digest" in error and "its changed elements" in error, error
+    assert sync(lands_wrong=True) == ("full", None)  # what it wrote is digested as it is: not the sender's
+    step()
+    mode, error = sync()
+    assert receiver.check == "changed elements" and error is not None and "u does not have the sender's" in error
 
 
 def test_the_full_check_period_must_be_a_whole_number_of_syncs(monkeypatch):

@@ -35,6 +35,7 @@ import torch
 
 from hwsync.bucket import IntoFn, LoadFn
 from hwsync.delta import native
+from hwsync.delta.digest import tensor_digest
 from hwsync.delta.header import BITMAP, BLOCKS, SAME, STEPS, DeltaHeader, headers_from_words
 from hwsync.delta.patch import BaseMismatch, apply_into, verify
 from hwsync.delta.warm import warm_up
@@ -76,7 +77,7 @@ class ReceiverDeltas:
         self._headers: dict[str, DeltaHeader] = {}
         self._targets: dict[str, TensorSpec] = {}
         self._delta = False
-        #: the digest of each tensor this receiver holds, as its last check found it (none after a full sync)
+        #: the digest of each tensor this receiver holds, as its last check (or the digests after a full sync) found it
         self._digests: dict[str, int] = {}
         #: delta syncs completed since the last that digested every tensor whole; whether this one does
         self._since_full = 0
@@ -85,6 +86,9 @@ class ReceiverDeltas:
         self._owner: DeviceOwner | None = None
         #: the dtypes of a full sync in delta mode: their kernels are loaded once it completes
         self._warm: list[torch.dtype] = []
+        #: the tensors a full sync in delta mode wrote (destinations and kept copies), digested once it completes
+        self._written: dict[str, torch.Tensor] = {}
+        self._digesting: Future[dict[str, int]] | None = None
 
     def report(self) -> dict[str, Any]:
         """What goes into the receiver's state for the sender: the id it holds (nothing when none)."""
@@ -93,12 +97,13 @@ class ReceiverDeltas:
     def begin(self, wire: Mapping[str, Any] | None, targets: list[TensorSpec] | None) -> None:
         """A sync starts; `wire` is its offer's or plan's delta field. Whatever it was, nothing is held until it
         completes. A delta's headers come with it (an offer) or group by group (`announce`: a streamed plan)."""
+        self._settle()  # the digests of the last full sync, taken before anything is written again
         held, self.held, self._wire = self.held, None, wire
         self._headers, self._targets, self._delta = {}, {}, False
         if wire is not None and wire["base"] is None:  # deltas of these dtypes will follow (bf16: not announced)
             self._warm = sorted({dtype_from_name(spec.dtype) for spec in targets or []} or {torch.bfloat16}, key=str)
         if wire is None or wire["base"] is None:
-            self._digests, self._since_full = {}, 0  # what a full sync writes is not checked: digest it at the next
+            self._digests, self._since_full = {}, 0  # what a full sync writes is digested once it completes
             if wire is None:
                 self._kept = {}  # the sender left delta mode: its baseline copies go
             return  # a full sync of a sender in delta mode: keep copies of what goes to load
@@ -148,8 +153,10 @@ class ReceiverDeltas:
         self._owner = owner
         if self._wire is None:
             return load, into
-        if not self.is_delta:
-            return (None if load is None else _KeepThenLoad(self._kept, load)), into
+        if not self.is_delta:  # a full sync: what it writes is digested once it completes (complete())
+            self._written = {}
+            return (None if load is None else _KeepThenLoad(self._kept, load)), \
+                (None if into is None else _Recorded(into, self._written))
         return ApplyDelta(self, load, into), _no_destination
 
     def target(self, name: str, payload: torch.Tensor, into: IntoFn | None) -> tuple[torch.Tensor, bool]:
@@ -199,9 +206,20 @@ class ReceiverDeltas:
             self.held = self._wire["next"]
         if self._delta:
             self._since_full = 0 if self._full else self._since_full + 1
+        if self._wire is not None and not self._delta:
+            # after a full sync in delta mode, digest what it wrote while the trainer trains: the first delta is then
+            # checked from its changes; a full sync that landed wrong still fails it (its digest is the sender's)
+            written, self._written = {**self._written, **self._kept}, {}
+            self._digesting = self.pool().submit(_digest_all, written)
         if self._warm:  # after a full sync in delta mode: the kernels load while the trainer trains (once a process)
             self.pool().submit(warm_up, self._warm)
             self._warm = []
+
+    def _settle(self) -> None:
+        """Take the last full sync's digests (waiting for them); none if digesting failed (checked whole then)."""
+        digesting, self._digesting = self._digesting, None
+        if digesting is not None and digesting.exception() is None:
+            self._digests = digesting.result()
 
     def pool(self) -> ThreadPoolExecutor:
         """Threads that apply and check tensors side by side (made at the first delta sync, kept)."""
@@ -212,10 +230,29 @@ class ReceiverDeltas:
 
     def clear(self) -> None:
         """Drop the copies kept for `load` (and with them what this receiver holds) and the threads."""
-        self._kept, self.held, self._digests = {}, None, {}
+        self._settle()
+        self._kept, self.held, self._digests, self._written = {}, None, {}, {}
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+
+class _Recorded:
+    """A full sync's `into`, recording each destination it names (digested once the sync completes)."""
+
+    def __init__(self, into: IntoFn, written: dict[str, torch.Tensor]) -> None:
+        self._into, self._written = into, written
+
+    def __call__(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        dest = self._into(name, dtype, shape)
+        if dest is not None:
+            self._written[name] = dest
+        return dest
+
+
+def _digest_all(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Each tensor's digest (an apply thread's job)."""
+    return {name: tensor_digest(tensor) for name, tensor in tensors.items()}
 
 
 def _numel(shape: tuple[int, ...]) -> int:
