@@ -39,12 +39,26 @@ def sim():
     return backend
 
 
-def test_barrier_returns_only_once_every_rank_called_it(sim, peers, free_port):
-    address = f"tcp://127.0.0.1:{free_port}"
-    peer = peers["live"]
+def _joined(sim, peer: Peer, port: int, timeout_s: float):
+    """A group of two on 127.0.0.1:`port`: rank 0 here (returned), rank 1 the peer."""
+    address = f"tcp://127.0.0.1:{port}"
     peer.send("join", address, 1, 2)
-    comm = sim.communicator(address, 0, 2, timeout_s=30)
+    comm = sim.communicator(address, 0, 2, timeout_s=timeout_s)
     assert peer.recv() == "joined"
+    return comm
+
+
+def _stream_is_free(sim) -> bool:
+    """Whether synchronizing the device returns: a collective left waiting for a dead peer holds its stream."""
+    syncer = threading.Thread(target=sim.device().synchronize, daemon=True)
+    syncer.start()
+    syncer.join(ENDS_WITHIN_S)
+    return not syncer.is_alive()
+
+
+def test_barrier_returns_only_once_every_rank_called_it(sim, peers, free_port):
+    peer = peers["live"]
+    comm = _joined(sim, peer, free_port, 30)
     try:
         barrier = threading.Thread(target=comm.barrier, daemon=True)
         barrier.start()
@@ -59,11 +73,8 @@ def test_barrier_returns_only_once_every_rank_called_it(sim, peers, free_port):
 
 
 def test_destroy_after_the_peer_died_aborts_instead_of_waiting_for_it(sim, peers, free_port):
-    address = f"tcp://127.0.0.1:{free_port}"
     mortal = peers["mortal"]
-    mortal.send("join", address, 1, 2)
-    comm = sim.communicator(address, 0, 2, timeout_s=60)
-    assert mortal.recv() == "joined"
+    comm = _joined(sim, mortal, free_port, 60)
     mortal.die()
     comm.broadcast(torch.zeros(8, dtype=torch.uint8, device=sim.device().torch_device()), 0)  # never ends
     destroyer = threading.Thread(target=comm.destroy, daemon=True)
@@ -72,22 +83,16 @@ def test_destroy_after_the_peer_died_aborts_instead_of_waiting_for_it(sim, peers
     assert not destroyer.is_alive(), "destroy() waits for a collective whose peer died (shutdown, not abort)"
     # the device stream that waited for the collective is free again: only an abort frees it (destroy()
     # itself returns after WORKER_JOIN_S whatever happens, so it is the stream that tells abort from shutdown)
-    syncer = threading.Thread(target=sim.device().synchronize, daemon=True)
-    syncer.start()
-    syncer.join(ENDS_WITHIN_S)
-    assert not syncer.is_alive(), "the collective of a dead peer still holds the device stream: the group was " \
-                                  "shut down, not aborted"
+    assert _stream_is_free(sim), "the collective of a dead peer still holds the device stream: the group was shut " \
+                                 "down, not aborted"
 
 
 def test_a_collective_launched_while_the_group_is_torn_down_is_aborted_with_it(sim, peers, free_port):
     # a collective thread launches while the main thread destroys the group after a failure: destroy() must
     # see that launch (and abort it), or the collective outlives a group it shut down and holds the device's stream
-    address = f"tcp://127.0.0.1:{free_port}"
     mortal = Peer({"HWSYNC_SIM_DEVICE": "1"})
     try:
-        mortal.send("join", address, 1, 2)
-        comm = sim.communicator(address, 0, 2, timeout_s=60)
-        assert mortal.recv() == "joined"
+        comm = _joined(sim, mortal, free_port, 60)
         mortal.die()
     finally:
         mortal.close()
@@ -112,19 +117,13 @@ def test_a_collective_launched_while_the_group_is_torn_down_is_aborted_with_it(s
     for thread in (launcher, destroyer):
         thread.join(ENDS_WITHIN_S)
         assert not thread.is_alive()
-    syncer = threading.Thread(target=sim.device().synchronize, daemon=True)
-    syncer.start()
-    syncer.join(ENDS_WITHIN_S)
-    assert not syncer.is_alive(), "a collective launched during destroy() still holds the device stream: destroy() " \
-                                  "did not see it and shut the group down instead of aborting it"
+    assert _stream_is_free(sim), "a collective launched during destroy() still holds the device stream: destroy() " \
+                                 "did not see it and shut the group down instead of aborting it"
 
 
 def test_a_collective_on_a_destroyed_group_is_refused_by_name(sim, peers, free_port):
-    address = f"tcp://127.0.0.1:{free_port}"
     peer = peers["live"]
-    peer.send("join", address, 1, 2)
-    comm = sim.communicator(address, 0, 2, timeout_s=30)
-    assert peer.recv() == "joined"
+    comm = _joined(sim, peer, free_port, 30)
     assert peer.call("destroy") == "destroyed"
     comm.destroy()
     with pytest.raises(HwsyncError, match="destroyed"):
