@@ -157,6 +157,22 @@ def test_the_step_code_at_its_edges(engine, dtype):
         assert compiled.header == plain.header and torch.equal(compiled.payload, plain.payload)
 
 
+def test_the_step_code_ends_at_the_last_change(engine):
+    """Changes in the first chunk only: the chunks after it (unchanged) add no fillers, so the code is as small as
+    the changes make it, and both engines give the same bytes."""
+    gen = torch.Generator().manual_seed(14)
+    n = 5 * (1 << 16)
+    base = _random(n, torch.bfloat16, gen)
+    new = base.clone()
+    _bits(new)[: 1 << 15: 30] += 1  # 3% of the first half chunk
+    header = _round_trip(new, base, **SMALL)
+    assert header.code == STEPS and header.count == _step_units(new, base)
+    if engine == "numba":
+        plain = DeltaEncoder(engine="torch", **SMALL).encode(new, base)
+        compiled = DeltaEncoder(engine="numba", **SMALL).encode(new, base)
+        assert compiled.header == plain.header and torch.equal(compiled.payload, plain.payload)
+
+
 @pytest.mark.parametrize("corrupt, message", [
     (lambda p, u: p[16:18].view(torch.int16).fill_(0x0300), "filler"),  # a filler with a difference
     (lambda p, u: p[:8].view(torch.int64).add_(1), "escape"),  # one escape more than raw values

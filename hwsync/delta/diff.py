@@ -202,6 +202,8 @@ class DeltaEncoder:
                 out.units.append(s.units[:u].clone())
             if r:
                 out.raws.append(s.raws[:r].clone())
+        if out.steps:
+            _trim_fillers(out.units)
         return out
 
     def _scan_torch(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
@@ -325,6 +327,17 @@ class DeltaEncoder:
         if new_digest is None:
             new_digest = dg.tensor_digest(engine)
         return Delta(DeltaHeader(DENSE, wire, n, n, new_digest), engine.view(-1).view(torch.uint8), changed)
+
+
+def _trim_fillers(units: list[torch.Tensor]) -> None:
+    """Drop the fillers after the tensor's last change: a chunk's unchanged end takes them ahead of a change
+    that may never come (the torch path makes none: the code stays canonical, and no larger than it must be)."""
+    while units:
+        changes = torch.nonzero(units[-1]).view(-1)  # a change's unit is never 0 (its step is 1..255)
+        if changes.numel():
+            units[-1] = units[-1][: int(changes[-1]) + 1]
+            return
+        units.pop()
 
 
 def _signed64(v: int) -> int:
