@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -171,6 +172,40 @@ def test_the_step_code_ends_at_the_last_change(engine):
         plain = DeltaEncoder(engine="torch", **SMALL).encode(new, base)
         compiled = DeltaEncoder(engine="numba", **SMALL).encode(new, base)
         assert compiled.header == plain.header and torch.equal(compiled.payload, plain.payload)
+
+
+@pytest.mark.parametrize("pattern", ["steps across the halves", "second half unchanged", "first half unchanged",
+                                     "escapes at the boundary", "dense"])
+def test_a_tensor_scanned_in_two_halves_gives_the_bytes_of_one_scan(pattern):
+    """A large tensor's compiled scan runs in two halves on two threads (hwsync.delta.scan.join): the same header and
+    payload as one scan and as the torch ops, whatever lies on either side of the boundary."""
+    if native.kernel() is None:
+        pytest.skip("the halves are the compiled kernel's: numba is not installed")
+    gen = torch.Generator().manual_seed(15)
+    n = 6 * (1 << 16) + 123
+    half = 3 * (1 << 16)  # where the halves meet (chunks of 65536)
+    base = _random(n, torch.bfloat16, gen)
+    new = _changed(base, 1.0 if pattern == "dense" else 0.02, gen)
+    flat, old = _bits(new), _bits(base)
+    if pattern == "steps across the halves":  # the last change 300 before the boundary, the next 10 after it
+        flat[half - 300: half + 10] = old[half - 300: half + 10]
+        flat[half - 301] ^= 1
+        flat[half + 10] ^= 1
+    elif pattern == "second half unchanged":
+        flat[half - 1000:] = old[half - 1000:]
+    elif pattern == "first half unchanged":
+        flat[: half + 700] = old[: half + 700]
+    elif pattern == "escapes at the boundary":
+        new.view(-1)[half - 2: half + 2] = torch.tensor([float("nan"), -1e30, 1e30, -0.0]).to(torch.bfloat16)
+    with ThreadPoolExecutor(1) as halves:
+        split = DeltaEncoder(engine="numba", split_elems=2 * (1 << 16), **SMALL).encode(
+            new, base, base_digest=tensor_digest(base), halves=halves)
+    whole = DeltaEncoder(engine="numba", **SMALL).encode(new, base, base_digest=tensor_digest(base))  # no halves
+    plain = DeltaEncoder(engine="torch", **SMALL).encode(new, base, base_digest=tensor_digest(base))
+    assert split.header == whole.header == plain.header
+    assert torch.equal(split.payload, whole.payload) and torch.equal(split.payload, plain.payload)
+    assert split.header.code == ("dense" if pattern == "dense" else STEPS)
+    assert torch.equal(_bits(apply_to_copy(base, split.header, split.payload)), flat)
 
 
 @pytest.mark.parametrize("corrupt, message", [

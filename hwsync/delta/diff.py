@@ -11,7 +11,8 @@ positions and gather the values. Both give the same bytes. Scanning stops as soo
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -30,12 +31,16 @@ from hwsync.delta.header import (
     payload_bytes,
     smallest_code,
 )
+from hwsync.delta.scan import Scan, join, trim_fillers
 from hwsync.manifest import dtype_name
 
 #: elements per chunk of the diff (a multiple of 65536): 2 Mi bf16 elements, 4 MiB per operand, stay in cache
 CHUNK_ELEMS = 1 << 21
 #: elements per span: its changes are listed in one go (fewer, larger ops), its values gathered while warm
 SPAN_ELEMS = 1 << 24
+#: a host tensor of this many elements or more is scanned in two halves on two threads (hwsync.delta.scan): a
+#: sync's last large tensor (an LM head) would otherwise leave the other encode thread idle
+SPLIT_ELEMS = 1 << 23
 
 
 def to_engine_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -75,31 +80,6 @@ def _dense_from(numel: int, itemsize: int) -> int:
     return lo
 
 
-@dataclass
-class _Scan:
-    """What a scan found: changes, the digest's gain, per-block counts, offsets, values, packed bits if any."""
-
-    found: int = 0
-    gained: int = 0
-    counts: list[torch.Tensor] = field(default_factory=list)
-    offsets: list[torch.Tensor] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
-    #: the change bits, or None where the scan made none (the host kernel: built from the block code if needed)
-    packed: torch.Tensor | None = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))
-    #: the step code's units and raw values (2-byte elements only), and the last change's position
-    units: list[torch.Tensor] = field(default_factory=list)
-    raws: list[torch.Tensor] = field(default_factory=list)
-    last: int = -1
-    steps: bool = False
-    #: the digest terms of the old values at the changes (mod 2**64): the step code's check of its base
-    olds: int = 0
-
-    @property
-    def step_units(self) -> int | None:
-        """The step code's count (units and raw values), or None where it was not made."""
-        return sum(u.numel() for u in self.units) + sum(r.numel() for r in self.raws) if self.steps else None
-
-
 class _Scratch:
     """Buffers of one device and dtype, kept across tensors and syncs (no page faults per chunk)."""
 
@@ -128,10 +108,13 @@ class DeltaEncoder:
     """Diffs new tensors against baselines; holds the chunk buffers, so keep one per sending thread.
 
     `engine`: "auto" runs the compiled host kernel (native.py) where numba is installed and the baseline
-    is on the host, else torch ops; "torch" or "numba" force one (the output is the same).
+    is on the host, else torch ops; "torch" or "numba" force one (the output is the same). The compiled
+    kernel scans a tensor of `split_elems` or more in two halves on two threads when `encode` is given
+    `halves` (the same output).
     """
 
-    def __init__(self, chunk_elems: int = CHUNK_ELEMS, span_elems: int = SPAN_ELEMS, engine: str = "auto") -> None:
+    def __init__(self, chunk_elems: int = CHUNK_ELEMS, span_elems: int = SPAN_ELEMS, engine: str = "auto",
+                 split_elems: int = SPLIT_ELEMS) -> None:
         if chunk_elems <= 0 or chunk_elems % (1 << 16) or span_elems % chunk_elems:
             raise ValueError(f"chunk_elems must be a positive multiple of 65536 and span_elems a multiple of it, "
                              f"got {chunk_elems} and {span_elems}")
@@ -139,7 +122,7 @@ class DeltaEncoder:
             raise ValueError(f"engine must be auto, torch or numba, got {engine!r}")
         if engine == "numba" and native.kernel() is None:
             raise RuntimeError("engine='numba' needs numba installed (pip install numba), or HWSYNC_DELTA_NUMBA unset")
-        self.chunk_elems, self.span_elems, self.engine = chunk_elems, span_elems, engine
+        self.chunk_elems, self.span_elems, self.engine, self.split_elems = chunk_elems, span_elems, engine, split_elems
         self._scratch: dict[tuple[torch.device, torch.dtype], _Scratch] = {}
 
     def _buffers(self, dtype: torch.dtype, device: torch.device) -> _Scratch:
@@ -175,7 +158,29 @@ class DeltaEncoder:
             yield start, a.view(ints), base_i[start:stop]
 
     def _scan_native(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
-                     s: _Scratch, cap: int, digest: bool) -> _Scan | None:
+                     s: _Scratch, cap: int, digest: bool, halves: Executor | None) -> Scan | None:
+        """The compiled scan; with `halves`, a tensor of `split_elems` or more in two halves, the second there."""
+        n = base_i.numel()
+        half = n // 2 // self.chunk_elems * self.chunk_elems
+        if halves is None or n < self.split_elems or half == 0:
+            out = self._scan_range(new_flat, base_i, ints, direct, s, cap, digest, 0, n)
+        else:
+            other = halves.submit(_scan_half, self, new_flat, base_i, ints, direct, s.cast.dtype, cap, digest, half)
+            first = self._scan_range(new_flat, base_i, ints, direct, s, cap, digest, 0, half)
+            if other.cancel():  # the helper is busy with another tensor's half: this thread scans this one
+                second = self._scan_range(new_flat, base_i, ints, direct, s, cap, digest, half, n)
+            else:
+                second = other.result()
+            out = None if first is None or second is None else join(first, second, half)
+            if out is not None and out.found >= cap:
+                out = None
+        if out is not None and out.steps:
+            trim_fillers(out.units)
+        return out
+
+    def _scan_range(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
+                    s: _Scratch, cap: int, digest: bool, lo: int, hi: int) -> Scan | None:
+        """The compiled scan of elements [lo, hi) (lo a multiple of the chunk), as if the last change were at lo - 1."""
         n, size = base_i.numel(), base_i.element_size()
         scan = native.kernel()
         assert scan is not None
@@ -184,8 +189,8 @@ class DeltaEncoder:
         offsets, val, dirty, units, raws = s.offsets.numpy(), s.xor.numpy(), s.dirty.numpy(), s.units.numpy(), \
             s.raws.numpy()
         counts = torch.zeros(blocks(n), dtype=torch.int64)
-        out = _Scan(counts=[counts], packed=None, steps=size == 2)
-        for start, a, b in self._chunks(new_flat, base_i, ints, direct, s, 0, n):
+        out = Scan(counts=[counts], packed=None, steps=size == 2, last=lo - 1)
+        for start, a, b in self._chunks(new_flat, base_i, ints, direct, s, lo, hi):
             an, bn = a.numpy(), b.numpy()
             k, gain, u, r, out.last, olds = scan(an, bn, native.words(an), native.words(bn), start, offsets, val,
                                                  counts.numpy(), dirty, keys, rows, digest, units, raws, out.last,
@@ -202,15 +207,13 @@ class DeltaEncoder:
                 out.units.append(s.units[:u].clone())
             if r:
                 out.raws.append(s.raws[:r].clone())
-        if out.steps:
-            _trim_fillers(out.units)
         return out
 
     def _scan_torch(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
-                    s: _Scratch, cap: int, digest: bool) -> _Scan | None:
+                    s: _Scratch, cap: int, digest: bool, halves: Executor | None) -> Scan | None:
         n = base_i.numel()
         packed = s.bits_for(n)
-        out = _Scan(packed=packed, steps=base_i.element_size() == 2)
+        out = Scan(packed=packed, steps=base_i.element_size() == 2)
         for span0 in range(0, n, self.span_elems):
             span1 = min(n, span0 + self.span_elems)
             for start, a, b in self._chunks(new_flat, base_i, ints, direct, s, span0, span1):
@@ -250,11 +253,12 @@ class DeltaEncoder:
         bits.pack_mask_into(s.mask[:padded], out, s.words)
 
     def encode(self, new: torch.Tensor, base: torch.Tensor, *, base_digest: int | None = None,
-               name: str = "tensor") -> Delta:
+               name: str = "tensor", halves: Executor | None = None) -> Delta:
         """Encode `new` against `base` (the engine's dtype, which `new` is cast to) in the smallest code.
 
         `base_digest` is `tensor_digest(base)`, kept with the baseline: given, the new digest is updated
-        from the changed elements only; without it the new tensor is hashed whole.
+        from the changed elements only; without it the new tensor is hashed whole. `halves` (a thread, e.g. a
+        one-thread pool): where the compiled scan of a tensor of `split_elems` or more scans its second half.
         """
         if new.numel() != base.numel():
             raise ValueError(f"{name}: the new tensor has {new.numel()} elements, its baseline {base.numel()}: "
@@ -267,7 +271,7 @@ class DeltaEncoder:
         s = self._buffers(dtype, base.device)
         cap = _dense_from(n, size)
         scan = self._scan_native if self.uses_native(base.device) else self._scan_torch
-        found = scan(new_flat, base_i, ints, direct, s, cap, base_digest is not None)
+        found = scan(new_flat, base_i, ints, direct, s, cap, base_digest is not None, halves)
         if found is None:  # no sparse code can beat dense any more: the scan stopped
             return self._dense(new, dtype, wire, n, None, None)
         k = found.found
@@ -306,7 +310,7 @@ class DeltaEncoder:
         return Delta(DeltaHeader(code, wire, n, k, new_digest), payload, k)
 
     @staticmethod
-    def _steps(found: _Scan, wire: str, n: int, new_digest: int, device: torch.device
+    def _steps(found: Scan, wire: str, n: int, new_digest: int, device: torch.device
                ) -> tuple[DeltaHeader, torch.Tensor]:
         """The step code's header and payload: the escape count, the old values' terms, the units, the raw values
         (steps.py)."""
@@ -329,17 +333,6 @@ class DeltaEncoder:
         return Delta(DeltaHeader(DENSE, wire, n, n, new_digest), engine.view(-1).view(torch.uint8), changed)
 
 
-def _trim_fillers(units: list[torch.Tensor]) -> None:
-    """Drop the fillers after the tensor's last change: a chunk's unchanged end takes them ahead of a change
-    that may never come (the torch path makes none: the code stays canonical, and no larger than it must be)."""
-    while units:
-        changes = torch.nonzero(units[-1]).view(-1)  # a change's unit is never 0 (its step is 1..255)
-        if changes.numel():
-            units[-1] = units[-1][: int(changes[-1]) + 1]
-            return
-        units.pop()
-
-
 def _signed64(v: int) -> int:
     """An int in [0, 2**64) as the int64 of the same bits."""
     return v - (1 << 64) if v >= 1 << 63 else v
@@ -348,9 +341,20 @@ def _signed64(v: int) -> int:
 _local = threading.local()
 
 
-def encode(new: torch.Tensor, base: torch.Tensor, *, base_digest: int | None = None, name: str = "tensor") -> Delta:
-    """`DeltaEncoder.encode` with this thread's encoder."""
+def _scan_half(asker: DeltaEncoder, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
+               dtype: torch.dtype, cap: int, digest: bool, lo: int) -> Scan | None:
+    """The second half of `asker`'s scan, with this thread's own buffers (the helper thread's job)."""
+    encoder = getattr(_local, "half", None)
+    if encoder is None or (encoder.chunk_elems, encoder.engine) != (asker.chunk_elems, asker.engine):
+        encoder = _local.half = DeltaEncoder(asker.chunk_elems, asker.span_elems, asker.engine, asker.split_elems)
+    s = encoder._buffers(dtype, base_i.device)
+    return encoder._scan_range(new_flat, base_i, ints, direct, s, cap, digest, lo, base_i.numel())
+
+
+def encode(new: torch.Tensor, base: torch.Tensor, *, base_digest: int | None = None, name: str = "tensor",
+           halves: Executor | None = None) -> Delta:
+    """`DeltaEncoder.encode` with this thread's encoder (`halves`: where a large tensor's second half is scanned)."""
     encoder = getattr(_local, "encoder", None)
     if encoder is None:
         encoder = _local.encoder = DeltaEncoder()
-    return encoder.encode(new, base, base_digest=base_digest, name=name)
+    return encoder.encode(new, base, base_digest=base_digest, name=name, halves=halves)

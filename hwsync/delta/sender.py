@@ -102,6 +102,8 @@ class SenderDeltas:
         #: the thread that writes a committed sync's changes into the baseline, and its last job
         self._advancer: ThreadPoolExecutor | None = None
         self._pool: ThreadPoolExecutor | None = None
+        #: the thread that scans a large tensor's second half beside its encode thread (hwsync.delta.scan)
+        self._halves: ThreadPoolExecutor | None = None
         self._pool_index: int | None = None
         self._settling: Future[None] | None = None
 
@@ -235,17 +237,20 @@ class SenderDeltas:
             if base is None or base.shape != tensor.shape or base.dtype != target_dtype:
                 yield spec, dense, (tensor, target_dtype)  # new to the baseline (or reshaped): no patch
             else:
-                yield spec, _encode, (tensor, base, self._digests.get(name), name)
+                yield spec, _encode, (tensor, base, self._digests.get(name), name, self._halves)
 
     def _encoders(self) -> ThreadPoolExecutor:
         """The encode threads, kept across syncs (each keeps its chunk buffers: no fresh pages per sync), on the
         calling thread's device."""
         owner = DeviceOwner(self._device)  # a new thread starts on device 0: each takes this thread's device
         if self._pool is not None and self._pool_index != owner.index:
-            self._pool.shutdown()
-            self._pool = None
+            for pool in (self._pool, self._halves):
+                if pool is not None:
+                    pool.shutdown()
+            self._pool = self._halves = None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hwsync-delta", initializer=owner.enter)
+            self._halves = ThreadPoolExecutor(1, thread_name_prefix="hwsync-delta-half", initializer=owner.enter)
             self._pool_index = owner.index
         return self._pool
 
@@ -316,10 +321,10 @@ class SenderDeltas:
         if self._settling is not None:
             self._settling.exception()
             self._settling = None
-        for pool in (self._pool, self._advancer):
+        for pool in (self._pool, self._halves, self._advancer):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
-        self._pool = self._advancer = None
+        self._pool = self._halves = self._advancer = None
 
     def drop(self, reason: str = "the baseline was dropped to free its memory (drop_delta_baseline)") -> int:
         """Free the baseline and keep none until a sync asks for a delta again; returns the bytes freed.
@@ -340,9 +345,10 @@ class SenderDeltas:
         return freed
 
 
-def _encode(tensor: torch.Tensor, base: torch.Tensor, base_digest: int | None, name: str) -> Delta:
-    """One tensor against its baseline (an encode thread's job)."""
-    return encode(tensor, base, base_digest=base_digest, name=name)
+def _encode(tensor: torch.Tensor, base: torch.Tensor, base_digest: int | None, name: str,
+            halves: ThreadPoolExecutor | None) -> Delta:
+    """One tensor against its baseline (an encode thread's job; a large one's second half on `halves`)."""
+    return encode(tensor, base, base_digest=base_digest, name=name, halves=halves)
 
 
 def _advance_all(moves: list[tuple[str, torch.Tensor, Delta]], tensors: Mapping[str, torch.Tensor],
