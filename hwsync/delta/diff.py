@@ -167,11 +167,14 @@ class DeltaEncoder:
         else:
             other = halves.submit(_scan_half, self, new_flat, base_i, ints, direct, s.cast.dtype, cap, digest, half)
             first = self._scan_range(new_flat, base_i, ints, direct, s, cap, digest, 0, half)
+            if first is None:  # dense won already: the second half is not waited for
+                other.cancel()
+                return None
             if other.cancel():  # the helper is busy with another tensor's half: this thread scans this one
                 second = self._scan_range(new_flat, base_i, ints, direct, s, cap, digest, half, n)
             else:
                 second = other.result()
-            out = None if first is None or second is None else join(first, second, half)
+            out = None if second is None else join(first, second, half)
             if out is not None and out.found >= cap:
                 out = None
         if out is not None and out.steps:
