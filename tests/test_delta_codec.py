@@ -132,6 +132,17 @@ def test_round_trip_is_exact_and_picks_the_smallest_code(engine, dtype, density)
     assert size != 2 or not changed or chosen <= payload_bytes(STEPS, base.numel(), units, size)
 
 
+def _steps_canonical(new: torch.Tensor, base: torch.Tensor, engine: str) -> None:
+    """`new` against `base`: exact, the step code with the reference count of units, and (where compiled) the same
+    bytes from both engines."""
+    header = _round_trip(new, base, **SMALL)
+    assert header.code == STEPS and header.count == _step_units(new, base)
+    if engine == "numba":
+        plain = DeltaEncoder(engine="torch", **SMALL).encode(new, base)
+        compiled = DeltaEncoder(engine="numba", **SMALL).encode(new, base)
+        assert compiled.header == plain.header and torch.equal(compiled.payload, plain.payload)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_the_step_code_at_its_edges(engine, dtype):
     """Steps of exactly 255, 256, 510 and 511 (fillers), a change at the first and the last element, across chunk
@@ -150,12 +161,7 @@ def test_the_step_code_at_its_edges(engine, dtype):
     flat[0] ^= 1
     flat[n - 1] ^= 1
     new.view(-1)[[10, 20, 30, 40]] = torch.tensor([float("nan"), -0.0, 1e30, -1e30]).to(dtype)
-    header = _round_trip(new, base, **SMALL)
-    assert header.code == STEPS and header.count == _step_units(new, base)
-    if engine == "numba":
-        plain = DeltaEncoder(engine="torch", **SMALL).encode(new, base)
-        compiled = DeltaEncoder(engine="numba", **SMALL).encode(new, base)
-        assert compiled.header == plain.header and torch.equal(compiled.payload, plain.payload)
+    _steps_canonical(new, base, engine)
 
 
 def test_the_step_code_ends_at_the_last_change(engine):
@@ -166,12 +172,7 @@ def test_the_step_code_ends_at_the_last_change(engine):
     base = _random(n, torch.bfloat16, gen)
     new = base.clone()
     _bits(new)[: 1 << 15: 30] += 1  # 3% of the first half chunk
-    header = _round_trip(new, base, **SMALL)
-    assert header.code == STEPS and header.count == _step_units(new, base)
-    if engine == "numba":
-        plain = DeltaEncoder(engine="torch", **SMALL).encode(new, base)
-        compiled = DeltaEncoder(engine="numba", **SMALL).encode(new, base)
-        assert compiled.header == plain.header and torch.equal(compiled.payload, plain.payload)
+    _steps_canonical(new, base, engine)
 
 
 @pytest.mark.parametrize("pattern", ["steps across the halves", "second half unchanged", "first half unchanged",
