@@ -213,7 +213,7 @@ class DeltaEncoder:
         return out
 
     def _scan_torch(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
-                    s: _Scratch, cap: int, digest: bool, halves: Executor | None) -> Scan | None:
+                    s: _Scratch, cap: int, digest: bool) -> Scan | None:
         n = base_i.numel()
         packed = s.bits_for(n)
         out = Scan(packed=packed, steps=base_i.element_size() == 2)
@@ -273,8 +273,10 @@ class DeltaEncoder:
         direct = new.dtype == dtype and new.device == base.device
         s = self._buffers(dtype, base.device)
         cap = _dense_from(n, size)
-        scan = self._scan_native if self.uses_native(base.device) else self._scan_torch
-        found = scan(new_flat, base_i, ints, direct, s, cap, base_digest is not None, halves)
+        if self.uses_native(base.device):
+            found = self._scan_native(new_flat, base_i, ints, direct, s, cap, base_digest is not None, halves)
+        else:
+            found = self._scan_torch(new_flat, base_i, ints, direct, s, cap, base_digest is not None)
         if found is None:  # no sparse code can beat dense any more: the scan stopped
             return self._dense(new, dtype, wire, n, None, None)
         k = found.found

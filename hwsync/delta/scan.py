@@ -49,8 +49,8 @@ def join(first: Scan, second: Scan, boundary: int) -> Scan:
     units = list(second.units)
     if first.steps:
         units = _rebase(units, boundary - 1 - first.last)
-    counts = [first.counts[0] + second.counts[0]] if first.counts and second.counts else first.counts + second.counts
-    return Scan(found=first.found + second.found, gained=(first.gained + second.gained) % (1 << 64), counts=counts,
+    return Scan(found=first.found + second.found, gained=(first.gained + second.gained) % (1 << 64),
+                counts=[first.counts[0] + second.counts[0]],
                 offsets=first.offsets + second.offsets, values=first.values + second.values, packed=None,
                 units=first.units + units, raws=first.raws + second.raws, last=second.last, steps=first.steps,
                 olds=(first.olds + second.olds) % (1 << 64))
