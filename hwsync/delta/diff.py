@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Iterator
 
 import torch
@@ -64,6 +65,7 @@ class Delta:
     changed: int | None
 
 
+@lru_cache(maxsize=4096)  # a model has few distinct sizes, and the search took 10 ms of every delta sync's encode
 def _dense_from(numel: int, itemsize: int) -> int:
     """The fewest changes at which no sparse code is smaller than dense (payload sizes grow with changes)."""
     lo, hi = 1, max(1, numel)

@@ -81,6 +81,8 @@ def trim_fillers(units: list[torch.Tensor]) -> None:
     """Drop the fillers after the tensor's last change: a chunk's unchanged end takes them ahead of a change
     that may never come (the torch path makes none: the code stays canonical, and no larger than it must be)."""
     while units:
+        if units[-1].numel() and int(units[-1][-1]) != 0:  # the usual case: the code ends at a change already
+            return
         changes = torch.nonzero(units[-1]).view(-1)  # a change's unit is never 0 (its step is 1..255)
         if changes.numel():
             units[-1] = units[-1][: int(changes[-1]) + 1]
