@@ -27,6 +27,7 @@ from hwsync.delta import (
     apply_to_copy,
     encode,
     native,
+    native16,
     payload_bytes,
     smallest_code,
     tensor_digest,
@@ -48,6 +49,7 @@ def engine(request, monkeypatch):
             pytest.skip("numba is not installed here (pip install numba): only the torch path runs")
     else:
         monkeypatch.setattr(native, "_get", lambda: None)
+        monkeypatch.setattr(native16, "_get", lambda name: None)
     return request.param
 
 
@@ -235,14 +237,40 @@ def test_both_engines_give_the_same_bytes(monkeypatch):
     if native.kernel() is None:
         pytest.skip("numba is not installed here: there is one engine only")
     gen = torch.Generator().manual_seed(1)
-    for density in (0.001, 0.02, 0.3):
+    codes = set()
+    for density, change in ((0.001, _changed), (0.02, _changed), (0.3, _changed), (0.3, _far)):
         base = _random(200_003, torch.bfloat16, gen)
-        new = _changed(base, density, gen)
+        new = change(base, density, gen)
         master = new.float() + torch.randn(new.shape, generator=gen) * 1e-3
         for trainer in (new, master):
             compiled = DeltaEncoder(engine="numba").encode(trainer, base, base_digest=tensor_digest(base))
             plain = DeltaEncoder(engine="torch").encode(trainer, base, base_digest=tensor_digest(base))
             assert compiled.header == plain.header and torch.equal(compiled.payload, plain.payload)
+            codes.add(compiled.header.code)
+    # the compiled scan of 2-byte elements makes the step code; the block and bitmap codes are rebuilt from it
+    assert {BLOCKS, BITMAP, STEPS} <= codes
+
+
+def test_a_step_code_that_breaks_midway_puts_back_what_it_wrote(engine):
+    """The compiled scatter checks a step code as it writes: a malformed unit after the first changes (a filler
+    with a difference, a step past the end) fails the apply, and every value written before it, a difference's or
+    an escape's raw value, is put back."""
+    gen = torch.Generator().manual_seed(15)
+    base = _random(4000, torch.bfloat16, gen)
+    new = base.clone()
+    _bits(new)[::10] += 1
+    _bits(new)[5::40] ^= 0x4000  # far from the old value: escapes
+    delta = encode(new, base)
+    escapes = int(delta.payload[:8].view(torch.int64))
+    assert delta.header.code == STEPS and escapes > 10
+    units = delta.header.count - escapes
+    for at, unit, message in ((units // 2, 0x0300, "filler"), (units - 1, 0x00FF, "past")):
+        payload = delta.payload.clone()
+        payload[16 + 2 * at: 18 + 2 * at].view(torch.int16).fill_(unit)
+        dest = base.clone()
+        with pytest.raises(ValueError, match=message):
+            apply_into(dest, delta.header, payload, gain=True)
+        assert torch.equal(_bits(dest), _bits(base))
 
 
 @pytest.mark.parametrize("target", [torch.bfloat16, torch.float16], ids=str)

@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from hwsync.delta import bits, digest as dg, native, steps
+from hwsync.delta import bits, digest as dg, native, native16, steps
 from hwsync.delta.header import (
     BITMAP,
     BLOCKS,
@@ -32,7 +32,7 @@ from hwsync.delta.header import (
     payload_bytes,
     smallest_code,
 )
-from hwsync.delta.scan import Scan, join, trim_fillers
+from hwsync.delta.scan import Scan, block_code_from_steps, join, trim_fillers
 from hwsync.manifest import dtype_name
 
 #: elements per chunk of the diff (a multiple of 65536): 2 Mi bf16 elements, 4 MiB per operand, stay in cache
@@ -187,20 +187,19 @@ class DeltaEncoder:
                     s: _Scratch, cap: int, digest: bool, lo: int, hi: int) -> Scan | None:
         """The compiled scan of elements [lo, hi) (lo a multiple of the chunk), as if the last change were at lo - 1."""
         n, size = base_i.numel(), base_i.element_size()
-        scan = native.kernel()
-        assert scan is not None
         keys = dg.key_table("col", base_i.device, 1 << 16).numpy()
         rows = dg.key_table("row", base_i.device, ((n * size + 3) // 4 >> 16) + 1).numpy()
-        offsets, val, dirty, units, raws = s.offsets.numpy(), s.xor.numpy(), s.dirty.numpy(), s.units.numpy(), \
-            s.raws.numpy()
+        if size == 2:
+            return self._scan_steps(new_flat, base_i, ints, direct, s, cap, lo, hi, keys, rows)
+        scan = native.kernel()
+        assert scan is not None
+        offsets, val, dirty = s.offsets.numpy(), s.xor.numpy(), s.dirty.numpy()
         counts = torch.zeros(blocks(n), dtype=torch.int64)
-        out = Scan(counts=[counts], packed=None, steps=size == 2, last=lo - 1)
+        out = Scan(counts=[counts], packed=None, last=lo - 1)
         for start, a, b in self._chunks(new_flat, base_i, ints, direct, s, lo, hi):
             an, bn = a.numpy(), b.numpy()
-            k, gain, u, r, out.last, olds = scan(an, bn, native.words(an), native.words(bn), start, offsets, val,
-                                                 counts.numpy(), dirty, keys, rows, digest, units, raws, out.last,
-                                                 start + an.size == n)
-            out.olds = (out.olds + int(olds)) % (1 << 64)
+            k, gain = scan(an, bn, native.words(an), native.words(bn), start, offsets, val, counts.numpy(), dirty, keys,
+                           rows, digest)
             out.found += k
             if out.found >= cap:
                 return None
@@ -208,6 +207,34 @@ class DeltaEncoder:
                 out.gained += int(gain) % (1 << 64)
                 out.values.append(s.xor[:k].clone())
                 out.offsets.append(s.offsets[:k].clone())
+        return out
+
+    def _scan_steps(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
+                    s: _Scratch, cap: int, lo: int, hi: int, keys: object, rows: object) -> Scan | None:
+        """The compiled scan of 2-byte elements (native16.py): the step code, the digest's gain, the old values' terms.
+
+        fp32 masters for a bfloat16 engine are cast as they are read, where the compiled cast gives torch's bits
+        (native.cast_bf16); a chunk with a NaN, and every other cast, is cast by torch first.
+        """
+        fused = native16.scan_cast() if not direct and new_flat.dtype == torch.float32 \
+            and s.cast.dtype == torch.bfloat16 and native.cast_bf16() is not None else None
+        plain = native16.scan_direct()
+        assert plain is not None
+        out, b_all, end = Scan(packed=None, steps=True, last=lo - 1), base_i.numpy().view("uint16"), base_i.numel()
+        for start in range(lo, hi, self.chunk_elems):
+            stop, nan = min(hi, start + self.chunk_elems), True
+            args = (b_all[start:stop], start, keys, rows, s.units.numpy(), s.raws.numpy(), out.last, stop == end)
+            if fused is not None:
+                nan, k, gain, olds, u, r, out.last = fused(new_flat[start:stop].detach().view(torch.int32).numpy()
+                                                           .view("uint32"), *args)
+            if nan:  # a NaN (or no compiled cast): torch casts the chunk first
+                a = next(self._chunks(new_flat, base_i, ints, direct, s, start, stop))[1]
+                _, k, gain, olds, u, r, out.last = plain(a.numpy().view("uint16"), *args)
+            out.found += k
+            if out.found >= cap:
+                return None
+            out.gained = (out.gained + int(gain)) % (1 << 64)
+            out.olds = (out.olds + int(olds)) % (1 << 64)
             if u:
                 out.units.append(s.units[:u].clone())
             if r:
@@ -294,6 +321,8 @@ class DeltaEncoder:
             return self._dense(new, dtype, wire, n, new_digest, k)
         if code == STEPS:
             return Delta(*self._steps(found, wire, n, new_digest, base.device), k)
+        if k and not found.counts:  # the step-code scan (2-byte elements) made no block code: rebuilt from its units
+            block_code_from_steps(found, base_i, ints, n)
         payload = torch.empty(payload_bytes(code, n, k, size), dtype=torch.uint8, device=base.device)
         counts = torch.cat(found.counts)
         if code == BLOCKS:

@@ -4,7 +4,8 @@ The torch path (diff.py) needs some thirty whole-array ops per span, and on the 
 nanosecond per item: at 1% changed that is 3-4x one read of the tensors. One compiled loop reads the two
 chunks a 64-bit word at a time, and only for a word that differs looks at its elements: it writes each
 change's position and value, counts it in its block and adds its term to the digest, in the same pass.
-numba is optional (vLLM depends on it); without it the torch path runs, with the same output.
+numba is optional (vLLM depends on it); without it the torch path runs, with the same output. Elements of 2
+bytes, what engines hold, have kernels of their own that make the step code directly (native16.py).
 """
 
 from __future__ import annotations
@@ -52,28 +53,22 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
 
     @numba.njit(nogil=True, cache=True, inline="always")
     def scan(a: Any, b: Any, wa: Any, wb: Any, start: int, offsets: Any, val: Any, counts: Any, dirty: Any,
-             keys: Any, rows: Any, digest: bool, units: Any, raws: Any, last: int, final: bool,
-             size: int, per_word: int, width: int, mask: int, steps: bool) -> tuple[int, int, int, int, int, int]:
+             keys: Any, rows: Any, digest: bool, size: int, per_word: int, width: int, mask: int) -> tuple[int, int]:
         """Changes of chunk `a` against `b` (starting at element `start`, a multiple of 65536): (how many, the
-        digest's gain, step units, raw values, the last change's position, the digest terms of the old values
-        at the changes: the step code's check of its base).
+        digest's gain). Writes each change's offset in its block of 65536 to `offsets` and its value to `val`, and
+        counts it in `counts` (per block of the tensor). 1-, 4- and 8-byte elements (2-byte ones: native16.py).
 
-        Writes each change's offset in its block of 65536 to `offsets` and its value to `val`, and counts it
-        in `counts` (per block of the tensor); with `steps` (2-byte elements) also the step code's units and
-        raw values (steps.py: the same bytes), after the change at `last` (-1: none yet), fillers for the
-        chunk's unchanged end included unless it is the `final` one. Passes per run of DIRTY_RUN words, all
-        in one block: the first lists the words that differ without a branch (`dirty`, in cache), the second
-        takes those apart, a third turns the run's changes into steps (their values and the old ones are
-        still in cache; in the second pass the step's chain through every lane cost 70% more). A branch per
-        word mispredicts at every changed one, and at the densities of RL updates that was the larger part of
-        the scan (measured 27% faster). A 64-bit word that differs is two lanes of the digest whatever the
-        dtype, and its elements are taken from it by shifts, branch-free.
-        The element width is a constant of each caller below (inlined): unrolled, the loop is 25% faster.
+        Two passes per run of DIRTY_RUN words, all in one block: the first lists the words that differ without a
+        branch (`dirty`, in cache), the second takes those apart. A branch per word mispredicts at every changed
+        one, and at the densities of RL updates that was the larger part of the scan (measured 27% faster). A
+        64-bit word that differs is two lanes of the digest whatever the dtype, and its elements are taken from it
+        by shifts, branch-free. The element width is a constant of each caller below (inlined): unrolled, the
+        loop is 25% faster.
         """
         lane0 = (start * size) >> 2  # the chunk's first 32-bit lane in the tensor
         run = DIRTY_RUN  # divides a block's words for every width: a run never straddles two blocks
-        k = u = r = 0
-        gain = olds = np.int64(0)
+        k = 0
+        gain = np.int64(0)
         for w0 in range(0, wa.size, run):
             w1 = min(wa.size, w0 + run)
             m = 0
@@ -95,26 +90,6 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
                     val[k] = (x >> (j * width)) & mask  # stored truncated to the element's width
                     k += ((d >> (j * width)) & mask) != 0
             counts[(start + w0 * per_word) >> 16] += k - before
-            if steps:  # the run's changes again, in cache: a step and a difference each (2-byte elements)
-                block = (start + w0 * per_word) >> 16 << 16
-                for i in range(before, k):
-                    g = block + (int(offsets[i]) & 0xFFFF)
-                    step = g - last
-                    while step > 255:  # rare at RL densities: a filler per 255 unchanged elements
-                        units[u] = 0
-                        u += 1
-                        step -= 255
-                    old = b[g - start]
-                    olds += term(g, old, np.int16(0), 2, keys, rows)
-                    diff = int(val[i]) - int(old)  # int16 values: signed
-                    if diff < -127 or diff > 127:  # rare: an escape, the value raw
-                        units[u] = step | (0x80 << 8)
-                        raws[r] = val[i]
-                        r += 1
-                    else:
-                        units[u] = step | ((diff & 0xFF) << 8)
-                    u += 1
-                    last = g
         tail = wa.size * per_word  # the last elements that do not fill a word: one by one
         for i in range(tail, a.size):
             if a[i] != b[i]:
@@ -125,121 +100,25 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
                 counts[g >> 16] += 1
                 if digest:
                     gain += term(g, a[i], b[i], size, keys, rows)
-                if steps:
-                    step = g - last
-                    while step > 255:
-                        units[u] = 0
-                        u += 1
-                        step -= 255
-                    olds += term(g, b[i], np.int16(0), 2, keys, rows)
-                    diff = int(a[i]) - int(b[i])  # 2-byte elements come as int16: signed already
-                    if diff < -127 or diff > 127:
-                        units[u] = step | (0x80 << 8)
-                        raws[r] = a[i]
-                        r += 1
-                    else:
-                        units[u] = step | ((diff & 0xFF) << 8)
-                    u += 1
-                    last = g
-        if steps and not final:  # the chunk's unchanged end: its fillers now, so a chunk's units stay bounded
-            while start + a.size - 1 - last >= 255:
-                units[u] = 0
-                u += 1
-                last += 255
-        return k, gain, u, r, last, olds  # type: ignore[return-value]  # numba's int64
+        return k, gain  # type: ignore[return-value]  # numba's int64
 
     @numba.njit(nogil=True, cache=True)
     def scan1(a: Any, b: Any, wa: Any, wb: Any, start: int, offsets: Any, val: Any, counts: Any, dirty: Any,
-              keys: Any, rows: Any, digest: bool, units: Any, raws: Any, last: int, final: bool
-              ) -> tuple[int, int, int, int, int, int]:
-        return scan(a, b, wa, wb, start, offsets, val, counts, dirty, keys, rows, digest, units, raws, last, final,
-                    1, 8, 8, np.int64(0xFF), False)
-
-    @numba.njit(nogil=True, cache=True)
-    def scan2(a: Any, b: Any, wa: Any, wb: Any, start: int, offsets: Any, val: Any, counts: Any, dirty: Any,
-              keys: Any, rows: Any, digest: bool, units: Any, raws: Any, last: int, final: bool
-              ) -> tuple[int, int, int, int, int, int]:
-        return scan(a, b, wa, wb, start, offsets, val, counts, dirty, keys, rows, digest, units, raws, last, final,
-                    2, 4, 16, np.int64(0xFFFF), True)
+              keys: Any, rows: Any, digest: bool) -> tuple[int, int]:
+        return scan(a, b, wa, wb, start, offsets, val, counts, dirty, keys, rows, digest, 1, 8, 8,
+                    np.int64(0xFF))
 
     @numba.njit(nogil=True, cache=True)
     def scan4(a: Any, b: Any, wa: Any, wb: Any, start: int, offsets: Any, val: Any, counts: Any, dirty: Any,
-              keys: Any, rows: Any, digest: bool, units: Any, raws: Any, last: int, final: bool
-              ) -> tuple[int, int, int, int, int, int]:
-        return scan(a, b, wa, wb, start, offsets, val, counts, dirty, keys, rows, digest, units, raws, last, final,
-                    4, 2, 32, np.int64(0xFFFFFFFF), False)
+              keys: Any, rows: Any, digest: bool) -> tuple[int, int]:
+        return scan(a, b, wa, wb, start, offsets, val, counts, dirty, keys, rows, digest, 4, 2, 32,
+                    np.int64(0xFFFFFFFF))
 
     @numba.njit(nogil=True, cache=True)
     def scan8(a: Any, b: Any, wa: Any, wb: Any, start: int, offsets: Any, val: Any, counts: Any, dirty: Any,
-              keys: Any, rows: Any, digest: bool, units: Any, raws: Any, last: int, final: bool
-              ) -> tuple[int, int, int, int, int, int]:
-        return scan(a, b, wa, wb, start, offsets, val, counts, dirty, keys, rows, digest, units, raws, last, final,
-                    8, 1, 64, np.int64(-1), False)
-
-    @numba.njit(nogil=True, cache=True)
-    def scatter_steps(units: Any, raws: Any, olds: int, dest: Any, keys: Any, rows: Any, digest: bool
-                      ) -> tuple[int, int]:
-        """Apply a step code (steps.py) to int16 `dest`: (0 and the digest's gain when `digest`, or a negative
-        error: -1 a filler with a difference, -2 past the end, -3 escapes and raw values disagree, -4 the values
-        at the changes are not the base's: their digest terms are not `olds`). The payload is checked whole before
-        the first write, the base as it is written (then put back): a bad payload or a wrong base changes nothing."""
-        n = dest.size
-        p = last = np.int64(-1)
-        escapes = changes = 0
-        for i in range(units.size):
-            unit = np.int64(units[i]) & 0xFFFF
-            gap, byte = unit & 0xFF, unit >> 8
-            if gap == 0:
-                if byte != 0:
-                    return -1, 0
-                p += 255
-            else:
-                p += gap
-                last = p
-                changes += 1
-                escapes += byte == 0x80
-        if last >= n:
-            return -2, 0
-        if escapes != raws.size:
-            return -3, 0
-        # one pass writes and sums the old values' terms (a difference is right only on its base); the old values
-        # are kept, and put back if the sum says this was not the base: nothing is left changed
-        kept = np.empty(changes, np.int16)
-        found = gain = np.int64(0)
-        p = np.int64(-1)
-        c = e = 0
-        for i in range(units.size):
-            unit = np.int64(units[i]) & 0xFFFF
-            gap, byte = unit & 0xFF, unit >> 8
-            if gap == 0:
-                p += 255
-                continue
-            p += gap
-            old = dest[p]
-            kept[c] = old
-            c += 1
-            found += term(p, old, np.int16(0), 2, keys, rows)
-            if byte == 0x80:
-                new = raws[e]
-                e += 1
-            else:
-                new = np.int16(np.int64(old) + ((byte ^ 0x80) - 0x80))
-            dest[p] = new
-            if digest:
-                gain += term(p, new, old, 2, keys, rows)
-        if found != olds:
-            p = np.int64(-1)
-            c = 0
-            for i in range(units.size):
-                unit = np.int64(units[i]) & 0xFFFF
-                if unit & 0xFF == 0:
-                    p += 255
-                else:
-                    p += unit & 0xFF
-                    dest[p] = kept[c]
-                    c += 1
-            return -4, 0
-        return 0, gain  # type: ignore[return-value]  # numba's int64
+              keys: Any, rows: Any, digest: bool) -> tuple[int, int]:
+        return scan(a, b, wa, wb, start, offsets, val, counts, dirty, keys, rows, digest, 8, 1, 64,
+                    np.int64(-1))
 
     @numba.njit(nogil=True, cache=True)
     def mark_bits(counts: Any, offsets: Any, packed: Any) -> None:
@@ -326,12 +205,12 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
             total += part * rows[whole]
         return total  # type: ignore[return-value]  # numba's int64
 
-    scans = {1: scan1, 2: scan2, 4: scan4, 8: scan8}
+    scans = {1: scan1, 4: scan4, 8: scan8}
 
-    def scan_any(a: Any, *rest: Any) -> tuple[int, int, int, int, int, int]:
+    def scan_any(a: Any, *rest: Any) -> tuple[int, int]:
         return scans[a.itemsize](a, *rest)
 
-    return scan_any, scatter_bits, digest_lanes, scatter_blocks, mark_bits, cast_bf16, scatter_steps
+    return scan_any, scatter_bits, digest_lanes, scatter_blocks, mark_bits, cast_bf16
 
 
 def _get() -> tuple[Callable[..., Any], ...] | None:
@@ -343,8 +222,9 @@ def _get() -> tuple[Callable[..., Any], ...] | None:
     return _kernels
 
 
-def kernel() -> Callable[..., tuple[int, int, int, int, int, int]] | None:
-    """The compiled scan, or None without numba (or with HWSYNC_DELTA_NUMBA=0)."""
+def kernel() -> Callable[..., tuple[int, int]] | None:
+    """The compiled scan of 1-, 4- and 8-byte elements (2-byte: native16.py), or None without numba (or with
+    HWSYNC_DELTA_NUMBA=0)."""
     got = _get()
     return got[0] if got else None
 
@@ -359,12 +239,6 @@ def scatter_blocks() -> Callable[..., int] | None:
     """The compiled block-code scatter, or None without numba (or with HWSYNC_DELTA_NUMBA=0)."""
     got = _get()
     return got[3] if got else None
-
-
-def scatter_steps() -> Callable[..., tuple[int, int]] | None:
-    """The compiled step-code scatter, or None without numba."""
-    got = _get()
-    return got[6] if got else None
 
 
 def mark_bits() -> Callable[..., None] | None:

@@ -1,4 +1,5 @@
-"""What a diff's scan found in a tensor (or in one half of it), and how two halves' findings join.
+"""What a diff's scan found in a tensor (or in one half of it), how two halves' findings join, and the block
+code of a scan that made the step code alone (2-byte elements: native16.py).
 
 The host encode splits a large tensor in two at a chunk boundary and scans the halves on two threads
 (the last large tensor of a sync would otherwise leave one encode thread idle). Everything a scan finds
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hwsync.delta import native16
+from hwsync.delta.header import blocks
 from hwsync.delta.steps import FILLER_STEP
 
 
@@ -45,12 +48,13 @@ class Scan:
 
 def join(first: Scan, second: Scan, boundary: int) -> Scan:
     """The scan of a whole tensor from the scans of [0, boundary) and [boundary, n), the second made as if the
-    last change before it were at boundary - 1 (a host scan: block counts over the whole tensor each)."""
+    last change before it were at boundary - 1 (a host scan: block counts over the whole tensor each, or none where
+    it made the step code alone)."""
     units = list(second.units)
     if first.steps:
         units = _rebase(units, boundary - 1 - first.last)
     return Scan(found=first.found + second.found, gained=(first.gained + second.gained) % (1 << 64),
-                counts=[first.counts[0] + second.counts[0]],
+                counts=[first.counts[0] + second.counts[0]] if first.counts else [],
                 offsets=first.offsets + second.offsets, values=first.values + second.values, packed=None,
                 units=first.units + units, raws=first.raws + second.raws, last=second.last, steps=first.steps,
                 olds=(first.olds + second.olds) % (1 << 64))
@@ -93,3 +97,17 @@ def trim_fillers(units: list[torch.Tensor]) -> None:
 def _int16(v: int) -> int:
     """A 16-bit pattern as the int16 of the same bits."""
     return v - (1 << 16) if v >= 1 << 15 else v
+
+
+def block_code_from_steps(found: Scan, base_i: torch.Tensor, ints: torch.dtype, numel: int) -> None:
+    """Fill in the block code's counts, offsets and values of a host scan that made the step code alone, against
+    `base_i` (where the block or bitmap code is smaller: a very sparse tensor, or one mostly of escapes)."""
+    unsteps = native16.unsteps()
+    assert unsteps is not None
+    units = torch.cat(found.units) if found.units else torch.empty(0, dtype=torch.int16)
+    raws = torch.cat(found.raws) if found.raws else torch.empty(0, dtype=torch.int16)
+    offsets, values = torch.empty(found.found, dtype=torch.int16), torch.empty(found.found, dtype=ints)
+    counts = torch.zeros(blocks(numel), dtype=torch.int64)
+    unsteps(units.numpy(), raws.numpy(), base_i.numpy(), offsets.numpy(), values.view(torch.int16).numpy(),
+            counts.numpy())
+    found.counts, found.offsets, found.values = [counts], [offsets], [values]
