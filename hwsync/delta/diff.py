@@ -65,7 +65,7 @@ class Delta:
     changed: int | None
 
 
-@lru_cache(maxsize=4096)  # a model has few distinct sizes, and the search took 10 ms of every delta sync's encode
+@lru_cache(maxsize=4096)  # a model has few distinct sizes: the search took 2.6 ms of every delta sync
 def _dense_from(numel: int, itemsize: int) -> int:
     """The fewest changes at which no sparse code is smaller than dense (payload sizes grow with changes)."""
     lo, hi = 1, max(1, numel)
