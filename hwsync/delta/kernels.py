@@ -1,5 +1,6 @@
-"""The compiled host kernels of the delta codec for 1-, 4- and 8-byte elements, the fp32-to-bf16 cast, the block
-and bitmap scatters and the digest's lane sum; imported only where numba is installed (native.py says which).
+"""The compiled host kernels of the delta codec for 1-, 4- and 8-byte elements, the block and bitmap scatters
+and the digest's lane sum (the fp32-to-bf16 cast is with the 2-byte kernels, kernels16.py); imported only where
+numba is installed (native.py says which).
 
 Module-level functions, not closures: numba keys its on-disk cache of a closure by the objects it closes over,
 which differ in every process, so a closure was compiled again in each process that used it (0.1-0.8 s a
@@ -114,17 +115,6 @@ def mark_bits(counts: Any, offsets: Any, packed: Any) -> None:
             g = (block << 16) + (offsets[c] & 0xFFFF)
             packed[g >> 3] |= 1 << (g & 7)
             c += 1
-
-@numba.njit(nogil=True, cache=True)
-def cast_bf16(src: Any, out: Any) -> bool:
-    """fp32 bit patterns (uint32) to bfloat16's (uint16), rounded to nearest even: whether any was a NaN
-    (then the caller casts with torch, whose NaN bits differ between builds). One vectorised pass."""
-    top = np.uint32(0)
-    for i in range(src.size):
-        u = src[i]
-        top = max(top, u & np.uint32(0x7FFFFFFF))  # a max, not a flag: it keeps the loop vectorised
-        out[i] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-    return top > np.uint32(0x7F800000)  # type: ignore[return-value]  # numba returns a bool
 
 @numba.njit(nogil=True, cache=True)
 def scatter_bits(packed: Any, values: Any, dest: Any, keys: Any, rows: Any, digest: bool) -> tuple[int, int]:

@@ -90,6 +90,19 @@ def bf16(v: Any) -> Any:
     return np.uint16((v + np.uint32(0x7FFF) + ((v >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
+@numba.njit(nogil=True, cache=True)
+def cast_bf16(src: Any, out: Any) -> bool:
+    """fp32 bit patterns (uint32) to bfloat16's (uint16), rounded to nearest even: whether any was a NaN (then the
+    caller casts with torch, whose NaN bits differ between builds). One vectorised pass; the scan's fused cast is
+    the same `bf16`, so the check that this gives torch's bits (native.cast_bf16) vouches for both."""
+    top = np.uint32(0)
+    for i in range(src.size):
+        u = src[i]
+        top = max(top, u & np.uint32(0x7FFFFFFF))  # a max, not a flag: it keeps the loop vectorised
+        out[i] = bf16(u)
+    return top > np.uint32(0x7F800000)  # type: ignore[return-value]  # numba returns a bool
+
+
 @numba.njit(nogil=True, cache=True, inline="always")
 def value(src: Any, i: int, cast: bool) -> Any:
     return bf16(src[i]) if cast else src[i]

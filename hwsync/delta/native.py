@@ -28,10 +28,10 @@ def _build() -> tuple[Callable[..., Any], ...] | None:
         import numba  # noqa: F401  # the kernels' module needs it: without it, the torch path
     except ImportError:
         return None
-    from hwsync.delta import kernels
+    from hwsync.delta import kernels, kernels16
 
     return (kernels.scan_any, kernels.scatter_bits, kernels.digest_lanes, kernels.scatter_blocks, kernels.mark_bits,
-            kernels.cast_bf16)
+            kernels16.cast_bf16)
 
 
 def _get() -> tuple[Callable[..., Any], ...] | None:
