@@ -27,7 +27,6 @@ from hwsync.delta import (
     apply_to_copy,
     encode,
     native,
-    native16,
     payload_bytes,
     smallest_code,
     tensor_digest,
@@ -48,8 +47,7 @@ def engine(request, monkeypatch):
         if native.kernel() is None:
             pytest.skip("numba is not installed here (pip install numba): only the torch path runs")
     else:
-        monkeypatch.setattr(native, "_get", lambda: None)
-        monkeypatch.setattr(native16, "_get", lambda name: None)
+        monkeypatch.setattr(native, "_get", lambda name: None)
     return request.param
 
 
@@ -416,7 +414,7 @@ def test_the_compiled_digest_equals_the_torch_ops_digest(monkeypatch):
                                                                                        65536 * 4 + 3, 300_001)]
     tensors += [torch.randn(1000, 333, generator=gen).bfloat16(), torch.tensor(2.5), torch.randn(77).double()]
     compiled = [tensor_digest(t) for t in tensors]
-    monkeypatch.setattr(native, "_get", lambda: None)
+    monkeypatch.setattr(native, "_get", lambda name: None)
     assert compiled == [tensor_digest(t) for t in tensors]
 
 

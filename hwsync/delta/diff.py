@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from hwsync.delta import bits, digest as dg, native, native16, steps
+from hwsync.delta import bits, digest as dg, native, steps
 from hwsync.delta.header import (
     BITMAP,
     BLOCKS,
@@ -211,14 +211,14 @@ class DeltaEncoder:
 
     def _scan_steps(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
                     s: _Scratch, cap: int, lo: int, hi: int, keys: object, rows: object) -> Scan | None:
-        """The compiled scan of 2-byte elements (native16.py): the step code, the digest's gain, the old values' terms.
+        """The compiled scan of 2-byte elements (kernels16.py): the step code, the digest's gain, the old values' terms.
 
         fp32 masters for a bfloat16 engine are cast as they are read, where the compiled cast gives torch's bits
         (native.cast_bf16); a chunk with a NaN, and every other cast, is cast by torch first.
         """
-        fused = native16.scan_cast() if not direct and new_flat.dtype == torch.float32 \
+        fused = native.scan16_cast() if not direct and new_flat.dtype == torch.float32 \
             and s.cast.dtype == torch.bfloat16 and native.cast_bf16() is not None else None
-        plain = native16.scan_direct()
+        plain = native.scan16_direct()
         assert plain is not None
         out, b_all, end = Scan(packed=None, steps=True, last=lo - 1), base_i.numpy().view("uint16"), base_i.numel()
         for start in range(lo, hi, self.chunk_elems):

@@ -42,7 +42,7 @@ def scan(a: Any, b: Any, wa: Any, wb: Any, start: int, offsets: Any, val: Any, c
          keys: Any, rows: Any, digest: bool, size: int, per_word: int, width: int, mask: int) -> tuple[int, int]:
     """Changes of chunk `a` against `b` (starting at element `start`, a multiple of 65536): (how many, the
     digest's gain). Writes each change's offset in its block of 65536 to `offsets` and its value to `val`, and
-    counts it in `counts` (per block of the tensor). 1-, 4- and 8-byte elements (2-byte ones: native16.py).
+    counts it in `counts` (per block of the tensor). 1-, 4- and 8-byte elements (2-byte ones: kernels16.py).
 
     Two passes per run of `dirty.size` words (native.DIRTY_RUN), all in one block: the first lists the words
     that differ without a branch (`dirty`, in cache), the second takes those apart. A branch per word

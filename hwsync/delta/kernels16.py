@@ -1,7 +1,23 @@
-"""The compiled host kernels of 2-byte elements (native16.py says what they do and why they are shaped so);
-imported only where numba is installed.
+"""The compiled host kernels of 2-byte elements (bf16, fp16: what engines hold) and the fp32-to-bf16 cast;
+imported only where numba is installed (native.py says which). Module-level functions, not closures, so numba's
+on-disk cache serves them in every process (kernels.py).
 
-Module-level functions, not closures, so numba's on-disk cache serves them in every process (kernels.py).
+A delta of 2-byte elements is a step code (steps.py) unless it is very sparse or full of escapes, so the scan makes
+the step code and nothing else: the block and bitmap codes, when smaller, are rebuilt from it (`unsteps`). The scan
+reads the trainer's tensor (fp32 masters cast to bf16 as they are read, or 2-byte values) and the baseline once,
+128 elements at a time: a vectorised pass makes two 64-bit masks of the elements that differ, then a loop over
+exactly the set bits emits each change's unit and digest terms. It picks the next bit from the two masks without a
+branch: a loop per 64-bit mask ended at an unpredictable place every 64 elements, and those mispredictions were
+half the scan at RL densities (368M elements at 2% changed, one thread: 0.200 s with the earlier scan, 0.116 s with
+this one, against a 0.109 s read floor). The digest's row key is constant over a run of RUN elements, so each
+change costs one column key and the row key multiplies the run's sums once.
+
+The scatter applies a step code in one pass: it checks the payload as it writes and, when anything is
+wrong (a malformed unit, or values at the changes whose digest terms are not the base's), puts back what
+it wrote (a difference's old value is the new one less the difference; an escape's is kept): nothing is
+left changed. It asks the cache for lines ahead of its writes: changes a few dozen elements apart defeat
+the hardware's prefetcher (368M elements at 1/2/4% changed: 0.072/0.092/0.066 s without,
+0.026/0.031/0.039 s with).
 """
 
 from __future__ import annotations

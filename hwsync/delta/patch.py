@@ -1,7 +1,7 @@
 """Apply an encoded tensor where the destination lives, with torch ops that exist on every device.
 
-On the host, where numba is installed, one compiled pass (native.py) scatters a bitmap's or a block code's
-changes, and one (native16.py) a step code's, checked against its base's values as it writes; every other device
+On the host, where numba is installed, one compiled pass (kernels.py) scatters a bitmap's or a block code's
+changes, and one (kernels16.py) a step code's, checked against its base's values as it writes; every other device
 uses torch ops (repeat_interleave, index_copy_, cumsum), a few Mi elements at a time.
 Either can also sum what the destination's digest gains, from the values it found and wrote: a receiver
 then checks a delta by reading the changed elements only (receiver.py).
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hwsync.delta import bits, digest as dg, native, native16, steps
+from hwsync.delta import bits, digest as dg, native, steps
 from hwsync.delta.header import BLOCK, BLOCKS, DENSE, SAME, STEPS, DeltaHeader, blocks, int_view, pad8
 from hwsync.manifest import dtype_name
 
@@ -162,7 +162,7 @@ def _apply_steps(flat: torch.Tensor, header: DeltaHeader, payload: torch.Tensor,
     data = payload.to(flat.device)
     units = _section(data, 16, count - escapes, torch.int16)
     raws = _section(data, 16 + 2 * (count - escapes), escapes, torch.int16)
-    scatter = native16.scatter_steps() if flat.device.type == "cpu" else None
+    scatter = native.scatter_steps() if flat.device.type == "cpu" else None
     if scatter is not None:  # on the host, compiled passes: check the payload, check the base, write
         keys, rows = _host_keys(flat)
         status, found = scatter(units.numpy(), raws.numpy(), olds - (1 << 64) if olds >= 1 << 63 else olds,

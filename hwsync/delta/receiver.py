@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from hwsync.bucket import IntoFn, LoadFn
-from hwsync.delta import native16
+from hwsync.delta import native
 from hwsync.delta.digest import tensor_digest
 from hwsync.delta.header import BITMAP, BLOCKS, SAME, STEPS, DeltaHeader, headers_from_words
 from hwsync.delta.patch import BaseMismatch, apply_into, verify
@@ -344,6 +344,6 @@ class Applying:
 def _check_changes(header: DeltaHeader) -> bool:
     """Whether a host tensor's result is checked from its changes rather than digested whole (the cheaper; on a
     GPU a whole digest always is)."""
-    if header.code == STEPS and native16.scatter_steps() is not None:
+    if header.code == STEPS and native.scatter_steps() is not None:
         return header.count * STEP_CHECK_RATIO <= header.numel
     return header.code in (BLOCKS, BITMAP, STEPS) and header.count * CHANGED_CHECK_RATIO <= header.numel

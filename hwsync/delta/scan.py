@@ -1,5 +1,5 @@
 """What a diff's scan found in a tensor (or in one half of it), how two halves' findings join, and the block
-code of a scan that made the step code alone (2-byte elements: native16.py).
+code of a scan that made the step code alone (2-byte elements: kernels16.py).
 
 The host encode splits a large tensor in two at a chunk boundary and scans the halves on two threads
 (the last large tensor of a sync would otherwise leave one encode thread idle). Everything a scan finds
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hwsync.delta import native16
+from hwsync.delta import native
 from hwsync.delta.header import blocks
 from hwsync.delta.steps import FILLER_STEP
 
@@ -102,7 +102,7 @@ def _int16(v: int) -> int:
 def block_code_from_steps(found: Scan, base_i: torch.Tensor, ints: torch.dtype, numel: int) -> None:
     """Fill in the block code's counts, offsets and values of a host scan that made the step code alone, against
     `base_i` (where the block or bitmap code is smaller: a very sparse tensor, or one mostly of escapes)."""
-    unsteps = native16.unsteps()
+    unsteps = native.unsteps()
     assert unsteps is not None
     units = torch.cat(found.units) if found.units else torch.empty(0, dtype=torch.int16)
     raws = torch.cat(found.raws) if found.raws else torch.empty(0, dtype=torch.int16)
