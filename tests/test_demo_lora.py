@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -21,9 +25,18 @@ def _printed_json(stdout: str) -> dict:
 
 
 def test_demo_lora_sends_the_adapter_alone_after_the_first_sync():
-    done = subprocess.run([sys.executable, "-m", "hwsync.cli", "demo", "--lora", "--steps", "3", "--samples", "4",
-                           "--json"], capture_output=True, text=True, timeout=600)
+    # a temporary directory of its own (short: a socket's path holds 107 bytes), where vLLM makes its ipc
+    # sockets: none may be left behind
+    own = Path(tempfile.mkdtemp(prefix="hwdemo-", dir="/tmp"))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"} | {"TMPDIR": str(own)}
+    try:
+        done = subprocess.run([sys.executable, "-m", "hwsync.cli", "demo", "--lora", "--steps", "3", "--samples",
+                               "4", "--json"], capture_output=True, text=True, timeout=600, env=env)
+        sockets = [str(p.relative_to(own)) for p in own.rglob("*") if p.is_socket()]
+    finally:
+        shutil.rmtree(own, ignore_errors=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not sockets, f"the demo left sockets in its temporary directory: {sockets}"
     assert "starting vLLM with LoRA enabled" in done.stderr  # the progress line before the long wait
     result = _printed_json(done.stdout)
     rows, full = result["rows"], result["full_sync_bytes"]

@@ -7,7 +7,11 @@ fixed token sequence (`prompt_logprobs=0` gives exactly the logprob of each give
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,5 +132,22 @@ def shutdown_engine(llm: Any) -> None:
 
 
 def cpu_engine_env() -> None:
-    """Settings a vLLM engine needs on a CPU-only machine (no effect elsewhere); keeps existing ones."""
+    """Settings a vLLM engine needs on a CPU-only machine (no effect elsewhere), and a private directory for its
+    ipc files (`private_ipc_dir`); keeps existing ones."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    private_ipc_dir()
+
+
+def private_ipc_dir() -> str:
+    """Point vLLM's ZeroMQ ipc files (VLLM_RPC_BASE_PATH) at a directory that goes when this process exits.
+
+    vLLM makes them in the temporary directory and an engine that stops leaves some behind (7 sockets per
+    `hwsync demo`, from its three engines). A path the user set is kept, and left to them; so is vLLM's default
+    where the directory's name would make a socket's path longer than a socket address holds (107 bytes).
+    """
+    path = os.environ.get("VLLM_RPC_BASE_PATH")
+    if path is None and len(os.path.join(tempfile.gettempdir(), "hwsync-ipc-12345678", str(uuid.uuid4()))) <= 107:
+        path = tempfile.mkdtemp(prefix="hwsync-ipc-")
+        os.environ["VLLM_RPC_BASE_PATH"] = path  # the engine's own processes inherit it
+        atexit.register(shutil.rmtree, path, True)
+    return path or tempfile.gettempdir()
