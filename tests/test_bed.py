@@ -137,6 +137,24 @@ def test_child_imports_hwsync_from_venv(bed3):
     assert got == {"hwsync": hwsync.__file__, "prefix": sys.prefix, "executable": sys.executable}
 
 
+@pytest.mark.slow
+def test_child_imports_the_hwsync_its_parent_imported(bed3, tmp_path):
+    """A parent whose hwsync is not the venv's (a checkout run with -m from its root) starts hosts that import that
+    same hwsync, not the venv's (a bench run from another checkout had measured the venv's code in its hosts)."""
+    bed3.close()  # made only to skip where the machine holds no bed: the parent below makes its own
+    import hwsync
+
+    (tmp_path / "hwsync").symlink_to(os.path.dirname(os.path.abspath(hwsync.__file__)))
+    code = (f"import json, sys; sys.path.insert(0, {str(tmp_path)!r}); import hwsync; from hwsync.bed import Bed\n"
+            f"with Bed(1) as bed: got = bed.start(0, {PROCS + ':import_hwsync'!r}).result(60)\n"
+            "print(json.dumps([hwsync.__file__, got['hwsync']]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    parent, child = json.loads(done.stdout.strip().splitlines()[-1])
+    assert parent == str(tmp_path / "hwsync" / "__init__.py")
+    assert child == parent
+
+
 def test_failure_and_kill_are_reported(bed3):
     """A target that raises comes back as HostProcessError with its message; a SIGKILLed one is reaped."""
     with pytest.raises(HostProcessError, match="must be 'module:function'"):

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from hwsync.bed.hosts import Bed
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child.py")
+#: the folder holding the hwsync package this process imported: a child imports the same one
+HWSYNC_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: how much of a failed process's output its error carries
 LOG_TAIL_CHARS = 4000
 
@@ -126,7 +128,8 @@ def start_in_host(bed: Bed, host: int, target: str, *args: object, sys_path: Ite
     """
     workdir = tempfile.mkdtemp(prefix=f"{bed.id}-h{host}-")
     spec = {"target": target, "args": list(args), "kwargs": kwargs, "sys_path": [os.path.abspath(p) for p in sys_path],
-            "parent": os.getpid() if die_with_parent else 0, "hostname": bed.hostname(host) if own_hostname else ""}
+            "parent": os.getpid() if die_with_parent else 0, "hostname": bed.hostname(host) if own_hostname else "",
+            "hwsync_root": HWSYNC_ROOT}
     with open(os.path.join(workdir, "args.json"), "w") as f:
         json.dump(spec, f)
     child_env = dict(os.environ)
