@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from hwsync.delta.diff import Delta
@@ -96,8 +96,9 @@ class EncodeAhead:
                                 f"{self._expected}; a delta sync sends exactly the announced tensors")
 
     def close(self) -> None:
-        """Stop: jobs not started are cancelled (those running finish on their threads)."""
-        for _, job in self._window:
-            job.cancel()
+        """Stop: jobs not started are cancelled, and those running are waited for (they write their payloads into
+        the sender's room, which the next sync takes again)."""
+        running = [job for _, job in self._window if not job.cancel()]
         self._window.clear()
         self._jobs = None
+        wait(running)

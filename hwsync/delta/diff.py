@@ -13,25 +13,26 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Iterator
 
 import torch
 
 from hwsync.delta import bits, digest as dg, native, steps
 from hwsync.delta.header import (
-    BITMAP,
     BLOCKS,
     DENSE,
     SAME,
     STEPS,
     DeltaHeader,
     blocks,
+    dense_from,
     int_view,
     pad8,
     payload_bytes,
     smallest_code,
 )
+from hwsync.delta.host import concat_into, keep
+from hwsync.delta.room import PayloadRoom
 from hwsync.delta.scan import Scan, block_code_from_steps, join, trim_fillers
 from hwsync.manifest import dtype_name
 
@@ -63,23 +64,6 @@ class Delta:
     header: DeltaHeader
     payload: torch.Tensor
     changed: int | None
-
-
-@lru_cache(maxsize=4096)  # a model has few distinct sizes: the search took 2.6 ms of every delta sync
-def _dense_from(numel: int, itemsize: int) -> int:
-    """The fewest changes at which no sparse code is smaller than dense (payload sizes grow with changes)."""
-    lo, hi = 1, max(1, numel)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        # the step code takes at least a unit per change
-        sparse = [payload_bytes(c, numel, mid, itemsize) for c in (BLOCKS, BITMAP)]
-        if itemsize == 2:
-            sparse.append(payload_bytes(STEPS, numel, mid, itemsize))
-        if min(sparse) >= numel * itemsize:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
 
 
 class _Scratch:
@@ -205,8 +189,8 @@ class DeltaEncoder:
                 return None
             if k:
                 out.gained += int(gain) % (1 << 64)
-                out.values.append(s.xor[:k].clone())
-                out.offsets.append(s.offsets[:k].clone())
+                out.values.append(keep(s.xor[:k]))
+                out.offsets.append(keep(s.offsets[:k]))
         return out
 
     def _scan_steps(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
@@ -236,9 +220,9 @@ class DeltaEncoder:
             out.gained = (out.gained + int(gain)) % (1 << 64)
             out.olds = (out.olds + int(olds)) % (1 << 64)
             if u:
-                out.units.append(s.units[:u].clone())
+                out.units.append(keep(s.units[:u]))
             if r:
-                out.raws.append(s.raws[:r].clone())
+                out.raws.append(keep(s.raws[:r]))
         return out
 
     def _scan_torch(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
@@ -285,12 +269,13 @@ class DeltaEncoder:
         bits.pack_mask_into(s.mask[:padded], out, s.words)
 
     def encode(self, new: torch.Tensor, base: torch.Tensor, *, base_digest: int | None = None,
-               name: str = "tensor", halves: Executor | None = None) -> Delta:
+               name: str = "tensor", halves: Executor | None = None, room: PayloadRoom | None = None) -> Delta:
         """Encode `new` against `base` (the engine's dtype, which `new` is cast to) in the smallest code.
 
         `base_digest` is `tensor_digest(base)`, kept with the baseline: given, the new digest is updated
         from the changed elements only; without it the new tensor is hashed whole. `halves` (a thread, e.g. a
         one-thread pool): where the compiled scan of a tensor of `split_elems` or more scans its second half.
+        `room`: where a host payload is written (a sender's, reused every sync), else fresh memory.
         """
         if new.numel() != base.numel():
             raise ValueError(f"{name}: the new tensor has {new.numel()} elements, its baseline {base.numel()}: "
@@ -301,7 +286,7 @@ class DeltaEncoder:
         new_flat = new.contiguous().view(-1)
         direct = new.dtype == dtype and new.device == base.device
         s = self._buffers(dtype, base.device)
-        cap = _dense_from(n, size)
+        cap = dense_from(n, size)
         if self.uses_native(base.device):
             found = self._scan_native(new_flat, base_i, ints, direct, s, cap, base_digest is not None, halves)
         else:
@@ -320,17 +305,18 @@ class DeltaEncoder:
         if code == DENSE:
             return self._dense(new, dtype, wire, n, new_digest, k)
         if code == STEPS:
-            return Delta(*self._steps(found, wire, n, new_digest, base.device), k)
+            payload = _payload(payload_bytes(STEPS, n, found.step_units or 0, 2), base.device, room)
+            return Delta(*self._steps(found, wire, n, new_digest, payload), k)
         if k and not found.counts:  # the step-code scan (2-byte elements) made no block code: rebuilt from its units
             block_code_from_steps(found, base_i, ints, n)
-        payload = torch.empty(payload_bytes(code, n, k, size), dtype=torch.uint8, device=base.device)
+        payload = _payload(payload_bytes(code, n, k, size), base.device, room)
         counts = torch.cat(found.counts)
         if code == BLOCKS:
             nb = blocks(n)
             payload[: 4 * nb].view(torch.int32).copy_(counts)
             at = pad8(4 * nb)
             payload[4 * nb: at].zero_()
-            torch.cat(found.offsets, out=payload[at: at + 2 * k].view(torch.int16))
+            concat_into(found.offsets, payload[at: at + 2 * k].view(torch.int16))
             payload[at + 2 * k: pad8(at + 2 * k)].zero_()
             at = pad8(at + 2 * k)
         else:
@@ -342,21 +328,20 @@ class DeltaEncoder:
                 assert mark is not None
                 payload[:at].zero_()
                 mark(counts.numpy(), torch.cat(found.offsets).numpy(), payload[:at].numpy())
-        torch.cat(found.values, out=payload[at:].view(ints))
+        concat_into(found.values, payload[at:].view(ints))
         return Delta(DeltaHeader(code, wire, n, k, new_digest), payload, k)
 
     @staticmethod
-    def _steps(found: Scan, wire: str, n: int, new_digest: int, device: torch.device
+    def _steps(found: Scan, wire: str, n: int, new_digest: int, payload: torch.Tensor
                ) -> tuple[DeltaHeader, torch.Tensor]:
-        """The step code's header and payload: the escape count, the old values' terms, the units, the raw values
-        (steps.py)."""
+        """The step code's header and `payload` (its room): the escape count, the old values' terms, the units,
+        the raw values (steps.py)."""
         count = found.step_units
         assert count is not None
         escapes = sum(r.numel() for r in found.raws)
-        payload = torch.empty(payload_bytes(STEPS, n, count, 2), dtype=torch.uint8, device=device)
         payload[:16].view(torch.int64).copy_(torch.tensor([escapes, _signed64(found.olds)], dtype=torch.int64))
         if count:
-            torch.cat(found.units + found.raws, out=payload[16: 16 + 2 * count].view(torch.int16))
+            concat_into(found.units + found.raws, payload[16: 16 + 2 * count].view(torch.int16))
         payload[16 + 2 * count:].zero_()
         return DeltaHeader(STEPS, wire, n, count, new_digest), payload
 
@@ -367,6 +352,12 @@ class DeltaEncoder:
         if new_digest is None:
             new_digest = dg.tensor_digest(engine)
         return Delta(DeltaHeader(DENSE, wire, n, n, new_digest), engine.view(-1).view(torch.uint8), changed)
+
+
+def _payload(nbytes: int, device: torch.device, room: PayloadRoom | None) -> torch.Tensor:
+    """`nbytes` for a payload: from the sender's room on the host, else fresh."""
+    return room.take(nbytes) if room is not None and device.type == "cpu" else \
+        torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def _signed64(v: int) -> int:
@@ -388,9 +379,10 @@ def _scan_half(asker: DeltaEncoder, new_flat: torch.Tensor, base_i: torch.Tensor
 
 
 def encode(new: torch.Tensor, base: torch.Tensor, *, base_digest: int | None = None, name: str = "tensor",
-           halves: Executor | None = None) -> Delta:
-    """`DeltaEncoder.encode` with this thread's encoder (`halves`: where a large tensor's second half is scanned)."""
+           halves: Executor | None = None, room: PayloadRoom | None = None) -> Delta:
+    """`DeltaEncoder.encode` with this thread's encoder (`halves`: where a large tensor's second half is scanned;
+    `room`: where host payloads are written)."""
     encoder = getattr(_local, "encoder", None)
     if encoder is None:
         encoder = _local.encoder = DeltaEncoder()
-    return encoder.encode(new, base, base_digest=base_digest, name=name, halves=halves)
+    return encoder.encode(new, base, base_digest=base_digest, name=name, halves=halves, room=room)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -76,6 +77,23 @@ def smallest_code(numel: int, count: int, itemsize: int, step_units: int | None 
     if step_units is not None and itemsize == 2:
         sizes[STEPS] = payload_bytes(STEPS, numel, step_units, itemsize)
     return min(sizes, key=lambda c: sizes[c])
+
+
+@lru_cache(maxsize=4096)  # a model has few distinct sizes: the search took 2.6 ms of every delta sync
+def dense_from(numel: int, itemsize: int) -> int:
+    """The fewest changes at which no sparse code is smaller than dense (payload sizes grow with changes)."""
+    lo, hi = 1, max(1, numel)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        # the step code takes at least a unit per change
+        sparse = [payload_bytes(c, numel, mid, itemsize) for c in (BLOCKS, BITMAP)]
+        if itemsize == 2:
+            sparse.append(payload_bytes(STEPS, numel, mid, itemsize))
+        if min(sparse) >= numel * itemsize:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from hwsync.delta.diff import Delta, encode, to_engine_dtype
 from hwsync.delta.digest import tensor_digest
 from hwsync.delta.header import DENSE, DeltaHeader
 from hwsync.delta.patch import advance
+from hwsync.delta.room import RESERVE_SHARE, PayloadRoom
 from hwsync.delta.warm import warm_up
 from hwsync.devices import DeviceOwner
 from hwsync.errors import ManifestError
@@ -106,6 +107,8 @@ class SenderDeltas:
         self._halves: ThreadPoolExecutor | None = None
         self._pool_index: int | None = None
         self._settling: Future[None] | None = None
+        #: host memory the payloads of a delta sync are written into, reused by the next (hwsync.delta.room)
+        self.room = PayloadRoom()
 
     @property
     def baseline_bytes(self) -> int:
@@ -150,6 +153,7 @@ class SenderDeltas:
         renews it (so the next may be a delta again).
         """
         self.settle()
+        self.room.reset()  # the last sync's payloads are spent: settle() waited for the baseline to take them
         self._count += 1
         self._next = f"{self._prefix}:{self._count}"
         self.active = self.active or delta
@@ -169,6 +173,7 @@ class SenderDeltas:
         else:
             self._pending = self._encode(pairs, dtypes, manifest, note, streamed)
         note["baseline_bytes"] = self.baseline_bytes
+        note["room_bytes"] = self.room.held_bytes
         return self._pending
 
     def _keep(self, pairs: Iterable[tuple[str, torch.Tensor]], dtypes: EngineDtypes
@@ -237,7 +242,8 @@ class SenderDeltas:
             if base is None or base.shape != tensor.shape or base.dtype != target_dtype:
                 yield spec, dense, (tensor, target_dtype)  # new to the baseline (or reshaped): no patch
             else:
-                yield spec, _encode, (tensor, base, self._digests.get(name), name, self._halves)
+                yield spec, _encode, (tensor, base, self._digests.get(name), name, self._halves,
+                                      None if self.on_device else self.room)
 
     def _encoders(self) -> ThreadPoolExecutor:
         """The encode threads, kept across syncs (each keeps its chunk buffers: no fresh pages per sync), on the
@@ -290,7 +296,9 @@ class SenderDeltas:
                 owner = DeviceOwner(self._device)
                 self._advancer = ThreadPoolExecutor(1, thread_name_prefix="hwsync-baseline", initializer=owner.enter)
             warm = [] if pending.deltas else sorted({t.dtype for t in self._tensors.values()}, key=str)
-            self._settling = self._advancer.submit(_advance_all, moves, self._tensors, todo, self._digests, warm)
+            room = None if pending.deltas or self.on_device else int(RESERVE_SHARE * self._held_bytes())
+            self._settling = self._advancer.submit(_advance_all, moves, self._tensors, todo, self._digests, warm,
+                                                   self.room, room)
         first = self.base_id is None
         self.base_id = self._next
         if first:
@@ -327,7 +335,8 @@ class SenderDeltas:
         self._pool = self._halves = self._advancer = None
 
     def drop(self, reason: str = "the baseline was dropped to free its memory (drop_delta_baseline)") -> int:
-        """Free the baseline and keep none until a sync asks for a delta again; returns the bytes freed.
+        """Free the baseline (and the payloads' room) and keep none until a sync asks for a delta again; returns the
+        baseline's bytes.
 
         That sync is full (it makes a new baseline), with `reason` in its stats; syncs that ask for no
         delta meanwhile keep no baseline, and receivers drop their kept copies at the first of them.
@@ -336,6 +345,7 @@ class SenderDeltas:
             self._settling.exception()  # the writes in flight end before their memory goes
             self._settling = None
         freed = self.baseline_bytes
+        self.room.clear()  # the payloads' memory goes with it (a few percent of the baseline's)
         for kept in self._pinned:
             self._device.unpin_host_memory(kept)
         self._pinned, self._tensors, self._digests, self.base_id, self._lost = [], {}, {}, None, reason
@@ -346,17 +356,22 @@ class SenderDeltas:
 
 
 def _encode(tensor: torch.Tensor, base: torch.Tensor, base_digest: int | None, name: str,
-            halves: ThreadPoolExecutor | None) -> Delta:
-    """One tensor against its baseline (an encode thread's job; a large one's second half on `halves`)."""
-    return encode(tensor, base, base_digest=base_digest, name=name, halves=halves)
+            halves: ThreadPoolExecutor | None, room: PayloadRoom | None) -> Delta:
+    """One tensor against its baseline (an encode thread's job; a large one's second half on `halves`; the payload
+    in `room`)."""
+    return encode(tensor, base, base_digest=base_digest, name=name, halves=halves, room=room)
 
 
 def _advance_all(moves: list[tuple[str, torch.Tensor, Delta]], tensors: Mapping[str, torch.Tensor],
-                 todo: list[str], digests: dict[str, int], warm: list[torch.dtype]) -> None:
+                 todo: list[str], digests: dict[str, int], warm: list[torch.dtype], room: PayloadRoom,
+                 reserve: int | None) -> None:
     """Write each committed delta into its baseline tensor (the changes only; a dense one whole), digest the
-    tensors in `todo` (a full sync's) into `digests`, and load the kernels that deltas of `warm` will run."""
+    tensors in `todo` (a full sync's) into `digests`, load the kernels that deltas of `warm` will run, and make
+    `reserve` bytes of payload room ready for the first delta."""
     for name, kept, found in moves:
         advance(kept, found.header, found.payload, name=name)
     for name in todo:
         digests[name] = tensor_digest(tensors[name])
     warm_up(warm)
+    if reserve:
+        room.reserve(reserve)
