@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 import threading
 import uuid
 
@@ -102,7 +104,9 @@ class Bed:
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory: pytest.TempPathFactory):
     path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
+    ipc = tempfile.mkdtemp(prefix="hwsync-ipc-")  # vLLM's ipc sockets: it leaves some behind when an engine stops
     env = {"VERL_PLATFORM": "cpu", "HWSYNC_BACKEND": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": path,
+           "VLLM_RPC_BASE_PATH": ipc,
            # verl's "cpu" platform (hwsync's), registered in every process before verl's first get_platform()
            "VERL_USE_EXTERNAL_MODULES": "hwsync.integrations.verl.cpu_platform", "VERL_LOGGING_LEVEL": "WARNING"}
     os.environ.update({k: v for k, v in env.items() if k != "PYTHONPATH"})
@@ -117,6 +121,8 @@ def bed(tmp_path_factory: pytest.TempPathFactory):
         if bed is not None:
             bed.close()
         ray.shutdown()
+        os.environ.pop("VLLM_RPC_BASE_PATH", None)  # the later modules' engines make theirs
+        shutil.rmtree(ipc, ignore_errors=True)
 
 
 def test_verl_looks_up_hwsyncs_adapter_through_external_lib(bed):

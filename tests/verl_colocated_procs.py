@@ -222,13 +222,14 @@ def generate(ray: Any, server: Any, request_id: str) -> tuple[list[int], list[fl
 
 def _reference_main(conn: Any) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     torch.set_num_threads(1)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
-    from hwsync.cli.toy_model import shutdown_engine
+    from hwsync.cli.toy_model import cpu_engine_env, shutdown_engine
+
+    cpu_engine_env()  # its KV cache size, and a directory of this process's own for vLLM's ipc sockets
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0, detokenize=False)
     while (job := conn.recv()) is not None:
