@@ -242,8 +242,7 @@ class SenderDeltas:
             if base is None or base.shape != tensor.shape or base.dtype != target_dtype:
                 yield spec, dense, (tensor, target_dtype)  # new to the baseline (or reshaped): no patch
             else:
-                yield spec, _encode, (tensor, base, self._digests.get(name), name, self._halves,
-                                      None if self.on_device else self.room)
+                yield spec, _encode, (tensor, base, self._digests.get(name), name, self._halves, self.room)
 
     def _encoders(self) -> ThreadPoolExecutor:
         """The encode threads, kept across syncs (each keeps its chunk buffers: no fresh pages per sync), on the
@@ -296,9 +295,9 @@ class SenderDeltas:
                 owner = DeviceOwner(self._device)
                 self._advancer = ThreadPoolExecutor(1, thread_name_prefix="hwsync-baseline", initializer=owner.enter)
             warm = [] if pending.deltas else sorted({t.dtype for t in self._tensors.values()}, key=str)
-            room = None if pending.deltas or self.on_device else int(RESERVE_SHARE * self._held_bytes())
+            reserve = 0 if pending.deltas or self.on_device else int(RESERVE_SHARE * self._held_bytes())
             self._settling = self._advancer.submit(_advance_all, moves, self._tensors, todo, self._digests, warm,
-                                                   self.room, room)
+                                                   self.room, reserve)
         first = self.base_id is None
         self.base_id = self._next
         if first:
@@ -356,15 +355,15 @@ class SenderDeltas:
 
 
 def _encode(tensor: torch.Tensor, base: torch.Tensor, base_digest: int | None, name: str,
-            halves: ThreadPoolExecutor | None, room: PayloadRoom | None) -> Delta:
-    """One tensor against its baseline (an encode thread's job; a large one's second half on `halves`; the payload
-    in `room`)."""
+            halves: ThreadPoolExecutor | None, room: PayloadRoom) -> Delta:
+    """One tensor against its baseline (an encode thread's job; a large one's second half on `halves`; a host
+    payload in `room`)."""
     return encode(tensor, base, base_digest=base_digest, name=name, halves=halves, room=room)
 
 
 def _advance_all(moves: list[tuple[str, torch.Tensor, Delta]], tensors: Mapping[str, torch.Tensor],
                  todo: list[str], digests: dict[str, int], warm: list[torch.dtype], room: PayloadRoom,
-                 reserve: int | None) -> None:
+                 reserve: int) -> None:
     """Write each committed delta into its baseline tensor (the changes only; a dense one whole), digest the
     tensors in `todo` (a full sync's) into `digests`, load the kernels that deltas of `warm` will run, and make
     `reserve` bytes of payload room ready for the first delta."""
@@ -373,5 +372,4 @@ def _advance_all(moves: list[tuple[str, torch.Tensor, Delta]], tensors: Mapping[
     for name in todo:
         digests[name] = tensor_digest(tensors[name])
     warm_up(warm)
-    if reserve:
-        room.reserve(reserve)
+    room.reserve(reserve)
