@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import tempfile
 import threading
 import uuid
 
@@ -35,6 +33,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed next to verl: ci/setup
 import ray
 from safetensors.torch import load_file
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+from hwsync.cli.toy_model import private_ipc_dir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ADAPTER = "hwsync.integrations.verl.server_adapter.HwsyncServerAdapter"
@@ -104,7 +104,7 @@ class Bed:
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory: pytest.TempPathFactory):
     path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
-    ipc = tempfile.mkdtemp(prefix="hwsync-ipc-")  # vLLM's ipc sockets: it leaves some behind when an engine stops
+    ipc = private_ipc_dir()  # vLLM's ipc sockets, in a directory removed at exit: it leaves some behind
     env = {"VERL_PLATFORM": "cpu", "HWSYNC_BACKEND": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": path,
            "VLLM_RPC_BASE_PATH": ipc,
            # verl's "cpu" platform (hwsync's), registered in every process before verl's first get_platform()
@@ -121,8 +121,6 @@ def bed(tmp_path_factory: pytest.TempPathFactory):
         if bed is not None:
             bed.close()
         ray.shutdown()
-        os.environ.pop("VLLM_RPC_BASE_PATH", None)  # the later modules' engines make theirs
-        shutil.rmtree(ipc, ignore_errors=True)
 
 
 def test_verl_looks_up_hwsyncs_adapter_through_external_lib(bed):

@@ -11,7 +11,6 @@ import atexit
 import os
 import shutil
 import tempfile
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,6 +137,10 @@ def cpu_engine_env() -> None:
     private_ipc_dir()
 
 
+#: a vLLM ipc socket's name: a uuid4 (36 characters)
+UUID_CHARS = "u" * 36
+
+
 def private_ipc_dir() -> str:
     """Point vLLM's ZeroMQ ipc files (VLLM_RPC_BASE_PATH) at a directory that goes when this process exits.
 
@@ -146,7 +149,7 @@ def private_ipc_dir() -> str:
     where the directory's name would make a socket's path longer than a socket address holds (107 bytes).
     """
     path = os.environ.get("VLLM_RPC_BASE_PATH")
-    if path is None and len(os.path.join(tempfile.gettempdir(), "hwsync-ipc-12345678", str(uuid.uuid4()))) <= 107:
+    if path is None and len(os.path.join(tempfile.gettempdir(), "hwsync-ipc-12345678", UUID_CHARS)) <= 107:
         path = tempfile.mkdtemp(prefix="hwsync-ipc-")
         os.environ["VLLM_RPC_BASE_PATH"] = path  # the engine's own processes inherit it
         atexit.register(shutil.rmtree, path, True)
