@@ -1,9 +1,11 @@
-"""Copies made on the encode threads, kept on the thread that makes them.
+"""Copies made while a delta sync's encodes run, kept on the thread that makes them.
 
 A torch op on a large host tensor splits itself across an OpenMP team, and every thread that calls one gets a
 team of its own: the encode threads (two, and a helper for a large tensor's second half) already keep the
-cores busy, so each copy of a chunk's step units also woke a team's threads to share it. numpy's copies run on
-the calling thread; elsewhere than the host torch's ops do the same work.
+cores busy, so each copy of a chunk's step units also woke a team's threads to share it, and the thread that
+sends waited for a team's thread to be given a core before its copy could end (a group's payloads once took
+17 ms to copy 1.4 MB). numpy's copies run on the calling thread; elsewhere than the host torch's ops do the
+same work.
 """
 
 from __future__ import annotations
@@ -17,6 +19,14 @@ import torch
 def keep(piece: torch.Tensor) -> torch.Tensor:
     """A copy of host tensor `piece` that outlives the buffer it is a view of (the compiled scans' output)."""
     return torch.from_numpy(piece.numpy().copy())
+
+
+def copy_into(out: torch.Tensor, src: torch.Tensor) -> None:
+    """`src` into `out` (of its dtype and length)."""
+    if out.device.type != "cpu" or src.device.type != "cpu":
+        out.copy_(src)
+        return
+    np.copyto(out.detach().numpy(), src.detach().numpy())
 
 
 def concat_into(pieces: Sequence[torch.Tensor], out: torch.Tensor) -> None:

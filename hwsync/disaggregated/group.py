@@ -19,6 +19,7 @@ from hwsync.bucket import as_bytes
 from hwsync.communicator import open_communicator, parse_rendezvous
 from hwsync.delta.diff import Delta
 from hwsync.delta.header import headers_to_words, pad8
+from hwsync.delta.host import copy_into
 from hwsync.disaggregated.hub import Hub
 from hwsync.disaggregated.link import Link
 from hwsync.disaggregated.plan import CollectivePlan
@@ -162,7 +163,7 @@ class SenderGroup:
                 buffer = held[j] = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
             at = 0
             for (_, delta), nbytes in zip(items, sizes):
-                buffer[at:at + delta.payload.numel()].copy_(delta.payload)
+                copy_into(buffer[at:at + delta.payload.numel()], delta.payload)  # on this thread, not a team's
                 at += nbytes
             pieces = [words] + [buffer[a:min(a + bucket_bytes, at)] for a in range(0, at, bucket_bytes)]
             assert self.comm is not None and self.worker is not None
