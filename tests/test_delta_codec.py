@@ -175,13 +175,14 @@ def test_the_step_code_ends_at_the_last_change(engine):
     _steps_canonical(new, base, engine)
 
 
+@pytest.mark.parametrize("piece", [3, 1], ids=["pieces of 3 chunks", "pieces of a chunk"])
 @pytest.mark.parametrize("pattern", ["steps across the halves", "second half unchanged", "first half unchanged",
-                                     "escapes at the boundary", "dense"])
-def test_a_tensor_scanned_in_two_halves_gives_the_bytes_of_one_scan(pattern):
-    """A large tensor's compiled scan runs in two halves on two threads (hwsync.delta.scan.join): the same header and
-    payload as one scan and as the torch ops, whatever lies on either side of the boundary."""
+                                     "unchanged between changes", "escapes at the boundary", "dense"])
+def test_a_tensor_scanned_in_pieces_on_two_threads_gives_the_bytes_of_one_scan(pattern, piece):
+    """A large tensor's compiled scan runs in pieces on two threads (hwsync.delta.scan.join): the same header and
+    payload as one scan and as the torch ops, whatever lies on either side of a boundary."""
     if native.kernel() is None:
-        pytest.skip("the halves are the compiled kernel's: numba is not installed")
+        pytest.skip("the pieces are the compiled kernel's: numba is not installed")
     gen = torch.Generator().manual_seed(15)
     n = 6 * (1 << 16) + 123
     half = 3 * (1 << 16)  # where the halves meet (chunks of 65536)
@@ -196,12 +197,14 @@ def test_a_tensor_scanned_in_two_halves_gives_the_bytes_of_one_scan(pattern):
         flat[half - 1000:] = old[half - 1000:]
     elif pattern == "first half unchanged":
         flat[: half + 700] = old[: half + 700]
+    elif pattern == "unchanged between changes":  # whole pieces without a change, then changes again
+        flat[(1 << 16) - 5: half + (1 << 16) + 9] = old[(1 << 16) - 5: half + (1 << 16) + 9]
     elif pattern == "escapes at the boundary":
         new.view(-1)[half - 2: half + 2] = torch.tensor([float("nan"), -1e30, 1e30, -0.0]).to(torch.bfloat16)
-    with ThreadPoolExecutor(1) as halves:
-        split = DeltaEncoder(engine="numba", split_elems=2 * (1 << 16), **SMALL).encode(
-            new, base, base_digest=tensor_digest(base), halves=halves)
-    whole = DeltaEncoder(engine="numba", **SMALL).encode(new, base, base_digest=tensor_digest(base))  # no halves
+    with ThreadPoolExecutor(1) as helper:
+        split = DeltaEncoder(engine="numba", split_elems=2 * (1 << 16), piece_elems=piece * (1 << 16), **SMALL).encode(
+            new, base, base_digest=tensor_digest(base), helper=helper)
+    whole = DeltaEncoder(engine="numba", **SMALL).encode(new, base, base_digest=tensor_digest(base))  # one thread
     plain = DeltaEncoder(engine="torch", **SMALL).encode(new, base, base_digest=tensor_digest(base))
     assert split.header == whole.header == plain.header
     assert torch.equal(split.payload, whole.payload) and torch.equal(split.payload, plain.payload)

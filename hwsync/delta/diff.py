@@ -40,9 +40,13 @@ from hwsync.manifest import dtype_name
 CHUNK_ELEMS = 1 << 21
 #: elements per span: its changes are listed in one go (fewer, larger ops), its values gathered while warm
 SPAN_ELEMS = 1 << 24
-#: a host tensor of this many elements or more is scanned in two halves on two threads (hwsync.delta.scan): a
-#: sync's last large tensor (an LM head) would otherwise leave the other encode thread idle
+#: a host tensor of this many elements or more is scanned on two threads (hwsync.delta.scan): a sync's last large
+#: tensor (an LM head) would otherwise leave the other encode thread idle
 SPLIT_ELEMS = 1 << 23
+#: elements per piece of a tensor scanned on two threads (a multiple of the chunk): the helper takes pieces from
+#: the end, the encode thread from the start, and when they meet neither waits longer than a piece for the other
+#: (with two halves the encode thread once waited 10 ms for a helper that got its core late)
+PIECE_ELEMS = 1 << 22
 
 
 def to_engine_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -95,12 +99,12 @@ class DeltaEncoder:
 
     `engine`: "auto" runs the compiled host kernel (native.py) where numba is installed and the baseline
     is on the host, else torch ops; "torch" or "numba" force one (the output is the same). The compiled
-    kernel scans a tensor of `split_elems` or more in two halves on two threads when `encode` is given
-    `halves` (the same output).
+    kernel scans a tensor of `split_elems` or more on two threads, in pieces of `piece_elems`, when `encode` is
+    given a `helper` (the same output).
     """
 
     def __init__(self, chunk_elems: int = CHUNK_ELEMS, span_elems: int = SPAN_ELEMS, engine: str = "auto",
-                 split_elems: int = SPLIT_ELEMS) -> None:
+                 split_elems: int = SPLIT_ELEMS, piece_elems: int = PIECE_ELEMS) -> None:
         if chunk_elems <= 0 or chunk_elems % (1 << 16) or span_elems % chunk_elems:
             raise ValueError(f"chunk_elems must be a positive multiple of 65536 and span_elems a multiple of it, "
                              f"got {chunk_elems} and {span_elems}")
@@ -109,6 +113,7 @@ class DeltaEncoder:
         if engine == "numba" and native.kernel() is None:
             raise RuntimeError("engine='numba' needs numba installed (pip install numba), or HWSYNC_DELTA_NUMBA unset")
         self.chunk_elems, self.span_elems, self.engine, self.split_elems = chunk_elems, span_elems, engine, split_elems
+        self.piece_elems = max(1, piece_elems // chunk_elems) * chunk_elems  # whole chunks
         self._scratch: dict[tuple[torch.device, torch.dtype], _Scratch] = {}
 
     def _buffers(self, dtype: torch.dtype, device: torch.device) -> _Scratch:
@@ -144,27 +149,38 @@ class DeltaEncoder:
             yield start, a.view(ints), base_i[start:stop]
 
     def _scan_native(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
-                     s: _Scratch, cap: int, digest: bool, halves: Executor | None) -> Scan | None:
-        """The compiled scan; with `halves`, a tensor of `split_elems` or more in two halves, the second there."""
+                     s: _Scratch, cap: int, digest: bool, helper: Executor | None) -> Scan | None:
+        """The compiled scan; with a `helper`, a tensor of `split_elems` or more on this thread and that one."""
         n = base_i.numel()
-        half = n // 2 // self.chunk_elems * self.chunk_elems
-        if halves is None or n < self.split_elems or half == 0:
+        if helper is None or n < self.split_elems or n <= self.chunk_elems:
             out = self._scan_range(new_flat, base_i, ints, direct, s, cap, digest, 0, n)
         else:
-            other = halves.submit(_scan_half, self, new_flat, base_i, ints, direct, s.cast.dtype, cap, digest, half)
-            first = self._scan_range(new_flat, base_i, ints, direct, s, cap, digest, 0, half)
-            if first is None:  # dense won already: the second half is not waited for
-                other.cancel()
-                return None
-            if other.cancel():  # the helper is busy with another tensor's half: this thread scans this one
-                second = self._scan_range(new_flat, base_i, ints, direct, s, cap, digest, half, n)
-            else:
-                second = other.result()
-            out = None if second is None else join(first, second, half)
-            if out is not None and out.found >= cap:
-                out = None
+            out = self._scan_shared(new_flat, base_i, ints, direct, s, cap, digest, helper)
         if out is not None and out.steps:
             trim_fillers(out.units)
+        return out
+
+    def _scan_shared(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
+                     s: _Scratch, cap: int, digest: bool, helper: Executor) -> Scan | None:
+        """The compiled scan in pieces: `helper` runs its jobs in order, so it is given the pieces last first, and
+        this thread scans them from the first on, each one the helper has not started, until they meet."""
+        n = base_i.numel()
+        cuts = list(range(0, n, self.piece_elems)) + [n]
+        theirs = {i: helper.submit(_scan_piece, self, new_flat, base_i, ints, direct, s.cast.dtype, cap, digest,
+                                   cuts[i], cuts[i + 1])
+                  for i in range(len(cuts) - 2, 0, -1)}
+        out = self._scan_range(new_flat, base_i, ints, direct, s, cap, digest, 0, cuts[1])
+        for i in range(1, len(cuts) - 1):
+            if out is None:  # dense won already: the helper's pieces are not waited for
+                for job in theirs.values():
+                    job.cancel()
+                return None
+            job = theirs.pop(i)
+            piece = self._scan_range(new_flat, base_i, ints, direct, s, cap, digest, cuts[i], cuts[i + 1]) \
+                if job.cancel() else job.result()
+            out = None if piece is None else join(out, piece, cuts[i])
+            if out is not None and out.found >= cap:
+                out = None
         return out
 
     def _scan_range(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
@@ -269,12 +285,12 @@ class DeltaEncoder:
         bits.pack_mask_into(s.mask[:padded], out, s.words)
 
     def encode(self, new: torch.Tensor, base: torch.Tensor, *, base_digest: int | None = None,
-               name: str = "tensor", halves: Executor | None = None, room: PayloadRoom | None = None) -> Delta:
+               name: str = "tensor", helper: Executor | None = None, room: PayloadRoom | None = None) -> Delta:
         """Encode `new` against `base` (the engine's dtype, which `new` is cast to) in the smallest code.
 
         `base_digest` is `tensor_digest(base)`, kept with the baseline: given, the new digest is updated
-        from the changed elements only; without it the new tensor is hashed whole. `halves` (a thread, e.g. a
-        one-thread pool): where the compiled scan of a tensor of `split_elems` or more scans its second half.
+        from the changed elements only; without it the new tensor is hashed whole. `helper` (a thread, e.g. a
+        one-thread pool): where the compiled scan of a tensor of `split_elems` or more scans pieces from its end.
         `room`: where a host payload is written (a sender's, reused every sync), else fresh memory.
         """
         if new.numel() != base.numel():
@@ -288,7 +304,7 @@ class DeltaEncoder:
         s = self._buffers(dtype, base.device)
         cap = dense_from(n, size)
         if self.uses_native(base.device):
-            found = self._scan_native(new_flat, base_i, ints, direct, s, cap, base_digest is not None, halves)
+            found = self._scan_native(new_flat, base_i, ints, direct, s, cap, base_digest is not None, helper)
         else:
             found = self._scan_torch(new_flat, base_i, ints, direct, s, cap, base_digest is not None)
         if found is None:  # no sparse code can beat dense any more: the scan stopped
@@ -368,21 +384,21 @@ def _signed64(v: int) -> int:
 _local = threading.local()
 
 
-def _scan_half(asker: DeltaEncoder, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
-               dtype: torch.dtype, cap: int, digest: bool, lo: int) -> Scan | None:
-    """The second half of `asker`'s scan, with this thread's own buffers (the helper thread's job)."""
-    encoder = getattr(_local, "half", None)
+def _scan_piece(asker: DeltaEncoder, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
+                dtype: torch.dtype, cap: int, digest: bool, lo: int, hi: int) -> Scan | None:
+    """Elements [lo, hi) of `asker`'s scan, with this thread's own buffers (the helper thread's job)."""
+    encoder = getattr(_local, "helper", None)
     if encoder is None or (encoder.chunk_elems, encoder.engine) != (asker.chunk_elems, asker.engine):
-        encoder = _local.half = DeltaEncoder(asker.chunk_elems, asker.span_elems, asker.engine, asker.split_elems)
+        encoder = _local.helper = DeltaEncoder(asker.chunk_elems, asker.span_elems, asker.engine, asker.split_elems)
     s = encoder._buffers(dtype, base_i.device)
-    return encoder._scan_range(new_flat, base_i, ints, direct, s, cap, digest, lo, base_i.numel())
+    return encoder._scan_range(new_flat, base_i, ints, direct, s, cap, digest, lo, hi)
 
 
 def encode(new: torch.Tensor, base: torch.Tensor, *, base_digest: int | None = None, name: str = "tensor",
-           halves: Executor | None = None, room: PayloadRoom | None = None) -> Delta:
-    """`DeltaEncoder.encode` with this thread's encoder (`halves`: where a large tensor's second half is scanned;
-    `room`: where host payloads are written)."""
+           helper: Executor | None = None, room: PayloadRoom | None = None) -> Delta:
+    """`DeltaEncoder.encode` with this thread's encoder (`helper`: where a large tensor's pieces from its end are
+    scanned; `room`: where host payloads are written)."""
     encoder = getattr(_local, "encoder", None)
     if encoder is None:
         encoder = _local.encoder = DeltaEncoder()
-    return encoder.encode(new, base, base_digest=base_digest, name=name, halves=halves, room=room)
+    return encoder.encode(new, base, base_digest=base_digest, name=name, helper=helper, room=room)

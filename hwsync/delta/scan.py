@@ -1,12 +1,12 @@
-"""What a diff's scan found in a tensor (or in one half of it), how two halves' findings join, and the block
+"""What a diff's scan found in a tensor (or in one piece of it), how two pieces' findings join, and the block
 code of a scan that made the step code alone (2-byte elements: kernels16.py).
 
-The host encode splits a large tensor in two at a chunk boundary and scans the halves on two threads
-(the last large tensor of a sync would otherwise leave one encode thread idle). Everything a scan finds
-adds up across the boundary except the step code's first step after it: the second half is scanned as
-if the last change before it were the element just before the boundary, and `join` rewrites its
-leading fillers and first step from where the first half's last change really was. The joined step
-code is the one a single scan gives, byte for byte.
+The host encode cuts a large tensor in pieces at chunk boundaries and scans them on two threads (the last
+large tensor of a sync would otherwise leave one encode thread idle). Everything a scan finds adds up
+across a boundary except the step code's first step after it: each piece is scanned as if the last
+change before it were the element just before the boundary, and `join` rewrites its leading fillers and
+first step from where the pieces before it had their last change really. The joined step code is the one
+a single scan gives, byte for byte.
 """
 
 from __future__ import annotations
@@ -47,16 +47,18 @@ class Scan:
 
 
 def join(first: Scan, second: Scan, boundary: int) -> Scan:
-    """The scan of a whole tensor from the scans of [0, boundary) and [boundary, n), the second made as if the
-    last change before it were at boundary - 1 (a host scan: block counts over the whole tensor each, or none where
-    it made the step code alone)."""
-    units = list(second.units)
-    if first.steps:
+    """The scan of [0, end) from the scans of [0, boundary) and [boundary, end), the second made as if the last
+    change before it were at boundary - 1 (a host scan: block counts over the whole tensor each, or none where it
+    made the step code alone)."""
+    units, last = list(second.units), second.last
+    if first.steps and second.found:
         units = _rebase(units, boundary - 1 - first.last)
+    elif first.steps:  # no change from the boundary on: the next change's rebase makes the fillers from first.last
+        units, last = [], first.last
     return Scan(found=first.found + second.found, gained=(first.gained + second.gained) % (1 << 64),
                 counts=[first.counts[0] + second.counts[0]] if first.counts else [],
                 offsets=first.offsets + second.offsets, values=first.values + second.values, packed=None,
-                units=first.units + units, raws=first.raws + second.raws, last=second.last, steps=first.steps,
+                units=first.units + units, raws=first.raws + second.raws, last=last, steps=first.steps,
                 olds=(first.olds + second.olds) % (1 << 64))
 
 

@@ -103,8 +103,8 @@ class SenderDeltas:
         #: the thread that writes a committed sync's changes into the baseline, and its last job
         self._advancer: ThreadPoolExecutor | None = None
         self._pool: ThreadPoolExecutor | None = None
-        #: the thread that scans a large tensor's second half beside its encode thread (hwsync.delta.scan)
-        self._halves: ThreadPoolExecutor | None = None
+        #: the thread that scans a large tensor's pieces from its end beside its encode thread (hwsync.delta.scan)
+        self._helper: ThreadPoolExecutor | None = None
         self._pool_index: int | None = None
         self._settling: Future[None] | None = None
         #: host memory the payloads of a delta sync are written into, reused by the next (hwsync.delta.room)
@@ -242,20 +242,20 @@ class SenderDeltas:
             if base is None or base.shape != tensor.shape or base.dtype != target_dtype:
                 yield spec, dense, (tensor, target_dtype)  # new to the baseline (or reshaped): no patch
             else:
-                yield spec, _encode, (tensor, base, self._digests.get(name), name, self._halves, self.room)
+                yield spec, _encode, (tensor, base, self._digests.get(name), name, self._helper, self.room)
 
     def _encoders(self) -> ThreadPoolExecutor:
         """The encode threads, kept across syncs (each keeps its chunk buffers: no fresh pages per sync), on the
         calling thread's device."""
         owner = DeviceOwner(self._device)  # a new thread starts on device 0: each takes this thread's device
         if self._pool is not None and self._pool_index != owner.index:
-            for pool in (self._pool, self._halves):
+            for pool in (self._pool, self._helper):
                 if pool is not None:
                     pool.shutdown()
-            self._pool = self._halves = None
+            self._pool = self._helper = None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="hwsync-delta", initializer=owner.enter)
-            self._halves = ThreadPoolExecutor(1, thread_name_prefix="hwsync-delta-half", initializer=owner.enter)
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="hwsync-delta-helper", initializer=owner.enter)
             self._pool_index = owner.index
         return self._pool
 
@@ -328,10 +328,10 @@ class SenderDeltas:
         if self._settling is not None:
             self._settling.exception()
             self._settling = None
-        for pool in (self._pool, self._halves, self._advancer):
+        for pool in (self._pool, self._helper, self._advancer):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
-        self._pool = self._halves = self._advancer = None
+        self._pool = self._helper = self._advancer = None
 
     def drop(self, reason: str = "the baseline was dropped to free its memory (drop_delta_baseline)") -> int:
         """Free the baseline (and the payloads' room) and keep none until a sync asks for a delta again; returns the
@@ -355,10 +355,10 @@ class SenderDeltas:
 
 
 def _encode(tensor: torch.Tensor, base: torch.Tensor, base_digest: int | None, name: str,
-            halves: ThreadPoolExecutor | None, room: PayloadRoom) -> Delta:
-    """One tensor against its baseline (an encode thread's job; a large one's second half on `halves`; a host
-    payload in `room`)."""
-    return encode(tensor, base, base_digest=base_digest, name=name, halves=halves, room=room)
+            helper: ThreadPoolExecutor | None, room: PayloadRoom) -> Delta:
+    """One tensor against its baseline (an encode thread's job; a large one's pieces from its end on `helper`; a
+    host payload in `room`)."""
+    return encode(tensor, base, base_digest=base_digest, name=name, helper=helper, room=room)
 
 
 def _advance_all(moves: list[tuple[str, torch.Tensor, Delta]], tensors: Mapping[str, torch.Tensor],
