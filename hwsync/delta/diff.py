@@ -205,8 +205,8 @@ class DeltaEncoder:
                 return None
             if k:
                 out.gained += int(gain) % (1 << 64)
-                out.values.append(keep(s.xor[:k]))
-                out.offsets.append(keep(s.offsets[:k]))
+                out.values.append(keep(val[:k]))
+                out.offsets.append(keep(offsets[:k]))
         return out
 
     def _scan_steps(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
@@ -221,12 +221,14 @@ class DeltaEncoder:
         plain = native.scan16_direct()
         assert plain is not None
         out, b_all, end = Scan(packed=None, steps=True, last=lo - 1), base_i.numpy().view("uint16"), base_i.numel()
+        # numpy views made once per range, sliced per chunk: a chunk's own torch views cost more Python than its scan
+        units, raws = s.units.numpy(), s.raws.numpy()
+        new_u = new_flat.detach().view(torch.int32).numpy().view("uint32") if fused is not None else None
         for start in range(lo, hi, self.chunk_elems):
             stop, nan = min(hi, start + self.chunk_elems), True
-            args = (b_all[start:stop], start, keys, rows, s.units.numpy(), s.raws.numpy(), out.last, stop == end)
-            if fused is not None:
-                nan, k, gain, olds, u, r, out.last = fused(new_flat[start:stop].detach().view(torch.int32).numpy()
-                                                           .view("uint32"), *args)
+            args = (b_all[start:stop], start, keys, rows, units, raws, out.last, stop == end)
+            if fused is not None and new_u is not None:
+                nan, k, gain, olds, u, r, out.last = fused(new_u[start:stop], *args)
             if nan:  # a NaN (or no compiled cast): torch casts the chunk first
                 a = next(self._chunks(new_flat, base_i, ints, direct, s, start, stop))[1]
                 _, k, gain, olds, u, r, out.last = plain(a.numpy().view("uint16"), *args)
@@ -236,9 +238,9 @@ class DeltaEncoder:
             out.gained = (out.gained + int(gain)) % (1 << 64)
             out.olds = (out.olds + int(olds)) % (1 << 64)
             if u:
-                out.units.append(keep(s.units[:u]))
+                out.units.append(keep(units[:u]))
             if r:
-                out.raws.append(keep(s.raws[:r]))
+                out.raws.append(keep(raws[:r]))
         return out
 
     def _scan_torch(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
@@ -355,7 +357,11 @@ class DeltaEncoder:
         count = found.step_units
         assert count is not None
         escapes = sum(r.numel() for r in found.raws)
-        payload[:16].view(torch.int64).copy_(torch.tensor([escapes, _signed64(found.olds)], dtype=torch.int64))
+        head = (escapes, _signed64(found.olds))
+        if payload.device.type == "cpu":  # a tensor made for two numbers costs more than its copy
+            payload[:16].numpy().view("int64")[:] = head
+        else:
+            payload[:16].view(torch.int64).copy_(torch.tensor(head, dtype=torch.int64))
         if count:
             concat_into(found.units + found.raws, payload[16: 16 + 2 * count].view(torch.int16))
         payload[16 + 2 * count:].zero_()

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 
-def keep(piece: torch.Tensor) -> torch.Tensor:
-    """A copy of host tensor `piece` that outlives the buffer it is a view of (the compiled scans' output)."""
-    return torch.from_numpy(piece.numpy().copy())
+def keep(piece: np.ndarray) -> torch.Tensor:
+    """A tensor copy of `piece`, a view of a compiled scan's output buffer, that outlives the buffer."""
+    return torch.from_numpy(piece.copy())
 
 
 def copy_into(out: torch.Tensor, src: torch.Tensor) -> None:

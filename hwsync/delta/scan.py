@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from hwsync.delta import native
@@ -68,8 +69,8 @@ def _rebase(units: list[torch.Tensor], further: int) -> list[torch.Tensor]:
         return units
     leading = 0  # fillers before the first change, across the pieces
     for at, piece in enumerate(units):
-        changes = torch.nonzero(piece).view(-1)
-        if changes.numel() == 0:
+        changes = np.flatnonzero(piece.numpy())  # host scans only: numpy, on this thread (no OpenMP team)
+        if changes.size == 0:
             leading += piece.numel()
             continue
         i = int(changes[0])
@@ -89,8 +90,8 @@ def trim_fillers(units: list[torch.Tensor]) -> None:
     while units:
         if units[-1].numel() and int(units[-1][-1]) != 0:  # the usual case: the code ends at a change already
             return
-        changes = torch.nonzero(units[-1]).view(-1)  # a change's unit is never 0 (its step is 1..255)
-        if changes.numel():
+        changes = np.flatnonzero(units[-1].numpy())  # a change's unit is never 0 (its step is 1..255)
+        if changes.size:
             units[-1] = units[-1][: int(changes[-1]) + 1]
             return
         units.pop()
