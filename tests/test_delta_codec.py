@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -210,6 +211,35 @@ def test_a_tensor_scanned_in_pieces_on_two_threads_gives_the_bytes_of_one_scan(p
     assert torch.equal(split.payload, whole.payload) and torch.equal(split.payload, plain.payload)
     assert split.header.code == ("dense" if pattern == "dense" else STEPS)
     assert torch.equal(_bits(apply_to_copy(base, split.header, split.payload)), flat)
+
+
+def test_a_failed_piece_fails_the_encode_and_drops_the_helpers_queued_pieces(monkeypatch):
+    """A scan in pieces that fails on the encode thread raises there, and the pieces queued for the helper are
+    cancelled, not left to run after the encode has gone."""
+    if native.kernel() is None:
+        pytest.skip("the pieces are the compiled kernel's: numba is not installed")
+    from hwsync.delta import diff
+
+    gen = torch.Generator().manual_seed(16)
+    base = _random(6 * (1 << 16), torch.bfloat16, gen)
+    new = _changed(base, 0.02, gen)
+    scan_range, helper_runs = DeltaEncoder._scan_range, []
+
+    def failing(self, *args):
+        if threading.current_thread() is threading.main_thread() and args[-2] == 1 << 16:
+            raise RuntimeError("the second piece failed")
+        return scan_range(self, *args)
+
+    monkeypatch.setattr(DeltaEncoder, "_scan_range", failing)
+    monkeypatch.setattr(diff, "_scan_piece", lambda *args: helper_runs.append(args[-2]))
+    gate = threading.Event()
+    with ThreadPoolExecutor(1) as helper:
+        helper.submit(gate.wait, 10)  # the helper is busy: every piece waits in its queue
+        with pytest.raises(RuntimeError, match="second piece failed"):
+            DeltaEncoder(engine="numba", split_elems=2 * (1 << 16), piece_elems=1 << 16, **SMALL).encode(
+                new, base, base_digest=tensor_digest(base), helper=helper)
+        gate.set()
+    assert helper_runs == []
 
 
 @pytest.mark.parametrize("corrupt, message", [

@@ -169,19 +169,21 @@ class DeltaEncoder:
         theirs = {i: helper.submit(_scan_piece, self, new_flat, base_i, ints, direct, s.cast.dtype, cap, digest,
                                    cuts[i], cuts[i + 1])
                   for i in range(len(cuts) - 2, 0, -1)}
-        out = self._scan_range(new_flat, base_i, ints, direct, s, cap, digest, 0, cuts[1])
-        for i in range(1, len(cuts) - 1):
-            if out is None:  # dense won already: the helper's pieces are not waited for
-                for job in theirs.values():
-                    job.cancel()
-                return None
-            job = theirs.pop(i)
-            piece = self._scan_range(new_flat, base_i, ints, direct, s, cap, digest, cuts[i], cuts[i + 1]) \
-                if job.cancel() else job.result()
-            out = None if piece is None else join(out, piece, cuts[i])
-            if out is not None and out.found >= cap:
-                out = None
-        return out
+        try:
+            out = self._scan_range(new_flat, base_i, ints, direct, s, cap, digest, 0, cuts[1])
+            for i in range(1, len(cuts) - 1):
+                if out is None:  # dense won already
+                    return None
+                job = theirs.pop(i)
+                piece = self._scan_range(new_flat, base_i, ints, direct, s, cap, digest, cuts[i], cuts[i + 1]) \
+                    if job.cancel() else job.result()
+                out = None if piece is None else join(out, piece, cuts[i])
+                if out is not None and out.found >= cap:
+                    out = None
+            return out
+        finally:  # dense won, or a piece failed: the helper's pieces not started are dropped, the others not waited for
+            for job in theirs.values():
+                job.cancel()
 
     def _scan_range(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
                     s: _Scratch, cap: int, digest: bool, lo: int, hi: int) -> Scan | None:
