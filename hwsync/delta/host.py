@@ -1,7 +1,7 @@
 """Copies made while a delta sync's encodes run, kept on the thread that makes them.
 
 A torch op on a large host tensor splits itself across an OpenMP team, and every thread that calls one gets a
-team of its own: the encode threads (two, and a helper for a large tensor's second half) already keep the
+team of its own: the encode threads (two, and a helper for a large tensor's pieces) already keep the
 cores busy, so each copy of a chunk's step units also woke a team's threads to share it, and the thread that
 sends waited for a team's thread to be given a core before its copy could end (a group's payloads once took
 17 ms to copy 1.4 MB). numpy's copies run on the calling thread; elsewhere than the host torch's ops do the

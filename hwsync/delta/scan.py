@@ -64,7 +64,8 @@ def join(first: Scan, second: Scan, boundary: int) -> Scan:
 
 
 def _rebase(units: list[torch.Tensor], further: int) -> list[torch.Tensor]:
-    """`units` with their first change `further` elements (0..254) further from the last one than they say."""
+    """`units` with their first change `further` elements further from the last one than they say (0..254 after a
+    piece with a change, more after pieces without)."""
     if further == 0:
         return units
     leading = 0  # fillers before the first change, across the pieces
