@@ -34,6 +34,7 @@ from hwsync.delta.header import (
 from hwsync.delta.host import concat_into, keep
 from hwsync.delta.room import PayloadRoom
 from hwsync.delta.scan import Scan, block_code_from_steps, join, trim_fillers
+from hwsync.delta.scratch import Scratch
 from hwsync.manifest import dtype_name
 
 #: elements per chunk of the diff (a multiple of 65536): 2 Mi bf16 elements, 4 MiB per operand, stay in cache
@@ -70,30 +71,6 @@ class Delta:
     changed: int | None
 
 
-class _Scratch:
-    """Buffers of one device and dtype, kept across tensors and syncs (no page faults per chunk)."""
-
-    def __init__(self, elems: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.device = device
-        self.xor = torch.empty(elems, dtype=int_view(dtype), device=device)
-        self.mask = torch.empty(elems, dtype=torch.bool, device=device)
-        self.words = torch.empty(elems // 8, dtype=torch.int64, device=device)
-        self.cast = torch.empty(elems, dtype=dtype, device=device)
-        self.offsets = torch.empty(elems, dtype=torch.int16, device=device)
-        self.dirty = torch.empty(native.DIRTY_RUN, dtype=torch.int64, device=device)
-        # a chunk's step units: a unit per change and the fillers of its unchanged stretches (see native.scan)
-        self.units = torch.empty(elems + elems // 255 + 8, dtype=torch.int16, device=device)
-        self.raws = torch.empty(elems, dtype=torch.int16, device=device)
-        self.packed = torch.empty(0, dtype=torch.uint8, device=device)
-
-    def bits_for(self, numel: int) -> torch.Tensor:
-        """A buffer for the change bits of a tensor of `numel` elements, whole int64 words."""
-        need = pad8((numel + 7) // 8)
-        if self.packed.numel() < need:
-            self.packed = torch.empty(need, dtype=torch.uint8, device=self.device)
-        return self.packed[:need]
-
-
 class DeltaEncoder:
     """Diffs new tensors against baselines; holds the chunk buffers, so keep one per sending thread.
 
@@ -114,11 +91,11 @@ class DeltaEncoder:
             raise RuntimeError("engine='numba' needs numba installed (pip install numba), or HWSYNC_DELTA_NUMBA unset")
         self.chunk_elems, self.span_elems, self.engine, self.split_elems = chunk_elems, span_elems, engine, split_elems
         self.piece_elems = max(1, piece_elems // chunk_elems) * chunk_elems  # whole chunks
-        self._scratch: dict[tuple[torch.device, torch.dtype], _Scratch] = {}
+        self._scratch: dict[tuple[torch.device, torch.dtype], Scratch] = {}
 
-    def _buffers(self, dtype: torch.dtype, device: torch.device) -> _Scratch:
+    def _buffers(self, dtype: torch.dtype, device: torch.device) -> Scratch:
         if (device, dtype) not in self._scratch:
-            self._scratch[(device, dtype)] = _Scratch(self.chunk_elems, dtype, device)
+            self._scratch[(device, dtype)] = Scratch(self.chunk_elems, dtype, device)
         return self._scratch[(device, dtype)]
 
     def uses_native(self, device: torch.device) -> bool:
@@ -126,7 +103,7 @@ class DeltaEncoder:
         return self.engine != "torch" and device.type == "cpu" and native.kernel() is not None
 
     def _chunks(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
-                s: _Scratch, span0: int, span1: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+                s: Scratch, span0: int, span1: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """(start, new chunk, baseline chunk) as integers, the new one cast to the engine's dtype in cache.
 
         On the host an fp32 chunk for a bfloat16 engine is cast by the compiled kernel where it gives torch's
@@ -149,7 +126,7 @@ class DeltaEncoder:
             yield start, a.view(ints), base_i[start:stop]
 
     def _scan_native(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
-                     s: _Scratch, cap: int, digest: bool, helper: Executor | None) -> Scan | None:
+                     s: Scratch, cap: int, digest: bool, helper: Executor | None) -> Scan | None:
         """The compiled scan; with a `helper`, a tensor of `split_elems` or more on this thread and that one."""
         n = base_i.numel()
         if helper is None or n < self.split_elems or n <= self.chunk_elems:
@@ -161,7 +138,7 @@ class DeltaEncoder:
         return out
 
     def _scan_shared(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
-                     s: _Scratch, cap: int, digest: bool, helper: Executor) -> Scan | None:
+                     s: Scratch, cap: int, digest: bool, helper: Executor) -> Scan | None:
         """The compiled scan in pieces: `helper` runs its jobs in order, so it is given the pieces last first, and
         this thread scans them from the first on, each one the helper has not started, until they meet."""
         n = base_i.numel()
@@ -186,7 +163,7 @@ class DeltaEncoder:
                 job.cancel()
 
     def _scan_range(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
-                    s: _Scratch, cap: int, digest: bool, lo: int, hi: int) -> Scan | None:
+                    s: Scratch, cap: int, digest: bool, lo: int, hi: int) -> Scan | None:
         """The compiled scan of elements [lo, hi) (lo a multiple of the chunk), as if the last change were at lo - 1."""
         n, size = base_i.numel(), base_i.element_size()
         keys = dg.key_table("col", base_i.device, 1 << 16).numpy()
@@ -212,7 +189,7 @@ class DeltaEncoder:
         return out
 
     def _scan_steps(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
-                    s: _Scratch, cap: int, lo: int, hi: int, keys: object, rows: object) -> Scan | None:
+                    s: Scratch, cap: int, lo: int, hi: int, keys: object, rows: object) -> Scan | None:
         """The compiled scan of 2-byte elements (kernels16.py): the step code, the digest's gain, the old values' terms.
 
         fp32 masters for a bfloat16 engine are cast as they are read, where the compiled cast gives torch's bits
@@ -246,7 +223,7 @@ class DeltaEncoder:
         return out
 
     def _scan_torch(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
-                    s: _Scratch, cap: int, digest: bool) -> Scan | None:
+                    s: Scratch, cap: int, digest: bool) -> Scan | None:
         n = base_i.numel()
         packed = s.bits_for(n)
         out = Scan(packed=packed, steps=base_i.element_size() == 2)
@@ -278,7 +255,7 @@ class DeltaEncoder:
         return out
 
     @staticmethod
-    def _pack_changes(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, s: _Scratch) -> None:
+    def _pack_changes(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, s: Scratch) -> None:
         """Bits of where `a` and `b` differ as integers into `out` (the mask padded to whole words)."""
         n = a.numel()
         padded = (n + 63) // 64 * 64
