@@ -9,7 +9,9 @@ the step), over the cross-node path (CrossNodeSender / CrossNodeReceiver, gloo) 
 rate-limited link. Printed per (LR, link): the density each step produced, bytes on the
 wire, seconds per sync, each against the link's line rate, and the delta's two floors: its bytes at
 the line rate, and one read of the new tensors and of the baseline at the single-thread copy speed
-measured in the same process; the diff's seconds (what the trainer waited for its encode). Every sync
+measured in the same process; the diff's seconds (what the trainer waited for its encode); the CPU
+seconds the trainer's process took in the sync and the engine's from the plan to the end (the bed's two
+hosts share this machine's cores, so on a fast link a delta costs about their sum over the cores). Every sync
 also goes to a WeightReceiver process on the trainer's host (WeightSender, the same-host path, whose
 encode runs up front): its seconds and its diff's. Needs root (the bed); `--json` for a machine-readable report.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import time
 from typing import Any
@@ -45,6 +48,12 @@ def _config(hidden: int, layers: int) -> Any:
     return LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
                        num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 64),
                        vocab_size=32000, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def cpu_s() -> float:
+    """CPU seconds this process has taken so far, all its threads, user and system."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
 
 
 def copy_gbps(nbytes: int = 1 << 30, repeat: int = 3) -> float:
@@ -98,15 +107,16 @@ def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, 
                 # the other sender's last baseline writes end first (reading the size waits for them): the two
                 # paths' costs do not overlap
                 out["baselines_bytes"] = sender.delta_baseline_bytes + local.delta_baseline_bytes
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), cpu_s()
                 stats = tx.send(list(model.state_dict().items()), version=version, delta=delta)
+                cpu = cpu_s() - cpu0
                 note = stats.notes.get("delta", {})
                 peer = (stats.peer or {}).get("receivers", [{}])[0]
                 out[path].append({"step": step, "mode": note.get("mode"), "seconds": time.perf_counter() - t0,
                                   "bytes": stats.bytes, "density": note.get("density"), "diff_s": note.get("diff_s"),
                                   "apply_s": stats.load_s, "wait_s": stats.wait_s, "pack_s": stats.pack_s,
                                   "baseline_bytes": note.get("baseline_bytes"), "reason": note.get("reason"),
-                                  "check": peer.get("notes", {}).get("delta_check")})
+                                  "check": peer.get("notes", {}).get("delta_check"), "cpu_s": cpu})
 
         sync(0, 0, True)  # the first: full, it makes the baseline
         for step in range(1, steps + 1):
@@ -141,14 +151,17 @@ def engine(endpoint: str | None, hidden: int, layers: int, syncs: int, timeout_s
         shapes = LlamaForCausalLM(_config(hidden, layers)).state_dict()
     held = {name: torch.empty(t.shape, dtype=torch.bfloat16) for name, t in shapes.items()}
     state = {"dtypes": engine_dtypes(held.items())}
-    seconds = []
+    seconds, cpu, began = [], [], [0.0]
     receiver = WeightReceiver(local, timeout_s=timeout_s) if local else \
         CrossNodeReceiver(str(endpoint), rank=0, timeout_s=timeout_s)
     with receiver:
         for _ in range(syncs):
-            stats = receiver.receive(into=lambda name, dtype, shape: held.get(name), state=state)
+            # CPU from the plan on: not the wait for the sender, nor the digest of a full sync run meanwhile
+            stats = receiver.receive(into=lambda name, dtype, shape: held.get(name), state=state,
+                                     on_start=lambda version, manifest: began.__setitem__(0, cpu_s()))
             seconds.append(stats.total_s)
-    return {"syncs": len(seconds), "receive_s": seconds}
+            cpu.append(cpu_s() - began[0])
+    return {"syncs": len(seconds), "receive_s": seconds, "cpu_s": cpu}
 
 
 def _run_pair(bed: Any, lr: float, args: argparse.Namespace) -> dict[str, Any]:
@@ -174,11 +187,13 @@ def _summary(run: dict[str, Any], rate_bps: float) -> dict[str, Any]:
     fulls = [s for s in run["syncs"] if s["mode"] == "full" and s["step"] > 0]
     line = rate_bps / 8
     read_floor = (run["new_bytes"] + (deltas[0]["baseline_bytes"] if deltas else 0)) / (run["copy_gbps"] * 1e9)
+    engine_cpu = run.get("engine", {}).get("cpu_s", [])  # one per sync, in the trainer's order
     rows = []
     for d in deltas:
-        wire_floor = d["bytes"] / line
+        wire_floor, at = d["bytes"] / line, run["syncs"].index(d)
         rows.append({**d, "wire_floor_s": wire_floor, "read_floor_s": read_floor,
-                     "vs_floor": d["seconds"] / max(wire_floor, read_floor)})
+                     "vs_floor": d["seconds"] / max(wire_floor, read_floor),
+                     "engine_cpu_s": engine_cpu[at] if at < len(engine_cpu) else None})
     full_s = statistics.median(f["seconds"] for f in fulls) if fulls else None
     delta_s = statistics.median(d["seconds"] for d in deltas) if deltas else None
     full_bytes = fulls[0]["bytes"] if fulls else None
@@ -223,11 +238,12 @@ def _print(r: dict[str, Any]) -> None:
     if full_s:
         print(f"   full sync: {full_bytes / 1e6:.0f} MB in {full_s:.3f} s = {r['full_vs_line']:.2f}x the line rate")
     print("   step  density   wire MB   delta s   diff s  apply s   wire floor s  read floor s  vs floor  "
-          "receiver checked")
+          "CPU s: trainer  engine  receiver checked")
     for d in r["deltas"]:
+        engine = "-" if d.get("engine_cpu_s") is None else f"{d['engine_cpu_s']:.3f}"
         print(f"   {d['step']:>4}  {d['density']:>7.4%}  {d['bytes'] / 1e6:>8.2f}  {d['seconds']:>8.3f}  "
               f"{d['diff_s']:>7.3f}  {d['apply_s']:>7.3f}  {d['wire_floor_s']:>12.3f}  {d['read_floor_s']:>12.3f}  "
-              f"{d['vs_floor']:>7.2f}x  {d.get('check') or '-'}")
+              f"{d['vs_floor']:>7.2f}x  {d['cpu_s']:>14.3f}  {engine:>6}  {d.get('check') or '-'}")
     if r["speedup"]:
         print(f"   delta sync {r['speedup']:.1f}x faster than a full sync (medians)")
     near = r["colocated"]
