@@ -22,7 +22,8 @@ def keep(piece: np.ndarray) -> torch.Tensor:
 
 
 def copy_into(out: torch.Tensor, src: torch.Tensor) -> None:
-    """`src` into `out` (of its dtype and length)."""
+    """`src` into `out` (of its dtype and length), which may be on another device (a host payload into a device
+    buffer: torch's copy moves it, where concat_into's cat wants one device)."""
     if out.device.type != "cpu" or src.device.type != "cpu":
         out.copy_(src)
         return
