@@ -348,6 +348,46 @@ def test_the_compiled_cast_gives_torchs_bits_and_hands_nans_to_torch():
                                                                                                      torch.bfloat16)))
 
 
+def test_a_chunk_with_a_nan_goes_to_torchs_cast_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused scan reports a chunk with a NaN in it; that chunk is cast by torch straight away, not first by the
+    compiled cast, which would read it again only to report the NaN once more."""
+    kernel = native.cast_bf16()
+    if kernel is None or native.scan16_cast() is None:
+        pytest.skip("numba is not installed here, or its cast differs from this torch's: torch casts every chunk")
+    calls: list[int] = []
+
+    def counted(src: object, out: object) -> bool:
+        calls.append(1)
+        return bool(kernel(src, out))
+
+    monkeypatch.setattr(native, "cast_bf16", lambda: counted)
+    gen = torch.Generator().manual_seed(5)
+    master = torch.randn(1 << 18, generator=gen)
+    base = master.to(torch.bfloat16)
+    master[::7] += 0.01
+    master[70000] = float("nan")  # in the second chunk of four
+    delta = DeltaEncoder(**SMALL).encode(master, base, base_digest=tensor_digest(base))
+    assert calls == []
+    assert torch.equal(_bits(apply_to_copy(base, delta.header, delta.payload)),
+                       _bits(to_engine_dtype(master, torch.bfloat16)))
+
+
+def test_an_encoder_makes_only_the_chunk_buffers_its_path_uses() -> None:
+    """The torch path (a device's baseline, or no numba) and the compiled scan use different chunk buffers; each is
+    made at its first use, so a device holds none that its path never touches."""
+    base = torch.zeros(1 << 17, dtype=torch.bfloat16)
+    new = base.float()
+    new[::5] = 1.0
+    paths = {"torch": ({"cast", "xor", "mask", "words"}, {"units", "raws", "offsets", "dirty"})}
+    if native.scan16_cast() is not None:
+        paths["numba"] = ({"units"}, {"xor", "mask", "words", "offsets", "dirty"})
+    for engine, (made, not_made) in paths.items():
+        encoder = DeltaEncoder(**SMALL, engine=engine)
+        encoder.encode(new, base)
+        held = set(vars(encoder._buffers(torch.bfloat16, torch.device("cpu"))))
+        assert made <= held and not not_made & held, (engine, held)
+
+
 # (exponent bits, mantissa width) of each float format: a NaN has every exponent bit and a non-zero mantissa
 _NAN = {torch.bfloat16: (0x7F80, 7), torch.float16: (0x7C00, 10), torch.float32: (0x7F800000, 23),
         torch.float64: (0x7FF0000000000000, 52)}

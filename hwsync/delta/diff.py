@@ -103,15 +103,17 @@ class DeltaEncoder:
         return self.engine != "torch" and device.type == "cpu" and native.kernel() is not None
 
     def _chunks(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
-                s: Scratch, span0: int, span1: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+                s: Scratch, span0: int, span1: int, *, compiled_cast: bool = True
+                ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """(start, new chunk, baseline chunk) as integers, the new one cast to the engine's dtype in cache.
 
         On the host an fp32 chunk for a bfloat16 engine is cast by the compiled kernel where it gives torch's
         bits (native.cast_bf16): one thread, as the encode threads are (torch's op would start its own threads
-        inside each); a chunk with a NaN is cast by torch, whose NaN bits the kernel does not model.
+        inside each); a chunk with a NaN is cast by torch, whose NaN bits the kernel does not model
+        (`compiled_cast=False`: by torch at once, for a chunk known to hold one).
         """
         fast = None
-        if not direct and new_flat.dtype == torch.float32 and s.cast.dtype == torch.bfloat16 \
+        if compiled_cast and not direct and new_flat.dtype == torch.float32 and s.dtype == torch.bfloat16 \
                 and new_flat.device.type == "cpu" and self.engine != "torch":
             fast = native.cast_bf16()
         for start in range(span0, span1, self.chunk_elems):
@@ -143,7 +145,7 @@ class DeltaEncoder:
         this thread scans them from the first on, each one the helper has not started, until they meet."""
         n = base_i.numel()
         cuts = list(range(0, n, self.piece_elems)) + [n]
-        theirs = {i: helper.submit(_scan_piece, self, new_flat, base_i, ints, direct, s.cast.dtype, cap, digest,
+        theirs = {i: helper.submit(_scan_piece, self, new_flat, base_i, ints, direct, s.dtype, cap, digest,
                                    cuts[i], cuts[i + 1])
                   for i in range(len(cuts) - 2, 0, -1)}
         try:
@@ -196,7 +198,7 @@ class DeltaEncoder:
         (native.cast_bf16); a chunk with a NaN, and every other cast, is cast by torch first.
         """
         fused = native.scan16_cast() if not direct and new_flat.dtype == torch.float32 \
-            and s.cast.dtype == torch.bfloat16 and native.cast_bf16() is not None else None
+            and s.dtype == torch.bfloat16 and native.cast_bf16() is not None else None
         plain = native.scan16_direct()
         assert plain is not None
         out, b_all, end = Scan(packed=None, steps=True, last=lo - 1), base_i.numpy().view("uint16"), base_i.numel()
@@ -209,7 +211,7 @@ class DeltaEncoder:
             if fused is not None and new_u is not None:
                 nan, k, gain, olds, u, r, out.last = fused(new_u[start:stop], *args)
             if nan:  # a NaN (or no compiled cast): torch casts the chunk first
-                a = next(self._chunks(new_flat, base_i, ints, direct, s, start, stop))[1]
+                a = next(self._chunks(new_flat, base_i, ints, direct, s, start, stop, compiled_cast=False))[1]
                 _, k, gain, olds, u, r, out.last = plain(a.numpy().view("uint16"), *args)
             out.found += k
             if out.found >= cap:
@@ -240,7 +242,7 @@ class DeltaEncoder:
                 if direct:
                     vals = new_flat.view(ints).index_select(0, pos)
                 else:  # gathered in the trainer's dtype, then cast by the same op as the chunks
-                    vals = torch.empty(pos.numel(), dtype=s.cast.dtype, device=base_i.device)
+                    vals = torch.empty(pos.numel(), dtype=s.dtype, device=base_i.device)
                     vals = vals.copy_(new_flat.index_select(0, pos.to(new_flat.device))).view(ints)
                 out.values.append(vals)
                 out.offsets.append(pos.to(torch.int16))  # the low 16 bits: the offset in the block
