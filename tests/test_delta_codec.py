@@ -548,6 +548,16 @@ def test_destinations_that_are_views_or_unaligned_payloads(engine):
     carrier = torch.zeros(delta.payload.numel() + 3, dtype=torch.uint8)
     carrier[3:] = delta.payload  # as if it sat at an odd offset of a bucket
     assert torch.equal(apply_to_copy(base, delta.header, carrier[3:]), new)
+    # a step code's sections (the host's compiled scatter reads them as numpy views) at an odd offset, one with
+    # escapes (whole new values) among its units
+    base16 = _random(70_000, torch.bfloat16, gen)
+    new16 = _changed(base16, 0.02, gen)
+    new16[::1000] = -new16[::1000]
+    delta = encode(new16, base16)
+    assert delta.header.code == STEPS and int(delta.payload[:8].view(torch.int64)) > 0  # escapes
+    carrier = torch.zeros(delta.payload.numel() + 3, dtype=torch.uint8)
+    carrier[3:] = delta.payload
+    assert torch.equal(_bits(apply_to_copy(base16, delta.header, carrier[3:])), _bits(new16))
 
 
 def test_malformed_headers_and_mismatched_payloads_are_refused():

@@ -15,6 +15,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from hwsync.delta import bits, digest as dg, native, steps
@@ -168,8 +169,7 @@ class DeltaEncoder:
                     s: Scratch, cap: int, digest: bool, lo: int, hi: int) -> Scan | None:
         """The compiled scan of elements [lo, hi) (lo a multiple of the chunk), as if the last change were at lo - 1."""
         n, size = base_i.numel(), base_i.element_size()
-        keys = dg.key_table("col", base_i.device, 1 << 16).numpy()
-        rows = dg.key_table("row", base_i.device, ((n * size + 3) // 4 >> 16) + 1).numpy()
+        keys, rows = dg.host_keys(n * size)
         if size == 2:
             return self._scan_steps(new_flat, base_i, ints, direct, s, cap, lo, hi, keys, rows)
         scan = native.kernel()
@@ -297,15 +297,16 @@ class DeltaEncoder:
             new_digest = dg.tensor_digest(to_engine_dtype(new, dtype) if k else base)
         else:
             new_digest = (base_digest + found.gained) % (1 << 64)
-        code = smallest_code(n, k, size, found.step_units)
+        units = found.step_units
+        code = smallest_code(n, k, size, units)
         if code == SAME:
             return Delta(DeltaHeader(SAME, wire, n, 0, new_digest),
                          torch.empty(0, dtype=torch.uint8, device=base.device), 0)
         if code == DENSE:
             return self._dense(new, dtype, wire, n, new_digest, k)
         if code == STEPS:
-            payload = _payload(payload_bytes(STEPS, n, found.step_units or 0, 2), base.device, room)
-            return Delta(*self._steps(found, wire, n, new_digest, payload), k)
+            payload = _payload(payload_bytes(STEPS, n, units or 0, 2), base.device, room)
+            return Delta(*self._steps(found, units or 0, wire, n, new_digest, payload), k)
         if k and not found.counts:  # the step-code scan (2-byte elements) made no block code: rebuilt from its units
             block_code_from_steps(found, base_i, ints, n)
         payload = _payload(payload_bytes(code, n, k, size), base.device, room)
@@ -331,21 +332,23 @@ class DeltaEncoder:
         return Delta(DeltaHeader(code, wire, n, k, new_digest), payload, k)
 
     @staticmethod
-    def _steps(found: Scan, wire: str, n: int, new_digest: int, payload: torch.Tensor
+    def _steps(found: Scan, count: int, wire: str, n: int, new_digest: int, payload: torch.Tensor
                ) -> tuple[DeltaHeader, torch.Tensor]:
-        """The step code's header and `payload` (its room): the escape count, the old values' terms, the units,
-        the raw values (steps.py)."""
-        count = found.step_units
-        assert count is not None
-        escapes = sum(r.numel() for r in found.raws)
-        head = (escapes, _signed64(found.olds))
-        if payload.device.type == "cpu":  # a tensor made for two numbers costs more than its copy
-            payload[:16].numpy().view("int64")[:] = head
+        """The step code's header and `payload` (its room): the escape count, the old values' terms, the `count`
+        units and raw values (steps.py)."""
+        head = (sum(r.numel() for r in found.raws), _signed64(found.olds))
+        if payload.device.type == "cpu":  # numpy views: torch's cost more per tensor than a small tensor's scan
+            raw = payload.numpy()
+            raw[:16].view(np.int64)[:] = head
+            if count:
+                body = raw[16: 16 + 2 * count].view(np.int16)
+                np.concatenate([p.numpy() for p in found.units + found.raws], out=body)
+            raw[16 + 2 * count:] = 0
         else:
             payload[:16].view(torch.int64).copy_(torch.tensor(head, dtype=torch.int64))
-        if count:
-            concat_into(found.units + found.raws, payload[16: 16 + 2 * count].view(torch.int16))
-        payload[16 + 2 * count:].zero_()
+            if count:
+                concat_into(found.units + found.raws, payload[16: 16 + 2 * count].view(torch.int16))
+            payload[16 + 2 * count:].zero_()
         return DeltaHeader(STEPS, wire, n, count, new_digest), payload
 
     @staticmethod

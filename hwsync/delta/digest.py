@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 from hwsync.delta import native
@@ -60,6 +61,21 @@ def key_table(kind: str, device: torch.device, size: int) -> torch.Tensor:
             seed = _KEY_SEED if kind == "col" else _ROW_SEED
             have = _tables[(kind, device)] = _splitmix(torch.arange(n, dtype=torch.int64) + seed).to(device)
         return have
+
+
+_host: tuple[np.ndarray, np.ndarray] | None = None  # host_keys' last pair
+
+
+def host_keys(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The column keys and enough row keys for a host tensor of `nbytes`, as numpy arrays (the compiled kernels'):
+    the last pair handed out while it has enough rows (taken per tensor, they cost more than a small tensor's scan)."""
+    global _host
+    rows = ((nbytes + 3) // 4 >> 16) + 1
+    have = _host
+    if have is None or have[1].size < rows:
+        cpu = torch.device("cpu")
+        have = _host = key_table("col", cpu, _LANES_PER_ROW).numpy(), key_table("row", cpu, rows).numpy()
+    return have  # a thread reads the old pair or the new one whole: both are right
 
 
 def lane_keys(lane: torch.Tensor) -> torch.Tensor:

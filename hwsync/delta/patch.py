@@ -9,6 +9,9 @@ then checks a delta by reading the changed elements only (receiver.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
 import torch
 
 from hwsync.delta import bits, digest as dg, native, steps
@@ -68,13 +71,6 @@ def _write(flat: torch.Tensor, pos: torch.Tensor, values: torch.Tensor, gain: bo
     return dg.element_delta(pos, old, values) if old is not None else 0
 
 
-def _host_keys(flat: torch.Tensor) -> tuple[object, object]:
-    """The digest's column and row keys as numpy arrays, enough rows for `flat` (for the compiled scatters)."""
-    lanes = (flat.numel() * flat.element_size() + 3) // 4
-    return (dg.key_table("col", flat.device, 1 << 16).numpy(),
-            dg.key_table("row", flat.device, (lanes >> 16) + 1).numpy())
-
-
 def apply_into(dest: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, *, name: str = "tensor",
                gain: bool = False) -> int | None:
     """Write the changed elements into `dest` (the delta's base) in place, on whatever device it lives.
@@ -111,7 +107,7 @@ def apply_into(dest: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, *
             raise ValueError(f"{name}: the delta's last block has an offset past the tensor's {n} elements")
         scatter = native.scatter_blocks() if flat.device.type == "cpu" else None
         if scatter is not None:  # on the host, one compiled pass over the changes
-            keys, rows = _host_keys(flat)
+            keys, rows = dg.host_keys(flat.numel() * flat.element_size())
             found = scatter(counts.numpy(), offsets.numpy().view("uint16"), values.numpy(), 0, flat.numpy(), keys,
                             rows, gain)
         else:
@@ -132,7 +128,7 @@ def apply_into(dest: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, *
         values = _section(data, pad8((n + 7) // 8), k, ints)
         scatter_bits = native.scatter_bits() if flat.device.type == "cpu" else None
         if scatter_bits is not None:  # on the host, one compiled pass over the bits
-            keys, rows = _host_keys(flat)
+            keys, rows = dg.host_keys(flat.numel() * flat.element_size())
             done, found = scatter_bits(words.view(torch.uint8).numpy(), values.numpy(), flat.numpy(), keys, rows, gain)
             if done != k:
                 raise ValueError(f"{name}: the delta's bitmap marks {done} elements, its header says {k}")
@@ -154,6 +150,9 @@ class BaseMismatch(ValueError):
 def _apply_steps(flat: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, name: str, gain: bool) -> int:
     """Write a step code's changes into `flat` (int16), all checked first (the base's values at the changes
     included); the digest's gain."""
+    scatter = native.scatter_steps() if flat.device.type == "cpu" else None
+    if scatter is not None:  # on the host, compiled passes: check the payload, check the base, write
+        return _scatter_steps_host(scatter, flat, header, payload.to(flat.device).numpy(), name, gain)
     count = header.count
     escapes, olds = (int(v) for v in _section(payload, 0, 2, torch.int64).cpu())
     if not 0 <= escapes <= count:
@@ -162,17 +161,6 @@ def _apply_steps(flat: torch.Tensor, header: DeltaHeader, payload: torch.Tensor,
     data = payload.to(flat.device)
     units = _section(data, 16, count - escapes, torch.int16)
     raws = _section(data, 16 + 2 * (count - escapes), escapes, torch.int16)
-    scatter = native.scatter_steps() if flat.device.type == "cpu" else None
-    if scatter is not None:  # on the host, compiled passes: check the payload, check the base, write
-        keys, rows = _host_keys(flat)
-        status, found = scatter(units.numpy(), raws.numpy(), olds - (1 << 64) if olds >= 1 << 63 else olds,
-                                flat.numpy(), keys, rows, gain)
-        if status == -4:
-            raise BaseMismatch(f"{name}: the values at the delta's changes are not the ones it was taken from: "
-                               "this copy is not the delta's base")
-        if status:
-            raise ValueError(f"{name}: the delta is malformed: {_STEP_ERRORS.get(status, status)}")
-        return int(found)
     pos, byte, escaped = steps.decode_units(units, raws, header.numel, name)
     if pos.numel() == 0:
         return 0
@@ -181,6 +169,32 @@ def _apply_steps(flat: torch.Tensor, header: DeltaHeader, payload: torch.Tensor,
         raise BaseMismatch(f"{name}: the values at the delta's changes are not the ones it was taken from: this "
                            "copy is not the delta's base")
     return _write(flat, pos, steps.new_values(old, byte, escaped, raws), gain)
+
+
+def _scatter_steps_host(scatter: Callable[..., tuple[int, int]], flat: torch.Tensor, header: DeltaHeader,
+                        raw: np.ndarray, name: str, gain: bool) -> int:
+    """The compiled scatter of a host payload (`raw`, uint8), its sections read as numpy views: a torch view per
+    section cost more Python than the scatter of a small tensor."""
+    count = header.count
+    escapes, olds = (int(v) for v in _np_section(raw, 0, 2, np.int64))
+    if not 0 <= escapes <= count:
+        raise ValueError(f"{name}: the delta's step code says {escapes} escapes in {count} units")
+    units = _np_section(raw, 16, count - escapes, np.int16)
+    raws = _np_section(raw, 16 + 2 * (count - escapes), escapes, np.int16)
+    keys, rows = dg.host_keys(flat.numel() * flat.element_size())
+    status, found = scatter(units, raws, olds, flat.numpy(), keys, rows, gain)
+    if status == -4:
+        raise BaseMismatch(f"{name}: the values at the delta's changes are not the ones it was taken from: "
+                           "this copy is not the delta's base")
+    if status:
+        raise ValueError(f"{name}: the delta is malformed: {_STEP_ERRORS.get(status, status)}")
+    return int(found)
+
+
+def _np_section(raw: np.ndarray, start: int, count: int, dtype: type[np.generic]) -> np.ndarray:
+    """`count` elements of `dtype` at byte `start` of `raw` (copied when not aligned for `dtype`)."""
+    piece = raw[start: start + count * np.dtype(dtype).itemsize].view(dtype)
+    return piece if piece.flags.aligned else piece.copy()
 
 
 def advance(baseline: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, *, name: str = "tensor") -> None:
