@@ -5,7 +5,9 @@ trainer tensors and fp32 master weights cast to bf16: the diff (encode, as a sen
 baseline's digest kept), the apply (scatter into a destination), the receiver's digest of every tensor,
 and the payload each index code would take. The floor is the issue's: one read of the new tensors and of
 the baselines at the single-thread copy speed, measured in the same run next to each row; the wire
-floors are the payload over 1 and 10 Gbit/s. Best of --repeat runs; on a shared machine compare ratios.
+floors are the payload over 1 and 10 Gbit/s. Then what a tensor costs beyond its bytes: the diff and the
+apply of 512 tensors of 4096 elements, per tensor (a model of thousands of tensors, an MoE's experts, pays
+it per tensor). Best of --repeat runs; on a shared machine compare ratios.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from hwsync.delta import CHUNK_ELEMS, DeltaEncoder, apply_into, payload_bytes, t
 from hwsync.delta.header import BITMAP, BLOCKS, DENSE, SAME, STEPS
 
 _LINKS_GBIT = (1, 10)
+#: the small tensors timed per tensor (a norm's weight each)
+SMALL_TENSORS, SMALL_NUMEL = 512, 4096
 
 
 def _best(fn: Callable[[], Any], repeat: int) -> float:
@@ -162,7 +166,31 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": args.threads,
             "elements": sum(numels), "tensors": len(bases), "chunk_elems": encoder.chunk_elems,
             "engine": "numba" if encoder.uses_native(torch.device("cpu")) else "torch",
-            "repeat": args.repeat, "hash_gbps": hashes, "rows": rows}
+            "repeat": args.repeat, "hash_gbps": hashes, "rows": rows,
+            "small_tensor_us": _small_tensors(encoder, args.modes[-1] == "fp32-master", args.densities[0], gen,
+                                              args.repeat)}
+
+
+def _small_tensors(encoder: DeltaEncoder, master: bool, density: float, gen: torch.Generator, repeat: int,
+                   count: int = SMALL_TENSORS, numel: int = SMALL_NUMEL) -> dict[str, Any]:
+    """Microseconds per tensor to diff and to apply `count` tensors of `numel` elements (a norm's weight): what
+    each tensor costs beyond its bytes, which a model of thousands of tensors (an MoE's experts) pays per tensor."""
+    bases = [torch.randn(numel, generator=gen).to(torch.bfloat16) for _ in range(count)]
+    digests = [tensor_digest(b) for b in bases]
+    news = [_perturb(b, density, master, gen) for b in bases]
+    deltas = [encoder.encode(n, b, base_digest=d) for n, b, d in zip(news, bases, digests)]
+    diff_s = _best(lambda: [encoder.encode(n, b, base_digest=d) for n, b, d in zip(news, bases, digests)], repeat)
+    dests = [b.clone() for b in bases]
+    apply_s = float("inf")
+    for _ in range(repeat):
+        for dest, base in zip(dests, bases):
+            dest.copy_(base)
+        t0 = time.perf_counter()
+        for dest, d in zip(dests, deltas):
+            apply_into(dest, d.header, d.payload, gain=True)  # as a receiver checking from the changes applies
+        apply_s = min(apply_s, time.perf_counter() - t0)
+    return {"numel": numel, "tensors": count, "density": density, "mode": "fp32-master" if master else "bf16",
+            "diff": diff_s / count * 1e6, "apply": apply_s / count * 1e6}
 
 
 def add_bench_delta_codec_arguments(parser: argparse.ArgumentParser) -> None:
@@ -204,6 +232,9 @@ def run_bench_delta_codec(args: argparse.Namespace) -> int:
               f"{x['wire_floor_s']['10gbit']:6.3f}  {codes}")
     print("hash GB/s over the set (digest = hwsync.delta's, which the receiver runs on what it holds): " +
           ", ".join(f"{k} {v:.1f}" for k, v in r["hash_gbps"].items()))
+    small = r["small_tensor_us"]
+    print(f"per tensor, over {small['tensors']} tensors of {small['numel']} elements at {small['density']:.2%} "
+          f"({small['mode']}): diff {small['diff']:.1f} us, apply {small['apply']:.1f} us")
     print("payload MB of the whole set under one index code (block: uint16 offsets + a count per 65536; "
           "bitmap: a bit per element; int32 positions) and as chosen per tensor:")
     for x in r["rows"]:
