@@ -668,3 +668,19 @@ def test_warm_up_runs_the_kernels_of_every_dtype_once():
     if native.kernel() is not None:
         assert set(dtypes) <= warm._warm
     warm.warm_up(dtypes)  # loaded: returns at once
+
+
+def test_the_host_key_tables_are_kept_and_grow_for_a_larger_tensor(monkeypatch):
+    from hwsync.delta import digest
+
+    monkeypatch.setattr(digest, "_tables", {})  # the tables as a fresh process has them (other tests grow them)
+    monkeypatch.setattr(digest, "_host", None)
+    small = digest.host_keys(1 << 20)
+    assert digest.host_keys(1 << 10) is small  # kept: not fetched again per tensor
+    huge = 1 << 40  # bytes of a tensor past the row table's first size (1024 rows of 65536 lanes)
+    cols, rows = digest.host_keys(huge)
+    assert rows.size >= ((huge + 3) // 4 >> 16) + 1 > small[1].size
+    cpu = torch.device("cpu")
+    assert (cols == digest.key_table("col", cpu, 1 << 16).numpy()).all()
+    assert (rows[: small[1].size] == small[1]).all()  # the same keys, more of them
+    assert digest.host_keys(1 << 20)[1] is rows  # the larger pair serves the small tensors after it
