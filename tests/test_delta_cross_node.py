@@ -16,6 +16,7 @@ import torch
 
 from hwsync import CrossNodeReceiver, CrossNodeSender
 from hwsync.casting import engine_dtypes
+from hwsync.disaggregated.plan import DELTA_GROUP_BUCKETS
 from hwsync.errors import SyncError
 from placement import need_devices, place
 
@@ -94,8 +95,9 @@ def test_cross_node_deltas_stay_exact_and_a_bad_copy_is_caught(backend, flip, mo
                 modes.append(stats.notes["delta"]["mode"])
                 if flip is None and step == STEPS:
                     assert "drop_delta_baseline" in stats.notes["delta"]["reason"], stats.notes["delta"]
-                if modes[-1] == "delta":  # streamed by sender 0 alone, a group per tensor of a bucket's size
-                    assert stats.notes["groups"] == stats.buckets == len(_source(step)), stats.notes
+                if modes[-1] == "delta":  # streamed by sender 0 alone, in groups of DELTA_GROUP_BUCKETS buckets of
+                    # targets: here six tensors of a bucket each, then `big` (two buckets) in a group of its own
+                    assert stats.notes["groups"] == stats.buckets == 6 // DELTA_GROUP_BUCKETS + 1, stats.notes
             except SyncError as exc:
                 modes.append(f"failed: {exc}")
             results: dict = {}
