@@ -98,10 +98,11 @@ def make_plan(manifest: list[TensorSpec], bucket_bytes: int, num_senders: int) -
 
 
 #: buckets of targets per group of a streamed delta. A group costs both hosts about a millisecond of CPU (its two
-#: broadcasts, its descriptor, the hand-offs between threads): at 10 Gbit/s on the bed (368M elements, 2 cores) a
-#: step-1 delta at LR 1e-6 took 1.38-1.50x its floor in groups of two buckets (nine runs) against 1.46-1.78x in groups
-#: of one (five), and 2.06-2.61x in groups of a quarter. A larger group delays the first broadcast and lengthens the last
-#: apply: over 1 Gbit/s, where the wire is the floor, the steps took alike (1.12-1.45x against 1.08-1.48x).
+#: broadcasts, its descriptor, the hand-offs between threads). At 10 Gbit/s on the bed (368M elements, 2 cores,
+#: LR 1e-6), in groups of two buckets, step 1 took 1.34-1.60x its floor (median 1.47x, fourteen runs) and steps
+#: 2-4 a median 1.21x; in groups of one 1.43-1.78x (1.50x, ten runs) and 1.35x; in groups of a quarter, 2.06-2.61x.
+#: A larger group delays the first broadcast and lengthens the last apply: over 1 Gbit/s, where the wire is the
+#: floor, the steps took alike (1.12-1.45x against 1.08-1.48x).
 DELTA_GROUP_BUCKETS = 2
 
 
