@@ -32,7 +32,7 @@ from hwsync.delta.header import (
     payload_bytes,
     smallest_code,
 )
-from hwsync.delta.host import concat_into, keep
+from hwsync.delta.host import concat_host, concat_into, keep
 from hwsync.delta.room import PayloadRoom
 from hwsync.delta.scan import Scan, block_code_from_steps, join, trim_fillers
 from hwsync.delta.scratch import Scratch
@@ -340,9 +340,7 @@ class DeltaEncoder:
         if payload.device.type == "cpu":  # numpy views: torch's cost more per tensor than a small tensor's scan
             raw = payload.numpy()
             raw[:16].view(np.int64)[:] = head
-            if count:
-                body = raw[16: 16 + 2 * count].view(np.int16)
-                np.concatenate([p.numpy() for p in found.units + found.raws], out=body)
+            concat_host(found.units + found.raws, raw[16: 16 + 2 * count].view(np.int16))
             raw[16 + 2 * count:] = 0
         else:
             payload[:16].view(torch.int64).copy_(torch.tensor(head, dtype=torch.int64))

@@ -35,5 +35,10 @@ def concat_into(pieces: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     if out.device.type != "cpu":
         torch.cat(list(pieces), out=out)
         return
+    concat_host(pieces, out.numpy())
+
+
+def concat_host(pieces: Sequence[torch.Tensor], out: np.ndarray) -> None:
+    """Host `pieces` one after the other into the numpy array `out` (of their dtype and total length)."""
     if pieces:
-        np.concatenate([p.numpy() for p in pieces], out=out.numpy())
+        np.concatenate([p.numpy() for p in pieces], out=out)

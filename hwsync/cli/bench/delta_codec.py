@@ -105,6 +105,21 @@ def _hash_rates(tensors: list[torch.Tensor], repeat: int) -> dict[str, float]:
     return {k: total / _best(partial(_each, f, tensors), repeat) / 1e9 for k, f in ways.items()}
 
 
+def _best_apply(dests: list[torch.Tensor], bases: list[torch.Tensor], deltas: list[Any], repeat: int,
+                gain: bool = False) -> float:
+    """Seconds to apply `deltas` into `dests`, best of `repeat`, each time on the base (the step code writes
+    differences to it)."""
+    best = float("inf")
+    for _ in range(repeat):
+        for dest, base in zip(dests, bases):
+            dest.copy_(base)
+        t0 = time.perf_counter()
+        for dest, d in zip(dests, deltas):
+            apply_into(dest, d.header, d.payload, gain=gain)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def _each(f: Callable[[torch.Tensor], Any], tensors: list[torch.Tensor]) -> list[Any]:
     return [f(t) for t in tensors]
 
@@ -134,17 +149,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 deltas[:] = [encoder.encode(n, b, base_digest=d) for n, b, d in zip(news, bases, digests)]
 
             diff_s = _best(diff, args.repeat)
-            for dest, base in zip(dests, bases):
-                dest.copy_(base)
-
-            apply_s = float("inf")
-            for _ in range(args.repeat):  # each time on the base: the step code writes differences to it
-                for dest, base in zip(dests, bases):
-                    dest.copy_(base)
-                t0 = time.perf_counter()
-                for dest, d in zip(dests, deltas):
-                    apply_into(dest, d.header, d.payload)
-                apply_s = min(apply_s, time.perf_counter() - t0)
+            apply_s = _best_apply(dests, bases, deltas, args.repeat)
             for dest, d in zip(dests, deltas):  # the receiver's check, which also proves the apply exact
                 if tensor_digest(dest) != d.header.digest:
                     raise RuntimeError("a destination's digest does not match after applying: the codec is wrong")
@@ -180,15 +185,8 @@ def _small_tensors(encoder: DeltaEncoder, master: bool, density: float, gen: tor
     news = [_perturb(b, density, master, gen) for b in bases]
     deltas = [encoder.encode(n, b, base_digest=d) for n, b, d in zip(news, bases, digests)]
     diff_s = _best(lambda: [encoder.encode(n, b, base_digest=d) for n, b, d in zip(news, bases, digests)], repeat)
-    dests = [b.clone() for b in bases]
-    apply_s = float("inf")
-    for _ in range(repeat):
-        for dest, base in zip(dests, bases):
-            dest.copy_(base)
-        t0 = time.perf_counter()
-        for dest, d in zip(dests, deltas):
-            apply_into(dest, d.header, d.payload, gain=True)  # as a receiver checking from the changes applies
-        apply_s = min(apply_s, time.perf_counter() - t0)
+    # as a receiver that checks from the changes applies
+    apply_s = _best_apply([b.clone() for b in bases], bases, deltas, repeat, gain=True)
     return {"numel": numel, "tensors": count, "density": density, "mode": "fp32-master" if master else "bf16",
             "diff": diff_s / count * 1e6, "apply": apply_s / count * 1e6}
 
