@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
 from hwsync.casting import EngineDtypes, engine_dtypes
-from hwsync.delta.receiver import ReceiverDeltas
+from hwsync.delta.receiver import ApplyDelta, ReceiverDeltas
 from hwsync.delta.sender import SenderDeltas
 from hwsync.errors import ManifestError, ProtocolError
 from hwsync.manifest import TensorSpec
@@ -281,3 +283,35 @@ def test_the_encode_and_baseline_threads_are_kept_across_syncs_and_end_at_close(
     deltas.close()
     assert not ours(), ours()
     assert deltas.base_id is not None and deltas.baseline_bytes > 0, "close ends threads, not the baseline"
+
+
+class _RecordingDeltas:
+    """What ApplyDelta asks of a receiver's deltas: destinations of given sizes, one apply thread that records."""
+
+    def __init__(self, sizes: dict[str, int], failing: set[str]) -> None:
+        self.sizes, self.failing, self.applied = sizes, failing, []
+        self._pool = ThreadPoolExecutor(1)
+
+    def target(self, name: str, payload: torch.Tensor, into: object) -> tuple[torch.Tensor, bool]:
+        return torch.empty(self.sizes[name], dtype=torch.bfloat16), True
+
+    def pool(self) -> ThreadPoolExecutor:
+        return self._pool
+
+    def apply(self, name: str, payload: torch.Tensor, result: torch.Tensor) -> None:
+        self.applied.append(name)
+        if name in self.failing:
+            raise ProtocolError(f"{name} failed")
+
+
+def test_the_apply_threads_take_the_largest_targets_first_and_raise_the_first_failure_in_stream_order():
+    sizes = {"norm": 8, "q": 1 << 12, "mlp": 1 << 14, "k": 1 << 12, "lm_head": 1 << 16}
+    deltas = _RecordingDeltas(sizes, failing={"q", "lm_head"})
+    payloads = [(name, torch.zeros(4, dtype=torch.uint8)) for name in sizes]
+    try:
+        applying = ApplyDelta(deltas, None, None).submit(payloads)  # type: ignore[arg-type]
+        with pytest.raises(ProtocolError, match="q failed"):  # q comes first in the stream, though applied after
+            applying.finish()
+    finally:
+        deltas.pool().shutdown()
+    assert deltas.applied == ["lm_head", "mlp", "q", "k", "norm"], "largest first, ties in stream order"

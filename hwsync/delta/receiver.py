@@ -310,8 +310,12 @@ class ApplyDelta:
         """Start applying `payloads` (views that must stay valid until `finish` returns)."""
         targets = [self._deltas.target(name, payload, self._into) for name, payload in payloads]  # user code: here
         pool = self._deltas.pool()
-        jobs = [pool.submit(self._deltas.apply, name, payload, result)
-                for (name, payload), (result, _) in zip(payloads, targets)]
+        # the largest targets first: an apply costs about its target's size (at RL densities the changes touch
+        # most of its cache lines), so the threads end together, not on a large tensor taken last. At the end of a
+        # sync that was the LM head: the last group's applies took 8 ms, 5.5 ms largest first
+        order = sorted(range(len(payloads)), key=lambda i: -targets[i][0].numel())
+        started = {i: pool.submit(self._deltas.apply, payloads[i][0], payloads[i][1], targets[i][0]) for i in order}
+        jobs = [started[i] for i in range(len(payloads))]  # in the payloads' order: the first failure is raised
         whole = [(name, result) for (name, _), (result, own) in zip(payloads, targets) if not own]
         return Applying(jobs, whole, self._load)
 
