@@ -14,7 +14,7 @@ import torch
 
 from hwsync.disaggregated import CrossNodeSender
 from placement import need_devices, place
-from tests.test_collective import BUCKET, HOST, TIMEOUT, _exact, _tensors
+from test_collective import BUCKET, HOST, TIMEOUT, _exact, _tensors
 
 VERSIONS = [0, 1]
 

@@ -21,7 +21,7 @@ import torch
 from hwsync.disaggregated import CrossNodeSender
 from hwsync.errors import SyncError
 from hwsync.registry import get_backend
-from tests.test_collective import HOST, TIMEOUT, _receiver
+from test_collective import HOST, TIMEOUT, _receiver
 
 BUCKET = 64 << 10
 

@@ -1,0 +1,169 @@
+"""Which CUDA IPC export leaves torch's exit warning, on a GPU: `python ci/gpu_ipc_exit.py [--json]`.
+
+torch prints "Producer process has been terminated before all shared CUDA tensors released" when,
+at the exporting process's exit, its current ref-counter file still has an offset in use: an
+exported storage that is still alive, or one freed while a consumer's counter was above zero
+(parked in torch's IPC limbo). Each scenario below runs in a process of its own: plain torch
+exports as controls, then hwsync's packed and mapped paths. Each reports, after every step, the
+counters above zero in its ref-counter files (/dev/shm/torch_<pid>_*: a consumer that has not let
+go) and the CUDA tensors alive, and the driver records whether its exit printed the warning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import torch
+import torch.multiprocessing as tmp
+
+WARNING = "Producer process has been terminated before all shared CUDA tensors released"
+_KEEP: list[object] = []  # what a scenario keeps alive until the interpreter exits
+
+
+def counters() -> dict[str, object]:
+    """This process's ref counters above zero (a consumer still holds an export) and its live CUDA tensors."""
+    held = 0
+    files = glob.glob(f"/dev/shm/torch_{os.getpid()}_*")
+    for path in files:
+        held += int(np.count_nonzero(np.fromfile(path, dtype=np.int64) > 0))
+    gc.collect()
+    live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
+    return {"files": len(files), "counters_held": held, "cuda_tensors": len(live),
+            "cuda_bytes": sum(t.untyped_storage().nbytes() for t in live)}
+
+
+def step(name: str) -> None:
+    print(json.dumps({"step": name, **counters()}), flush=True)
+
+
+def _torch_child(q: "tmp.Queue[object]", done: "tmp.Queue[object]", mapped: bool) -> None:
+    t = q.get()
+    if mapped:
+        float(t.sum())
+    del t
+    gc.collect()
+    done.put("released")
+
+
+def torch_export(keep_alive: bool, consumer_maps: bool) -> None:
+    """Control: torch alone, one tensor put on a torch.multiprocessing queue to a spawned consumer."""
+    ctx = tmp.get_context("spawn")
+    q, done = ctx.Queue(), ctx.Queue()
+    t = torch.ones(1 << 20, device="cuda")
+    child = ctx.Process(target=_torch_child, args=(q, done, True))
+    if consumer_maps:
+        child.start()
+        q.put(t)
+        done.get(timeout=60)
+        child.join(30)
+    else:  # exported, never mapped: what a consumer that died before mapping leaves
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        reduce_tensor(t)
+    step("consumer done")
+    if keep_alive:
+        _KEEP.append(t)
+    del t
+    torch.cuda.ipc_collect()
+    step("producer dropped and collected")
+
+
+def _hwsync_receiver(endpoint: str, syncs: int, into: bool, done: "tmp.Queue[object]") -> None:
+    from hwsync.colocated.receiver import WeightReceiver
+
+    dest: dict[str, torch.Tensor] = {}
+
+    def into_fn(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        return dest.setdefault(name, torch.empty(shape, dtype=dtype, device="cuda"))
+
+    with WeightReceiver(endpoint, timeout_s=60) as receiver:
+        for _ in range(syncs):
+            if into:
+                receiver.receive(into=into_fn)
+            else:
+                receiver.receive(lambda pairs: [float(t.float().sum()) for _, t in pairs])
+    done.put(counters_consumer())
+
+
+def counters_consumer() -> dict[str, object]:
+    gc.collect()
+    live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
+    return {"receiver_cuda_tensors_after_close": len(live)}
+
+
+def hwsync_sync(mapped: bool, keep_model: bool, drop_sender: bool) -> None:
+    """hwsync's sender here, a WeightReceiver in a spawned process: packed buffers, or the model's own segments."""
+    from hwsync.colocated.sender import WeightSender
+
+    ctx = tmp.get_context("spawn")
+    done = ctx.Queue()
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda().to(torch.bfloat16)
+    sender = WeightSender(bucket_bytes=8 << 20, timeout_s=60)
+    child = ctx.Process(target=_hwsync_receiver, args=(sender.endpoint, 2, mapped, done))
+    child.start()
+    for version in (1, 2):
+        if mapped:
+            stats = sender.send(model.named_parameters(), version=version)
+        else:  # tensors made for the sync: they go packed through the exported buffers
+            stats = sender.send([(n, p.detach().clone()) for n, p in model.named_parameters()], version=version)
+    print(json.dumps({"step": "synced", "notes": {k: str(v) for k, v in stats.notes.items()},
+                      **done.get(timeout=60)}), flush=True)
+    child.join(30)
+    step("receiver closed and exited")
+    sender.close()
+    step("sender closed")
+    if drop_sender:
+        del sender
+    if keep_model:
+        _KEEP.append(model)
+    del model
+    torch.cuda.ipc_collect()
+    step("model dropped, collected")
+
+
+SCENARIOS = {
+    "torch: consumer released, producer freed": lambda: torch_export(False, True),
+    "torch: consumer released, tensor alive at exit": lambda: torch_export(True, True),
+    "torch: exported, never mapped": lambda: torch_export(False, False),
+    "hwsync packed (as roundtrip)": lambda: hwsync_sync(False, False, False),
+    "hwsync packed, sender dropped": lambda: hwsync_sync(False, False, True),
+    "hwsync mapped, model freed": lambda: hwsync_sync(True, False, True),
+    "hwsync mapped, model alive at exit": lambda: hwsync_sync(True, True, True),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenario", choices=list(SCENARIOS))
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.scenario:
+        SCENARIOS[args.scenario]()
+        return 0
+    rows = []
+    for name in SCENARIOS:
+        run = subprocess.run([sys.executable, __file__, "--scenario", name], capture_output=True, text=True,
+                             timeout=180)
+        steps = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+        rows.append({"scenario": name, "exit": run.returncode, "warning": WARNING in run.stderr, "steps": steps,
+                     "stderr_tail": run.stderr[-600:] if run.returncode else ""})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    for row in rows:
+        print(f"{row['scenario']:48} exit {row['exit']}  warning at exit: {'YES' if row['warning'] else 'no'}")
+        for s in row["steps"]:
+            print("    ", s)
+        if row["stderr_tail"]:
+            print("     stderr:", row["stderr_tail"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
