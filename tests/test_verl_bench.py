@@ -46,3 +46,48 @@ def test_bench_transfer_peer_verl_runs_verls_code_and_reports_the_refused_bucket
     assert failed["bucket_mb"] == refused and "too large to fit in the bucket" in failed["error"]
     assert verl["failed_bucket_mb"] == [refused] and verl["best_bucket_mb"] == fits and verl["use_shm"]
     assert verl["hwsync_vs_verl_best"] > 0
+
+
+# A GPU machine with no package registry gets verl as a wheel installed without its dependencies; there
+# `import verl` fails (its __init__ imports ray). This process hides them the same way.
+_HIDE_VERLS_DEPENDENCIES = '''
+import sys
+class Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"ray", "omegaconf", "fastapi", "uvicorn", "tensordict"}:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Hide())
+'''
+
+
+def test_verls_transfer_code_loads_unmodified_where_verl_is_installed_without_its_dependencies():
+    code = _HIDE_VERLS_DEPENDENCIES + '''
+import asyncio, json, os
+try:
+    import verl
+    whole = True
+except ImportError:
+    whole = False
+from hwsync.cli.bench.verl_bare import default_bucket_mb, import_verl
+from hwsync.cli.bench.verl_peer import load_verl_transfer
+verl = import_verl()
+transfer = load_verl_transfer("cuda", 10)  # the GPU's case: verl's own CUDA platform, no CPU stand-in
+from verl.workers.rollout import utils
+async def walk():
+    return [x async for x in utils.ensure_async_iterator(iter([1, 2, 3]))]
+root = os.path.dirname(verl.__file__)
+print(json.dumps({"whole": whole, "version": verl.__version__, "bare": verl.bare_because,
+                  "default_mb": default_bucket_mb(), "walk": asyncio.run(walk()),
+                  "utils_names": sorted(n for n in vars(utils) if not n.startswith("__")),
+                  "transfer_is_verls_file": transfer.__file__ == os.path.join(
+                      root, "workers", "rollout", "vllm_rollout", "bucketed_weight_transfer.py"),
+                  "classes": [hasattr(transfer, c) for c in ("BucketedWeightSender", "BucketedWeightReceiver")]}))
+'''
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["whole"] is False  # what the bench met on the GPU machine before verl_bare
+    assert got["version"] == "0.9.1" and "ray" in got["bare"]
+    assert got["default_mb"] == 2048 and got["walk"] == [1, 2, 3]
+    assert got["utils_names"] == ["ensure_async_iterator"]  # verl's helper alone, nothing of ours
+    assert got["transfer_is_verls_file"] and got["classes"] == [True, True]

@@ -29,6 +29,7 @@ import torch
 import zmq
 
 from hwsync.cli.bench.stop_and_wait import await_reply, pack
+from hwsync.cli.bench.verl_bare import default_bucket_mb, import_verl
 from hwsync.control import private_ipc_dir, remove_ipc_dir
 from hwsync.manifest import dtype_from_name
 from hwsync.sizes import MiB
@@ -42,7 +43,7 @@ if importlib.util.find_spec("verl") is None:
 def load_verl_transfer(device_type: str, timeout_s: float) -> ModuleType:
     """verl's bucketed_weight_transfer module, loaded by path and unmodified; on the host, verl's platform is "cpu"."""
     os.environ.setdefault("VERL_LOGGING_LEVEL", "WARNING")  # verl's own switch: no INFO line per process
-    import verl
+    verl = import_verl()
     if device_type == "cpu":
         from hwsync.integrations.verl.cpu_platform import use_cpu_platform
 
@@ -50,7 +51,7 @@ def load_verl_transfer(device_type: str, timeout_s: float) -> ModuleType:
     # verl's sockets come from the process's shared context and wait without a timeout; a default
     # receive timeout on that context turns a dead peer into an error instead of a hang
     zmq.Context.instance().setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
-    path = os.path.join(os.path.dirname(verl.__file__), "workers", "rollout", "vllm_rollout",
+    path = os.path.join(os.path.dirname(str(verl.__file__)), "workers", "rollout", "vllm_rollout",
                         "bucketed_weight_transfer.py")
     spec = importlib.util.spec_from_file_location("hwsync_bench_verl_bucketed_weight_transfer", path)
     assert spec is not None and spec.loader is not None, path
@@ -153,15 +154,13 @@ def sweep(largest_bytes: int, default_mb: int) -> list[int]:
 
 def measure_peer(args: Any, hwsync_s: float) -> dict[str, Any]:
     """verl's sender at each bucket size of the sweep (or --verl-bucket-mb) on the bench's state dict; ratios."""
-    import verl
-    from verl.workers.config import CheckpointEngineConfig
-
     from hwsync.cli.bench.transfer import bench_device, build, model_spec
 
     spec = model_spec(int(args.gb * 1e9), args.dtype, args.tensors)
     named = build(spec, bench_device()[0])
 
-    default_mb = CheckpointEngineConfig().update_weights_bucket_megabytes
+    verl = import_verl()
+    default_mb = default_bucket_mb()
     largest = max(named, key=lambda nt: nt[1].numel() * nt[1].element_size())
     largest_bytes = largest[1].numel() * largest[1].element_size()
     sizes = args.verl_bucket_mb or sweep(largest_bytes, default_mb)
@@ -169,7 +168,8 @@ def measure_peer(args: Any, hwsync_s: float) -> dict[str, Any]:
     done = [r for r in runs if r["median_s"]]
     best = min(done, key=lambda r: r["median_s"]) if done else None
     default = next((r for r in done if r["bucket_mb"] == default_mb), None)
-    return {"version": verl.__version__, "use_shm": _use_shm(), "syncs": args.verl_syncs,
+    return {"version": verl.__version__, "bare": getattr(verl, "bare_because", None), "use_shm": _use_shm(),
+            "syncs": args.verl_syncs,
             "largest_tensor": largest[0], "largest_tensor_bytes": largest_bytes, "default_bucket_mb": default_mb,
             "runs": runs, "best_bucket_mb": best["bucket_mb"] if best else None,
             "failed_bucket_mb": [r["bucket_mb"] for r in runs if r["error"]],
@@ -183,6 +183,8 @@ def print_peer(r: dict[str, Any]) -> None:
     print(f"\nverl {v['version']} BucketedWeightSender/Receiver ({'shared memory' if v['use_shm'] else 'device IPC'}), "
           f"run unmodified on the same state dict; largest tensor {v['largest_tensor']} "
           f"{v['largest_tensor_bytes'] / MiB:.0f} MiB; median of syncs 2-{v['syncs']}")
+    if v["bare"]:
+        print(f"(verl's packages loaded bare: {v['bare']}; its transfer code runs as it is)")
     print(f"{'':44} {'GB/s':>8} {'s/sync':>8} {'hwsync is':>10}")
     print(f"{'hwsync':44} {r['hwsync_gbps']:>8.2f} {r['hwsync_s']:>8.3f}")
     for run in v["runs"]:
