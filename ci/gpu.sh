@@ -4,13 +4,16 @@
 # Run on a GPU machine whose Python already has a CUDA build of torch, msgpack and pytest (pyzmq and
 # stevedore come as wheels in .whl/ where the machine has no package registry; see docs/cuda.md):
 #   bash ci/gpu.sh [LOG_DIR] [STEPS]
-# STEPS (default all): any of install,tests,suite,roundtrip,bench,bench-load,bench-shm, comma-separated.
+# STEPS (default all): any of install,roundtrip,ipc-exit,bench,bench-load,bench-shm,tests,suite, comma-separated.
+# The benchmarks run before the tests, on a quiet GPU; PYTEST_WORKERS=N runs the tests on N pytest-xdist workers.
+# With verl installed (its wheel in .whl/, installed without its dependencies), `bench` also runs verl's own
+# colocated sender on the same state dict (hwsync bench transfer --peer verl).
 # Every step runs under its own time limit and the script goes on after a failure, so one run shows
 # everything; each step's log lands in LOG_DIR (default ./gpu-logs) and the summary in LOG_DIR/summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-gpu-logs}
-STEPS=${2:-install,tests,suite,roundtrip,bench,bench-load,bench-shm}
+STEPS=${2:-install,roundtrip,ipc-exit,bench,bench-load,bench-shm,tests,suite}
 GB=${HWSYNC_GPU_BENCH_GB:-4}
 mkdir -p "$LOG"
 export PYTHONUNBUFFERED=1 HWSYNC_BACKEND=cuda
@@ -32,18 +35,25 @@ step install 300 "$PY" -m pip install -q --no-index --no-deps --no-build-isolati
   -e . -e backends/cpu -e backends/cuda -e backends/npu -e tests/plugins/hwsync_sim
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
-  "$PY" -m hwsync.cli info; } >"$LOG/machine.txt" 2>&1
+  "$PY" -m hwsync.cli info
+  "$PY" -m pip list 2>/dev/null | grep -iE '^(verl|pyzmq|stevedore|numba|msgpack) '; } >"$LOG/machine.txt" 2>&1
 cat "$LOG/machine.txt"
+step roundtrip 90 "$PY" -m hwsync.cli roundtrip
+# which export keeps torch's "Producer process has been terminated..." warning at exit (docs/cuda.md)
+step ipc-exit 240 "$PY" ci/gpu_ipc_exit.py
+peer=()
+"$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("verl") is None)' && peer=(--peer verl)
+step bench 300 "$PY" -m hwsync.cli bench transfer --gb "$GB" --syncs 6 --receive into --json "${peer[@]}"
+step bench-load 240 "$PY" -m hwsync.cli bench transfer --gb "$GB" --syncs 6 --receive load --source packed --json
+step bench-shm 240 "$PY" -m hwsync.cli bench transfer --gb "$GB" --syncs 6 --transport shm --json
+workers=()
+[ -n "${PYTEST_WORKERS:-}" ] && workers=(-n "$PYTEST_WORKERS")
 # the CUDA-only files, then every backend-parametrized test's cuda case
-step tests 300 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 -rs \
+step tests 300 "$PY" -m pytest -q -p no:cacheprovider "${workers[@]}" --timeout 120 -rs \
   tests/test_cuda_backend.py tests/test_cuda_ipc.py tests/test_cuda_expandable_segments.py tests/test_offload.py \
   tests/test_transfer.py tests/test_into.py -k "cuda or gpu or not (cpu or sim or npu)"
-step suite 330 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 -rs tests -k "cuda" \
+step suite 330 "$PY" -m pytest -q -p no:cacheprovider "${workers[@]}" --timeout 120 -rs tests -k "cuda" \
   --ignore=tests/test_cuda_backend.py --ignore=tests/test_cuda_ipc.py \
   --ignore=tests/test_cuda_expandable_segments.py --ignore=tests/test_offload.py \
   --ignore=tests/test_transfer.py --ignore=tests/test_into.py
-step roundtrip 90 "$PY" -m hwsync.cli roundtrip
-step bench 240 "$PY" -m hwsync.cli bench transfer --gb "$GB" --syncs 6 --receive into --json
-step bench-load 240 "$PY" -m hwsync.cli bench transfer --gb "$GB" --syncs 6 --receive load --source packed --json
-step bench-shm 240 "$PY" -m hwsync.cli bench transfer --gb "$GB" --syncs 6 --transport shm --json
 cat "$LOG/summary.txt"

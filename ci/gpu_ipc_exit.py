@@ -5,8 +5,10 @@ at the exporting process's exit, its current ref-counter file still has an offse
 exported storage that is still alive, or one freed while a consumer's counter was above zero
 (parked in torch's IPC limbo). Each scenario below runs in a process of its own: plain torch
 exports as controls, then hwsync's packed and mapped paths. Each reports, after every step, the
-counters above zero in its ref-counter files (/dev/shm/torch_<pid>_*: a consumer that has not let
-go) and the CUDA tensors alive, and the driver records whether its exit printed the warning.
+counters above zero in its ref-counter files (/dev/shm/torch_<pid>_*; the first word of a file is
+the file's own use count, so 1 means no consumer holds anything), the CUDA tensors and storages
+alive, and the driver records whether its exit printed the warning. The file stays while torch
+counts an export in use; it is removed once none is.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,17 +37,22 @@ def counters() -> dict[str, object]:
     for path in files:
         held += int(np.count_nonzero(np.fromfile(path, dtype=np.int64) > 0))
     gc.collect()
-    live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
+    objects = gc.get_objects()
+    live = [o for o in objects if isinstance(o, torch.Tensor) and o.is_cuda]
+    # a storage kept without any tensor over it (what a tensor count misses), and who keeps it
+    storages = [o for o in objects if isinstance(o, (torch.UntypedStorage, torch.TypedStorage)) and o.is_cuda]
+    keepers = sorted({type(r).__name__ for s in storages for r in gc.get_referrers(s) if r is not objects})
     return {"files": len(files), "counters_held": held, "cuda_tensors": len(live),
-            "cuda_bytes": sum(t.untyped_storage().nbytes() for t in live)}
+            "cuda_bytes": sum(t.untyped_storage().nbytes() for t in live), "cuda_storages": len(storages),
+            "storage_keepers": keepers, "allocated": torch.cuda.memory_allocated()}
 
 
 def step(name: str) -> None:
     print(json.dumps({"step": name, **counters()}), flush=True)
 
 
-def _torch_child(q: "tmp.Queue[object]", done: "tmp.Queue[object]", mapped: bool) -> None:
-    t = q.get()
+def _torch_child(q: "tmp.Queue[Any]", done: "tmp.Queue[Any]", mapped: bool) -> None:
+    t: torch.Tensor = q.get()
     if mapped:
         float(t.sum())
     del t
@@ -75,6 +83,11 @@ def torch_export(keep_alive: bool, consumer_maps: bool) -> None:
     step("producer dropped and collected")
 
 
+def _read_all(pairs: list[tuple[str, torch.Tensor]]) -> None:
+    for _, t in pairs:
+        float(t.float().sum())
+
+
 def _hwsync_receiver(endpoint: str, syncs: int, into: bool, done: "tmp.Queue[object]") -> None:
     from hwsync.colocated.receiver import WeightReceiver
 
@@ -88,7 +101,7 @@ def _hwsync_receiver(endpoint: str, syncs: int, into: bool, done: "tmp.Queue[obj
             if into:
                 receiver.receive(into=into_fn)
             else:
-                receiver.receive(lambda pairs: [float(t.float().sum()) for _, t in pairs])
+                receiver.receive(_read_all)
     done.put(counters_consumer())
 
 
@@ -98,7 +111,7 @@ def counters_consumer() -> dict[str, object]:
     return {"receiver_cuda_tensors_after_close": len(live)}
 
 
-def hwsync_sync(mapped: bool, keep_model: bool, drop_sender: bool) -> None:
+def hwsync_sync(mapped: bool, keep_model: bool, drop_sender: bool, syncs: int = 2) -> None:
     """hwsync's sender here, a WeightReceiver in a spawned process: packed buffers, or the model's own segments."""
     from hwsync.colocated.sender import WeightSender
 
@@ -106,9 +119,9 @@ def hwsync_sync(mapped: bool, keep_model: bool, drop_sender: bool) -> None:
     done = ctx.Queue()
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda().to(torch.bfloat16)
     sender = WeightSender(bucket_bytes=8 << 20, timeout_s=60)
-    child = ctx.Process(target=_hwsync_receiver, args=(sender.endpoint, 2, mapped, done))
+    child = ctx.Process(target=_hwsync_receiver, args=(sender.endpoint, syncs, mapped, done))
     child.start()
-    for version in (1, 2):
+    for version in range(1, syncs + 1):
         if mapped:
             stats = sender.send(model.named_parameters(), version=version)
         else:  # tensors made for the sync: they go packed through the exported buffers
@@ -134,6 +147,7 @@ SCENARIOS = {
     "torch: exported, never mapped": lambda: torch_export(False, False),
     "hwsync packed (as roundtrip)": lambda: hwsync_sync(False, False, False),
     "hwsync packed, sender dropped": lambda: hwsync_sync(False, False, True),
+    "hwsync packed, one sync": lambda: hwsync_sync(False, False, True, syncs=1),
     "hwsync mapped, model freed": lambda: hwsync_sync(True, False, True),
     "hwsync mapped, model alive at exit": lambda: hwsync_sync(True, True, True),
 }
@@ -147,7 +161,7 @@ def main() -> int:
     if args.scenario:
         SCENARIOS[args.scenario]()
         return 0
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in SCENARIOS:
         run = subprocess.run([sys.executable, __file__, "--scenario", name], capture_output=True, text=True,
                              timeout=180)
