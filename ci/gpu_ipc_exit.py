@@ -7,7 +7,8 @@ exported storage that is still alive, or one freed while a consumer's counter wa
 exports as controls, then hwsync's packed and mapped paths. Each reports, after every step, the
 counters above zero in its ref-counter files (/dev/shm/torch_<pid>_*; the first word of a file is
 the file's own use count, so 1 means no consumer holds anything), the CUDA tensors and storages
-alive, and the driver records whether its exit printed the warning. The file stays while torch
+alive, and the driver records whether its exit printed the warning (hwsync's receiver process writes
+its stderr apart, so a warning of its own is told from the sender's). The file stays while torch
 counts an export in use; it is removed once none is.
 """
 
@@ -88,7 +89,10 @@ def _read_all(pairs: list[tuple[str, torch.Tensor]]) -> None:
         float(t.float().sum())
 
 
-def _hwsync_receiver(endpoint: str, syncs: int, into: bool, done: "tmp.Queue[object]") -> None:
+def _hwsync_receiver(endpoint: str, syncs: int, into: bool, done: "tmp.Queue[object]", stderr: str) -> None:
+    # the receiver's own stderr, to the exit: tells its warning from the sender's (one stream otherwise)
+    with open(stderr, "w") as f:
+        os.dup2(f.fileno(), 2)
     from hwsync.colocated.receiver import WeightReceiver
 
     dest: dict[str, torch.Tensor] = {}
@@ -119,7 +123,8 @@ def hwsync_sync(mapped: bool, keep_model: bool, drop_sender: bool, syncs: int = 
     done = ctx.Queue()
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda().to(torch.bfloat16)
     sender = WeightSender(bucket_bytes=8 << 20, timeout_s=60)
-    child = ctx.Process(target=_hwsync_receiver, args=(sender.endpoint, syncs, mapped, done))
+    receiver_log = f"/tmp/hwsync-ipc-exit-{os.getpid()}-receiver.log"
+    child = ctx.Process(target=_hwsync_receiver, args=(sender.endpoint, syncs, mapped, done, receiver_log))
     child.start()
     for version in range(1, syncs + 1):
         if mapped:
@@ -129,6 +134,9 @@ def hwsync_sync(mapped: bool, keep_model: bool, drop_sender: bool, syncs: int = 
     print(json.dumps({"step": "synced", "notes": {k: str(v) for k, v in stats.notes.items()},
                       **done.get(timeout=60)}), flush=True)
     child.join(30)
+    with open(receiver_log) as f:
+        print(json.dumps({"step": "receiver's exit", "receiver_warned": WARNING in f.read()}), flush=True)
+    os.unlink(receiver_log)
     step("receiver closed and exited")
     sender.close()
     step("sender closed")
