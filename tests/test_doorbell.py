@@ -46,6 +46,27 @@ def segment_exists(name: str) -> bool:
     return os.path.exists(os.path.join(SHM_DIR, name))
 
 
+@needs_doorbell
+def test_frames_on_the_socket_are_read_as_they_come_not_at_the_next_liveness_check():
+    """Done (and Refs) come on the socket while the receiver watches the doorbell. With its liveness checks an hour
+    apart, a receiver that took frames only when it checks (every 2-5 ms before) waits out its timeout instead."""
+    with WeightSender(bucket_bytes=1 << 16, timeout_s=30) as sender:
+        p, q = procs.start_receiver(procs.receive_with_slow_checks, sender.endpoint, syncs=3)
+        try:
+            for version in (1, 2, 3):
+                tensors = procs.versioned(version)
+                stats = sender.send(iter(tensors.items()), version=version)
+                got = q.get(timeout=60)
+                assert "error" not in got, got
+                assert got["version"] == version and got["digests"] == procs.digests(tensors)
+                assert stats.transport and got["buckets"] >= 1
+        finally:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+
+
 # --- both paths, end to end -------------------------------------------------------------------
 
 @pytest.mark.parametrize("sender_bell,receiver_bell", [

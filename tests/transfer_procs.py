@@ -162,3 +162,11 @@ def receive_with_states(endpoint: str, states: list[dict], q) -> None:
                                  check_manifest=lambda specs: announced.extend(s.name for s in specs))
         q.put({"names": names, "announced": announced, "bytes": nbytes[0], "transport_bytes": stats.bytes})
     receiver.close()
+
+
+def receive_with_slow_checks(endpoint: str, syncs: int, q) -> None:
+    """receive_n with the doorbell wait's liveness checks an hour apart: a frame must be read as it comes."""
+    import hwsync.colocated.doorbell as doorbell
+
+    doorbell.DOORBELL_FIRST_CHECK_S = doorbell.DOORBELL_CHECK_S = 3600.0  # type: ignore[misc]
+    receive_n(endpoint, syncs, q, timeout_s=20.0)

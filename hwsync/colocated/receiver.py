@@ -252,18 +252,22 @@ class WeightReceiver:
                    stats: SyncStats) -> Frame:
         """The next bucket's descriptor from the doorbell, or the next frame that came on the socket meanwhile.
 
-        Refs frames come before Done on the socket, and Done follows the last post: nothing comes after it.
+        Refs frames come before Done on the socket, and Done follows the last post: nothing comes after it. The
+        spin watches the socket too: a frame waits for no liveness check (those run every few ms).
         """
         t0 = time.perf_counter()
+        control = self._control
         try:
             while True:
                 if bell.posted > seq:
                     return decode(bell.read(seq), {Bucket.T: Bucket})
+                if not pending and control.frame_waiting():
+                    pending.extend(control.poll(sync, what))
                 if pending:
                     return pending.pop(0)
-                spin_wait(lambda: bell.posted > seq or bool(pending),
-                          lambda: pending.extend(self._control.poll(sync, what)), timeout_s=self.timeout_s, what=what,
-                          endpoint=self._control.address)
+                spin_wait(lambda: bell.posted > seq or bool(pending) or control.frame_waiting(),
+                          lambda: pending.extend(control.poll(sync, what)), timeout_s=self.timeout_s, what=what,
+                          endpoint=control.address)
         finally:
             stats.wait_s += time.perf_counter() - t0
 
