@@ -50,9 +50,10 @@ class Entry:
         name, dtype, shape, offset, chunk_offset, chunk_bytes, total = item
         if not isinstance(name, str) or not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
             raise BadFrame(f"bucket entry {short(item)}: bad name or dtype")
-        shape = wire_shape(shape, f"bucket entry {short(name)}")
+        what = f"bucket entry {short(name)}"
+        shape = wire_shape(shape, what)
         for value in (offset, chunk_offset, chunk_bytes, total):
-            wire_count(value, f"bucket entry {short(name)}")
+            wire_count(value, what)
         numel = 1
         for dim in shape:
             numel *= dim
@@ -197,9 +198,10 @@ class Ref:
         name, dtype, shape, segment, offset, nbytes = item
         if not isinstance(name, str) or not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
             raise BadFrame(f"shared tensor reference {short(item)}: bad name or dtype")
-        shape = wire_shape(shape, f"shared tensor {short(name)}")
+        what = f"shared tensor {short(name)}"
+        shape = wire_shape(shape, what)
         for value in (segment, offset, nbytes):
-            wire_count(value, f"shared tensor {short(name)}")
+            wire_count(value, what)
         if nbytes != math.prod(shape) * dtype_from_name(dtype).itemsize:
             raise BadFrame(f"shared tensor {short(name)}: {nbytes} bytes do not fit {dtype} of shape {list(shape)}")
         if offset % ALIGNMENT:
@@ -276,9 +278,10 @@ class DeviceRef:
         name, dtype, shape, segment, offset = item
         if not isinstance(name, str) or not isinstance(dtype, str) or dtype not in WIRE_DTYPES:
             raise BadFrame(f"device tensor reference {short(item)}: bad name or dtype")
-        shape = wire_shape(shape, f"device tensor {short(name)}")
-        wire_count(segment, f"device tensor {short(name)}'s segment")
-        wire_count(offset, f"device tensor {short(name)}'s offset")
+        what = f"device tensor {short(name)}"
+        shape = wire_shape(shape, what)
+        wire_count(segment, f"{what}'s segment")
+        wire_count(offset, f"{what}'s offset")
         if offset % dtype_from_name(dtype).itemsize:
             raise BadFrame(f"device tensor {short(name)} at byte {offset} is not aligned for {dtype}")
         if math.prod(shape) * dtype_from_name(dtype).itemsize > INT_MAX:
