@@ -113,7 +113,7 @@ class ReceiverControl:
     def frame_waiting(self) -> bool:
         """Whether a frame can be read now: cheap enough (one ZMQ_EVENTS read) to ask while spinning on the doorbell."""
         assert self._sock is not None
-        return bool(self._sock.get(zmq.EVENTS) & zmq.POLLIN)
+        return bool(int(self._sock.get(zmq.EVENTS)) & zmq.POLLIN)
 
     def poll(self, sync: int, what: str) -> list[Done | Refs]:
         """Without waiting (while reading the doorbell): this sync's Done and Refs frames queued now; raise on an
