@@ -326,3 +326,50 @@ def test_spin_wait_returns_checks_and_times_out():
     with pytest.raises(SyncTimeoutError, match=r"timed out after 0.2s waiting for bucket 3 \(endpoint ipc://nowhere\)"):
         spin_wait(lambda: False, lambda: None, timeout_s=0.2, what="waiting for bucket 3", endpoint="ipc://nowhere")
     assert 0.2 <= time.monotonic() - t0 < 2
+
+
+class _LateBell:
+    """A doorbell whose bucket is posted just after the receiver first looks (then the sender sends Done)."""
+
+    def __init__(self, bucket: bytes) -> None:
+        self.looks, self.bucket = 0, bucket
+
+    @property
+    def posted(self) -> int:
+        self.looks += 1
+        return 0 if self.looks == 1 else 1
+
+    def read(self, seq: int) -> bytes:
+        return self.bucket
+
+
+class _DoneWaiting:
+    """The receiver's control with the sender's Done already on the socket."""
+
+    address = "ipc://nowhere"
+
+    def __init__(self, done) -> None:
+        self.queued = [done]
+
+    def frame_waiting(self) -> bool:
+        return bool(self.queued)
+
+    def poll(self, sync: int, what: str) -> list:
+        taken, self.queued = self.queued, []
+        return taken
+
+
+def test_a_bucket_posted_before_done_was_sent_comes_before_done():
+    """The receiver read the doorbell (nothing yet), then the sender posted its last bucket and sent Done: the
+    receiver takes Done off the socket, and must look at the doorbell again before handing Done on."""
+    from hwsync.colocated.receiver import WeightReceiver
+    from hwsync.protocol import Bucket, Done, encode
+    from hwsync.stats import SyncStats
+
+    bucket = Bucket(sync=3, index=0, seq=0, buf=0, nbytes=0, entries=[])
+    receiver = WeightReceiver.__new__(WeightReceiver)  # only _ring_next's parts: the control and a timeout
+    receiver._control, receiver.timeout_s = _DoneWaiting(Done(sync=3, buckets=1, tensors=0, bytes=0)), 5.0
+    pending: list = []
+    first = receiver._ring_next(_LateBell(encode(bucket)), 0, 3, "waiting for bucket 0", pending, SyncStats())
+    assert isinstance(first, Bucket) and first.seq == 0
+    assert [type(f).__name__ for f in pending] == ["Done"]  # Done waits for the next call

@@ -261,10 +261,11 @@ class WeightReceiver:
             while True:
                 if bell.posted > seq:
                     return decode(bell.read(seq), {Bucket.T: Bucket})
-                if not pending and control.frame_waiting():
-                    pending.extend(control.poll(sync, what))
                 if pending:
                     return pending.pop(0)
+                if control.frame_waiting():
+                    pending.extend(control.poll(sync, what))
+                    continue  # the doorbell first again: a bucket posted before the frame was sent comes before it
                 spin_wait(lambda: bell.posted > seq or bool(pending) or control.frame_waiting(),
                           lambda: pending.extend(control.poll(sync, what)), timeout_s=self.timeout_s, what=what,
                           endpoint=control.address)
