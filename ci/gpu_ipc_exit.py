@@ -31,6 +31,10 @@ WARNING = "Producer process has been terminated before all shared CUDA tensors r
 _KEEP: list[object] = []  # what a scenario keeps alive until the interpreter exits
 
 
+def _live_cuda(objects: list[object]) -> list[torch.Tensor]:
+    return [o for o in objects if isinstance(o, torch.Tensor) and o.is_cuda]
+
+
 def counters() -> dict[str, object]:
     """This process's ref counters above zero (a consumer still holds an export) and its live CUDA tensors."""
     held = 0
@@ -39,7 +43,7 @@ def counters() -> dict[str, object]:
         held += int(np.count_nonzero(np.fromfile(path, dtype=np.int64) > 0))
     gc.collect()
     objects = gc.get_objects()
-    live = [o for o in objects if isinstance(o, torch.Tensor) and o.is_cuda]
+    live = _live_cuda(objects)
     # a storage kept without any tensor over it (what a tensor count misses), and who keeps it
     storages = [o for o in objects if isinstance(o, (torch.UntypedStorage, torch.TypedStorage)) and o.is_cuda]
     keepers = sorted({type(r).__name__ for s in storages for r in gc.get_referrers(s) if r is not objects})
@@ -106,13 +110,8 @@ def _hwsync_receiver(endpoint: str, syncs: int, into: bool, done: "tmp.Queue[obj
                 receiver.receive(into=into_fn)
             else:
                 receiver.receive(_read_all)
-    done.put(counters_consumer())
-
-
-def counters_consumer() -> dict[str, object]:
     gc.collect()
-    live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
-    return {"receiver_cuda_tensors_after_close": len(live)}
+    done.put({"receiver_cuda_tensors_after_close": len(_live_cuda(gc.get_objects()))})
 
 
 def hwsync_sync(mapped: bool, keep_model: bool, drop_sender: bool, syncs: int = 2) -> None:

@@ -46,6 +46,8 @@ def segment_exists(name: str) -> bool:
     return os.path.exists(os.path.join(SHM_DIR, name))
 
 
+# --- both paths, end to end -------------------------------------------------------------------
+
 @needs_doorbell
 def test_frames_on_the_socket_are_read_as_they_come_not_at_the_next_liveness_check():
     """Done (and Refs) come on the socket while the receiver watches the doorbell. With its liveness checks an hour
@@ -66,8 +68,6 @@ def test_frames_on_the_socket_are_read_as_they_come_not_at_the_next_liveness_che
                 p.kill()
                 p.join(10)
 
-
-# --- both paths, end to end -------------------------------------------------------------------
 
 @pytest.mark.parametrize("sender_bell,receiver_bell", [
     pytest.param(True, True, id="doorbell", marks=needs_doorbell),
