@@ -5,8 +5,8 @@ at the exporting process's exit, its current ref-counter file still has an offse
 exported storage that is still alive, or one freed while a consumer's counter was above zero
 (parked in torch's IPC limbo). Each scenario below runs in a process of its own: plain torch
 exports as controls, then hwsync's packed and mapped paths. Each reports, after every step, the
-counters above zero in its ref-counter files (/dev/shm/torch_<pid>_*; the first word of a file is
-the file's own use count, so 1 means no consumer holds anything), the CUDA tensors and storages
+counters above and below zero in its ref-counter files (/dev/shm/torch_<pid>_*, after the
+allocator's 64-byte header), the CUDA tensors and storages
 alive, and the driver records whether its exit printed the warning (hwsync's receiver process writes
 its stderr apart, so a warning of its own is told from the sender's). The file stays while torch
 counts an export in use; it is removed once none is.
@@ -28,6 +28,7 @@ import torch
 import torch.multiprocessing as tmp
 
 WARNING = "Producer process has been terminated before all shared CUDA tensors released"
+HEADER_WORDS = 64 // 8  # at::map_alloc_alignment
 _KEEP: list[object] = []  # what a scenario keeps alive until the interpreter exits
 
 
@@ -37,17 +38,21 @@ def _live_cuda(objects: list[object]) -> list[torch.Tensor]:
 
 def counters() -> dict[str, object]:
     """This process's ref counters above zero (a consumer still holds an export) and its live CUDA tensors."""
-    held = 0
+    held = below = 0
     files = glob.glob(f"/dev/shm/torch_{os.getpid()}_*")
     for path in files:
-        held += int(np.count_nonzero(np.fromfile(path, dtype=np.int64) > 0))
+        # torch's RefcountedMapAllocator keeps its own header in the first 64 bytes; the slots follow. torch reads
+        # a slot as uint64: one taken below zero (released twice) reads as held forever
+        slots = np.fromfile(path, dtype=np.int64)[HEADER_WORDS:]
+        held += int(np.count_nonzero(slots > 0))
+        below += int(np.count_nonzero(slots < 0))
     gc.collect()
     objects = gc.get_objects()
     live = _live_cuda(objects)
     # a storage kept without any tensor over it (what a tensor count misses), and who keeps it
     storages = [o for o in objects if isinstance(o, (torch.UntypedStorage, torch.TypedStorage)) and o.is_cuda]
     keepers = sorted({type(r).__name__ for s in storages for r in gc.get_referrers(s) if r is not objects})
-    return {"files": len(files), "counters_held": held, "cuda_tensors": len(live),
+    return {"files": len(files), "counters_held": held, "counters_below_zero": below, "cuda_tensors": len(live),
             "cuda_bytes": sum(t.untyped_storage().nbytes() for t in live), "cuda_storages": len(storages),
             "storage_keepers": keepers, "allocated": torch.cuda.memory_allocated()}
 
@@ -114,9 +119,21 @@ def _hwsync_receiver(endpoint: str, syncs: int, into: bool, done: "tmp.Queue[obj
     done.put({"receiver_cuda_tensors_after_close": len(_live_cuda(gc.get_objects()))})
 
 
-def hwsync_sync(mapped: bool, keep_model: bool, drop_sender: bool, syncs: int = 2) -> None:
+def _no_release_of_exited_receivers() -> None:
+    # the suspect: a receiver that unmapped and exited is then released again by the sender (peer gone), taking
+    # its counter to -1, which torch reads as held forever; without that release the warning should go
+    import hwsync.exports as exports
+
+    exports.ReceiverExports.release_dead = lambda self: None  # type: ignore[method-assign]
+    exports.SegmentExports.release_dead = lambda self: None  # type: ignore[method-assign]
+
+
+def hwsync_sync(mapped: bool, keep_model: bool, drop_sender: bool, syncs: int = 2, keep_dead: bool = False) -> None:
     """hwsync's sender here, a WeightReceiver in a spawned process: packed buffers, or the model's own segments."""
     from hwsync.colocated.sender import WeightSender
+
+    if keep_dead:
+        _no_release_of_exited_receivers()
 
     ctx = tmp.get_context("spawn")
     done = ctx.Queue()
@@ -157,6 +174,8 @@ SCENARIOS = {
     "hwsync packed, one sync": lambda: hwsync_sync(False, False, True, syncs=1),
     "hwsync mapped, model freed": lambda: hwsync_sync(True, False, True),
     "hwsync mapped, model alive at exit": lambda: hwsync_sync(True, True, True),
+    "hwsync packed, exited receiver not released": lambda: hwsync_sync(False, False, True, keep_dead=True),
+    "hwsync mapped, exited receiver not released": lambda: hwsync_sync(True, False, True, keep_dead=True),
 }
 
 
