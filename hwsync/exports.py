@@ -3,12 +3,23 @@
 torch's CUDA IPC (and the NPU runtime's, built the same way) gives every export of a block a
 reference counter set to 1: one expected consumer. The consumer's mapping, when freed, takes
 it to 0; the exporting process frees a block it dropped only once all of the block's counters
-are at 0 (until then it is parked, and `ipc_collect()` retries). So:
+are at 0 (until then it is parked, and `ipc_collect()` retries). torch reads a counter as
+unsigned, so one taken below 0 holds its block until the process exits (and torch warns
+there): every export must be taken down exactly once. So:
 - every receiver process gets an export of its own, made when it is first offered the buffers
   (never at allocation: a receiver in the sender's own process uses the tensors and needs none);
-- an export its receiver never mapped (it refused the offer) or whose receiver died (a killed
-  process never releases) is released by the sender, else the block stays parked until exit;
-- two receivers never share one export: the first to close would free the block under the other.
+- two receivers never share one export: the first to close would take it to 0 under the other;
+- a receiver takes down what it was sent: it unmaps what it mapped, and releases an export it
+  read but could not map;
+- the sender releases what no receiver will: exports of a receiver that died (a killed process
+  never unmaps), and the exports of a failed attempt that the receiver may never have read.
+  Which of those the receiver took down itself, only the counter says (a receiver that closed
+  and exited looks like a killed one), so a release is made only while it is above 0
+  (hwsync.ipc_counters; the backends' release functions do that);
+- a live receiver's failed attempt may still be unmapping when the sender learns of the
+  failure, so its exports wait as orphans: released once that process is gone, or has come
+  back to a later sync (its failure handling, which unmaps everything, is over), or when the
+  sender closes.
 A transport's SendBuffers keeps one ReceiverExports and says how to export one buffer and how to
 release one export.
 
@@ -16,22 +27,65 @@ The same counting holds for device segments a sender's tensors lie in (mapped so
 hwsync.colocated.mapped), kept by SegmentExports: one export per (receiver process, segment), made when
 the receiver first needs it, mid-sync. Which exports a receiver mapped is known for sure only once it
 completed a sync (`confirm`); after a failed sync every receiver of it unmaps all it mapped, and the
-sender releases the exports that sync made (`release_unconfirmed`: a frame carrying them may never have
-been read), so none keeps a block parked. Releasing twice (the receiver unmapped, the sender released)
-takes a counter below zero, which torch treats as released.
+exports that sync made become orphans (`release_unconfirmed`: a frame carrying one may never have been
+read).
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from hwsync.control import peer_alive
 
 Record = dict[str, Any]
+Release = Callable[[Record], None]
+
+
+class _Orphans:
+    """Exports of live receivers' failed attempts, each released once that attempt is surely over (this process's)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_process: dict[tuple[int, str], list[tuple[Release, Record]]] = {}
+
+    def add(self, pid: int | None, host: str | None, release_one: Release, records: Iterable[Record]) -> None:
+        """Keep `records` until the receiver process is gone or comes back; released now where it cannot be told."""
+        if pid is None or host is None or not peer_alive(pid, host):
+            for record in records:
+                release_one(record)
+            return
+        with self._lock:
+            self._by_process.setdefault((pid, host), []).extend((release_one, r) for r in records)
+
+    def settle(self, pid: int | None, host: str | None) -> None:
+        """The process came back to a later sync: its failed attempt, which unmapped all it mapped, is over."""
+        if pid is None or host is None:
+            return
+        with self._lock:
+            orphans = self._by_process.pop((pid, host), [])
+        for release_one, record in orphans:
+            release_one(record)
+
+    def settle_dead(self) -> None:
+        """Release the orphans of processes that are gone."""
+        with self._lock:
+            gone = [key for key in self._by_process if not peer_alive(*key)]
+        for pid, host in gone:
+            self.settle(pid, host)
+
+    def held(self) -> int:
+        """Orphan exports waiting now."""
+        with self._lock:
+            return sum(len(o) for o in self._by_process.values())
+
+
+#: one per process: orphans outlive the buffers and senders that made them, as torch's parked blocks do
+ORPHANS = _Orphans()
 
 
 @dataclass
@@ -44,7 +98,7 @@ class _Exports:
 class ReceiverExports:
     """The exports of N buffers made for each receiver, by receiver key."""
 
-    def __init__(self, export_all: Callable[[], list[Record]], release_one: Callable[[Record], None]) -> None:
+    def __init__(self, export_all: Callable[[], list[Record]], release_one: Release) -> None:
         self._export_all = export_all
         self._release_one = release_one
         self._by_receiver: dict[str, _Exports] = {}
@@ -55,21 +109,24 @@ class ReceiverExports:
             return []
         exports = self._by_receiver.get(receiver)
         if exports is None:
+            ORPHANS.settle(pid, host)
             exports = self._by_receiver[receiver] = _Exports(pid, host, self._export_all())
         return exports.records
 
     def release(self, receiver: str) -> None:
-        """The receiver does not map its exports (it refused them, or it died): release them for it."""
+        """The receiver failed before accepting: what it did not take down is released once its attempt is over."""
         exports = self._by_receiver.pop(receiver, None)
         if exports is not None:
-            for record in exports.records:
-                self._release_one(record)
+            ORPHANS.add(exports.pid, exports.host, self._release_one, exports.records)
 
     def release_dead(self) -> None:
-        """Release the exports of receivers whose process is gone (their mappings went with them)."""
+        """Release the exports of receivers whose process is gone (what they mapped went with them)."""
         for receiver, exports in list(self._by_receiver.items()):
             if not peer_alive(exports.pid, exports.host):
-                self.release(receiver)
+                del self._by_receiver[receiver]
+                for record in exports.records:
+                    self._release_one(record)
+        ORPHANS.settle_dead()
 
     def forget(self) -> None:
         """The buffers are gone: live receivers release what they map when they close it."""
@@ -89,7 +146,7 @@ class _SegmentExports:
 class SegmentExports:
     """Device segments exported to each receiver process, one export per (receiver, segment id)."""
 
-    def __init__(self, release_one: Callable[[Record], None]) -> None:
+    def __init__(self, release_one: Release) -> None:
         self._release_one = release_one
         self._by_receiver: dict[str, _SegmentExports] = {}
 
@@ -98,6 +155,7 @@ class SegmentExports:
         """A new export of `segment` for the receiver, made by `make()`; None when it has one already."""
         exports = self._by_receiver.get(receiver)
         if exports is None:
+            ORPHANS.settle(pid, host)
             exports = self._by_receiver[receiver] = _SegmentExports(pid, host)
         if segment in exports.records:
             return None
@@ -115,26 +173,23 @@ class SegmentExports:
             exports.unconfirmed.clear()
 
     def release_unconfirmed(self, receivers: list[str]) -> None:
-        """A sync of these receivers failed, and each unmaps all it mapped: release the exports that sync made for
-        them (a frame carrying one may never have been read) and forget theirs; other receivers keep theirs."""
+        """A sync of these receivers failed, and each unmaps all it mapped: the exports that sync made for them become
+        orphans (a frame carrying one may never have been read); their others are forgotten; other receivers keep
+        theirs."""
         for receiver in receivers:
             exports = self._by_receiver.pop(receiver, None)
             if exports is not None:
-                for segment in exports.unconfirmed:
-                    self._release_one(exports.records[segment])
-
-    def release(self, receiver: str) -> None:
-        """The receiver died with its mappings: release every export it had."""
-        exports = self._by_receiver.pop(receiver, None)
-        if exports is not None:
-            for record in exports.records.values():
-                self._release_one(record)
+                ORPHANS.add(exports.pid, exports.host, self._release_one,
+                            [exports.records[s] for s in exports.unconfirmed])
 
     def release_dead(self) -> None:
-        """Release the exports of receivers whose process is gone."""
+        """Release the exports of receivers whose process is gone (what they mapped went with them)."""
         for receiver, exports in list(self._by_receiver.items()):
             if not peer_alive(exports.pid, exports.host):
-                self.release(receiver)
+                del self._by_receiver[receiver]
+                for record in exports.records.values():
+                    self._release_one(record)
+        ORPHANS.settle_dead()
 
     def drop(self, segment: int) -> None:
         """The sender stopped sharing `segment`: live receivers unmap it when told; dead ones are released."""

@@ -227,12 +227,39 @@ def _open_sender(sim):
 
 
 @pytest.mark.sim_leaks_expected
-def test_an_export_never_mapped_is_reported_as_a_leak_when_the_sender_closes(sim):
+def test_an_export_never_mapped_stays_parked_and_is_reported_when_asked(sim):
     sender = _open_sender(sim)
     sender.handles()  # exported for a receiver that never maps it
+    sender.close()  # not reported yet: an exporter may still release it (hwsync.exports' orphans)
+    assert sharing.limbo_bytes() >= 4096
     with pytest.warns(SimLeakWarning, match="export .* was never mapped"):
+        sharing.report_parked(runtime())
+
+
+@pytest.mark.sim_leaks_expected
+def test_an_export_released_after_its_consumer_unmapped_it_is_held_for_good(sim, peers):
+    # torch reads the counter as unsigned: at -1 the block is parked until exit (the H200's exit warning)
+    sender = _open_sender(sim)
+    handles = sender.handles()
+    assert peers["a"].call("map", handles) == [3, 3, 3, 3]
+    assert peers["a"].call("close") == "closed"
+    sharing.release_export(handles["buffers"][0])  # unconditionally, as hwsync's sender did for exited receivers
+    with pytest.warns(SimLeakWarning, match="released 2 times .* held until exit"):
         sender.close()
     assert sharing.limbo_bytes() >= 4096
+
+
+def test_a_conditional_release_skips_an_export_its_consumer_unmapped(sim, peers):
+    sender = _open_sender(sim)
+    allocated, parked = sim.device().memory_allocated(), sharing.limbo_bytes()  # earlier tests' leaks stay parked
+    handles = sender.handles()
+    assert peers["a"].call("map", handles) == [3, 3, 3, 3]
+    assert peers["a"].call("close") == "closed"
+    for record in handles["buffers"]:
+        sharing.release_if_held(record)  # what the sim's transports release with
+    sender.close()
+    assert sharing.limbo_bytes() == parked
+    assert sim.device().memory_allocated() == allocated - 4096
 
 
 def test_an_export_mapped_and_closed_is_freed_without_a_leak(sim, peers):

@@ -62,12 +62,14 @@ class MappedReader:
                                         "maps it; the sender and receiver are out of step")
                 mapping = self._segments.open(segment.export, segment.size)
                 if mapping.numel() < segment.size or mapping.dtype != torch.uint8:
-                    raise ProtocolError(f"device segment {segment.id} maps {mapping.numel()} {mapping.dtype} elements, "
-                                        f"not the {segment.size} bytes announced")
+                    found = f"{mapping.numel()} {mapping.dtype} elements"
+                    del mapping  # unmapped here and now, which takes its counter down: the release below skips it
+                    raise ProtocolError(f"device segment {segment.id} maps {found}, not the {segment.size} bytes "
+                                        "announced")
                 self._mapped[segment.id] = mapping
             except BaseException:
-                # this export and every later one are never mapped here (one unmapped as it failed its check is
-                # released twice: torch takes a counter below zero as released)
+                # this export and every later one are never mapped here; releases skip a counter already taken
+                # down (hwsync.ipc_counters: torch holds a block whose counter went below 0 until exit)
                 self._release(exports[position:])
                 raise
 

@@ -20,8 +20,9 @@ How it works, and the rules it keeps:
 - torch counts one consumer per export (hwsync.exports): each receiver process gets exports of
   its own, made when it is first offered the buffers; a receiver in the sender's process gets
   none; the exports of a receiver that failed before accepting, or died, are released by the
-  sender (torch's _release_ipc_counter), so no block waits in torch's IPC limbo for a consumer
-  that will never come. close() and the next open collect (`torch.cuda.ipc_collect()`) what
+  sender (torch's _release_ipc_counter, only while the counter shows the receiver did not
+  unmap them: hwsync.ipc_counters), so no block waits in torch's IPC limbo for a consumer
+  that will never come, nor for a counter released twice. close() and the next open collect (`torch.cuda.ipc_collect()`) what
   receivers have let go.
 """
 
@@ -38,6 +39,7 @@ import torch
 from hwsync.errors import HwsyncError
 from hwsync.exports import ReceiverExports
 from hwsync.interfaces import DeviceSegments, Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
+from hwsync.ipc_counters import release_if_held
 from hwsync_cuda.device import CudaDevice, device_uuid, expandable_segments_reason
 from hwsync_cuda.segments import CudaDeviceSegments
 
@@ -217,9 +219,12 @@ class CudaIpcSendBuffers(SendBuffers):
 
 
 def _release_export(fields: dict[str, Any]) -> None:
-    # what torch's rebuild_cuda_tensor does for an export it does not map (storage_cls._release_ipc_counter)
-    torch.UntypedStorage._release_ipc_counter_cuda(_as_bytes(fields["ref_counter_handle"], "the ref-counter handle"),
-                                                   int(fields["ref_counter_offset"]))
+    # what torch's rebuild_cuda_tensor does for an export it does not map (storage_cls._release_ipc_counter), only
+    # while the receiver has not unmapped it: released twice, torch holds the buffer until exit (hwsync.ipc_counters)
+    handle = _as_bytes(fields["ref_counter_handle"], "the ref-counter handle")
+    offset = int(fields["ref_counter_offset"])
+    if handle is not None:
+        release_if_held(handle, offset, lambda: torch.UntypedStorage._release_ipc_counter_cuda(handle, offset))
 
 
 class CudaIpcReceiveBuffers(ReceiveBuffers):

@@ -32,6 +32,7 @@ import torch
 from hwsync.colocated.allocator_segments import AllocatorSegments
 from hwsync.errors import HwsyncError
 from hwsync.interfaces import Record, SegmentPlace
+from hwsync.ipc_counters import release_if_held
 
 KIND = "cuda_segment"
 _BYTES_FIELDS = ("handle", "ref_counter_handle")
@@ -77,9 +78,10 @@ class CudaDeviceSegments(AllocatorSegments):
                 "event_sync_required": bool(event_sync)}
 
     def release_export(self, record: Record) -> None:
-        """torch's _release_ipc_counter_cuda for an export its receiver will never unmap."""
+        """torch's _release_ipc_counter_cuda for an export its receiver will never unmap, unless it already did."""
         record = _checked(record)
-        torch.UntypedStorage._release_ipc_counter_cuda(record["ref_counter_handle"], record["ref_counter_offset"])
+        handle, offset = record["ref_counter_handle"], record["ref_counter_offset"]
+        release_if_held(handle, offset, lambda: torch.UntypedStorage._release_ipc_counter_cuda(handle, offset))
 
     def open(self, record: Record, size: int) -> torch.Tensor:
         """One storage over the whole segment on this thread's current GPU (peer access when it is not the sender's)."""

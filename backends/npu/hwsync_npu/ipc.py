@@ -24,6 +24,7 @@ import torch
 
 from hwsync.exports import ReceiverExports
 from hwsync.interfaces import DeviceSegments, Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
+from hwsync.ipc_counters import release_if_held
 from hwsync_npu.api import import_torch_npu, torch_npu_installed
 from hwsync_npu.device import current_visible_value, physical_index
 from hwsync_npu.segments import NpuDeviceSegments
@@ -150,9 +151,11 @@ def _wait_stream(torch_npu: Any) -> None:
 
 
 def _release_export(record: dict[str, Any]) -> None:
-    # what torch_npu's rebuild_npu_tensor does for an export it does not map
-    torch.UntypedStorage._release_ipc_counter_npu(  # type: ignore[attr-defined]
-        record["ref_counter_handle"], record["ref_counter_offset"])
+    # what torch_npu's rebuild_npu_tensor does for an export it does not map, only while the receiver has not unmapped
+    # it (torch_npu's counters are torch's: hwsync.ipc_counters)
+    handle, offset = record["ref_counter_handle"], record["ref_counter_offset"]
+    release_if_held(handle, offset, lambda: torch.UntypedStorage._release_ipc_counter_npu(  # type: ignore[attr-defined]
+        handle, offset))
 
 
 class NpuIpcReceiveBuffers(ReceiveBuffers):

@@ -28,6 +28,7 @@ import torch
 from hwsync.colocated.allocator_segments import AllocatorSegments
 from hwsync.errors import HwsyncError
 from hwsync.interfaces import Record, SegmentPlace
+from hwsync.ipc_counters import release_if_held
 from hwsync_npu.api import import_torch_npu
 
 KIND = "npu_segment"
@@ -74,10 +75,11 @@ class NpuDeviceSegments(AllocatorSegments):
                 "event_sync_required": bool(event_sync)}
 
     def release_export(self, record: Record) -> None:
-        """torch_npu's _release_ipc_counter_npu for an export its receiver will never unmap."""
+        """torch_npu's _release_ipc_counter_npu for an export its receiver will never unmap, unless it already did."""
         record = _checked(record)
-        torch.UntypedStorage._release_ipc_counter_npu(  # type: ignore[attr-defined]  # torch_npu's
-            record["ref_counter_handle"], record["ref_counter_offset"])
+        handle, offset = record["ref_counter_handle"], record["ref_counter_offset"]
+        release_if_held(handle, offset, lambda: torch.UntypedStorage._release_ipc_counter_npu(  # type: ignore[attr-defined]
+            handle, offset))
 
     def open(self, record: Record, size: int) -> torch.Tensor:
         """One storage over the whole segment on this thread's current NPU (peer access when not the sender's)."""

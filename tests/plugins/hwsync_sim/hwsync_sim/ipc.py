@@ -60,7 +60,7 @@ class SimIpcSendBuffers(SendBuffers):
         where = torch.device(TYPE, self.device_index)
         sharing.collect(runtime(), report=False)  # as torch.cuda.ipc_collect() before allocating
         self.buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=where) for _ in range(num_buffers)]
-        self._exports = ReceiverExports(lambda: [sharing.share(b) for b in self.buffers], sharing.release_export)
+        self._exports = ReceiverExports(lambda: [sharing.share(b) for b in self.buffers], sharing.release_if_held)
         self._published: set[int] = set()
         _LOCAL_SENDERS[self.token] = self
 

@@ -93,8 +93,8 @@ class SimDeviceSegments(DeviceSegments):
         return {"kind": KIND, **sharing.share(flat)}
 
     def release_export(self, record: Record) -> None:
-        """Release an export that will never be unmapped (torch's _release_ipc_counter)."""
-        sharing.release_export(_checked(record))
+        """Release an export that will never be unmapped (torch's _release_ipc_counter), unless it already was."""
+        sharing.release_if_held(_checked(record))
 
     def open(self, record: Record, size: int) -> torch.Tensor:
         """Map the export on this thread's current sim device: flat uint8, `size` bytes."""

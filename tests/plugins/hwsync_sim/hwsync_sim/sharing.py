@@ -8,15 +8,18 @@ torch/multiprocessing/reductions.py), and the sim with it:
   releases that export's counter at once;
 - when a consumer's mapping is freed it waits for its stream and decrements the counter of the
   export it mapped. A killed consumer never does;
-- when the exporter frees the block: if any of its counters is still above 0 the block goes to
-  limbo, else it is freed at once. Two consumers of one export take its counter to -1, so the
-  memory is freed while one still maps it: the sim poisons freed memory, so that one reads
-  garbage, as it would read another tensor's bytes on a GPU;
+- when the exporter frees the block: if any of its counters is not 0 the block goes to limbo,
+  else it is freed at once. torch reads a counter as unsigned (uint64_t), so one taken below 0
+  (released twice: two consumers of one export, or a consumer's unmap and the exporter's
+  release) holds its block until the process exits, and makes torch print "Producer process has
+  been terminated before all shared CUDA tensors released" then, as the H200 showed
+  (docs/cuda.md). The sim poisons freed memory, so a consumer reading a block that was really
+  freed reads garbage, as it would read another tensor's bytes on a GPU;
 - collect (torch.cuda.ipc_collect, also run after every free) frees limbo blocks whose counters
-  reached 0. torch keeps the rest silently until the process exits. The sim reports a block as
+  are all 0. torch keeps the rest silently until the process exits. The sim reports a block as
   a leak, saying why, as soon as nothing can free it any more: when its owner collects (a
-  transport's close) and one of its exports was never mapped or was mapped by a process that
-  exited without closing it. A block still mapped by a live process is freed by a later collect
+  transport's close) and one of its exports was mapped by a process that exited without
+  closing it, or was released twice. A block still mapped by a live process is freed by a later collect
   once that process closes it; if it is still parked at the owner's exit (or when a test asks,
   `report_parked`), it is reported then.
 The sim always synchronises the stream at export (torch does once it runs out of IPC events),
@@ -37,8 +40,18 @@ from typing import Any
 import torch
 
 from hwsync.shm import SharedSegment
-from hwsync_sim.runtime import FILE_PREFIX, POISON, SHM_DIR, TYPE, Block, Memory, Runtime, SimError, process_alive, \
-    runtime
+from hwsync_sim.runtime import (
+    FILE_PREFIX,
+    POISON,
+    SHM_DIR,
+    TYPE,
+    Block,
+    Memory,
+    Runtime,
+    SimError,
+    process_alive,
+    runtime,
+)
 from hwsync_sim.tensor import SimTensor
 
 SLOTS = 4096
@@ -176,11 +189,22 @@ def open_shared(record: dict[str, Any], index: int | None = None) -> SimTensor:
 
 
 def release_export(record: dict[str, Any]) -> None:
-    """Release an export that will never be mapped (torch's _release_ipc_counter_cuda)."""
+    """Release an export that will never be mapped (torch's _release_ipc_counter_cuda): down by one, whatever it is."""
     try:
         update(str(record["refs"]), int(record["slot"]), delta=-1)
     except OSError:
         pass  # the exporter is gone; torch ignores this too
+
+
+def release_if_held(record: dict[str, Any]) -> None:
+    """What the sim's transports release with, as hwsync.ipc_counters does over torch's files: release_export only
+    while the export's counter is above 0 (its consumer has not unmapped it)."""
+    try:
+        counter, _ = update(str(record["refs"]), int(record["slot"]))
+    except OSError:
+        return  # the exporter is gone, and its counters with it
+    if counter > 0:
+        release_export(record)
 
 
 def freed(rt: Runtime, mem: Memory) -> None:
@@ -200,7 +224,7 @@ def freed(rt: Runtime, mem: Memory) -> None:
     if _exiting:
         return  # at_exit already let this process's exports go
     with _lock:
-        if any(_counter(slot) > 0 for slot in mem.sent):
+        if any(_counter(slot) != 0 for slot in mem.sent):  # torch: an unsigned counter above 0
             _limbo.append(mem)
         else:
             _release(rt, mem)
@@ -236,7 +260,7 @@ def collect(rt: Runtime, report: bool = True, parked: bool = False) -> list[str]
     with _lock:
         for mem in list(_limbo):
             states = [update(_counters.name, slot) for slot in mem.sent]  # type: ignore[union-attr]
-            if all(counter <= 0 for counter, _ in states):
+            if all(counter == 0 for counter, _ in states):
                 _limbo.remove(mem)
                 _reported.discard(id(mem))
                 _release(rt, mem)
@@ -254,16 +278,21 @@ def report_parked(rt: Runtime) -> list[str]:
 
 
 def _stuck(states: list[tuple[int, int]]) -> bool:
-    # an export above 0 that no live process maps: nobody will ever decrement it
-    return any(counter > 0 and (pid == 0 or not process_alive(pid)) for counter, pid in states)
+    # one below 0 never comes back; one a process mapped and exited without closing was the exporter's to release.
+    # One never mapped is not stuck yet: hwsync releases a failed receiver's exports once its attempt is surely over
+    # (hwsync.exports' orphans), so it is reported if still parked at the exporter's exit, or when a test asks
+    return any(counter < 0 or (counter > 0 and pid != 0 and not process_alive(pid)) for counter, pid in states)
 
 
 def _leak_text(rt: Runtime, mem: Memory, states: list[tuple[int, int]]) -> str:
     why = []
     for (counter, pid), slot in zip(states, mem.sent):
-        if counter <= 0:
+        if counter == 0:
             continue
-        if pid == 0:
+        if counter < 0:
+            why.append(f"export {slot} was released {1 - counter} times (its counter is {counter}, which torch reads "
+                       "as unsigned: held until exit)")
+        elif pid == 0:
             why.append(f"export {slot} was never mapped")
         elif not process_alive(pid):
             why.append(f"export {slot} was mapped by process {pid}, which exited without closing it")
