@@ -2,14 +2,16 @@
 
 torch prints "Producer process has been terminated before all shared CUDA tensors released" when,
 at the exporting process's exit, its current ref-counter file still has an offset in use: an
-exported storage that is still alive, or one freed while a consumer's counter was above zero
-(parked in torch's IPC limbo). Each scenario below runs in a process of its own: plain torch
-exports as controls, then hwsync's packed and mapped paths. Each reports, after every step, the
-counters above and below zero in its ref-counter files (/dev/shm/torch_<pid>_*, after the
-allocator's 64-byte header), the CUDA tensors and storages
-alive, and the driver records whether its exit printed the warning (hwsync's receiver process writes
-its stderr apart, so a warning of its own is told from the sender's). The file stays while torch
-counts an export in use; it is removed once none is.
+exported storage that is still alive, or one freed while its counter was not 0 (parked in torch's
+IPC limbo; torch reads the counter as unsigned, so one taken below 0 parks it for good). Each
+scenario below runs in a process of its own: plain torch exports as controls, then hwsync's packed
+and mapped paths, with a receiver that closes and exits or one that is killed while mapping. Each
+reports, after every step, the counters above and below zero in its ref-counter files
+(/dev/shm/torch_<pid>_*, after the allocator's 64-byte header), the CUDA tensors and storages
+alive and the bytes still allocated, and the driver records whether its exit printed the warning
+(hwsync's receiver process writes its stderr apart, so a warning of its own is told from the
+sender's). The H200 run of 2026-11-28 found the cause this was written for: the sender released
+the exports of receivers that had already unmapped them and exited (docs/cuda.md).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import gc
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -98,7 +101,8 @@ def _read_all(pairs: list[tuple[str, torch.Tensor]]) -> None:
         float(t.float().sum())
 
 
-def _hwsync_receiver(endpoint: str, syncs: int, into: bool, done: "tmp.Queue[object]", stderr: str) -> None:
+def _hwsync_receiver(endpoint: str, syncs: int, into: bool, done: "tmp.Queue[object]", stderr: str,
+                     killed: bool) -> None:
     # the receiver's own stderr, to the exit: tells its warning from the sender's (one stream otherwise)
     with open(stderr, "w") as f:
         os.dup2(f.fileno(), 2)
@@ -115,32 +119,23 @@ def _hwsync_receiver(endpoint: str, syncs: int, into: bool, done: "tmp.Queue[obj
                 receiver.receive(into=into_fn)
             else:
                 receiver.receive(_read_all)
+        if killed:  # gone with everything mapped, as a killed engine: the sender must release its exports
+            done.put({"receiver": "killed while mapping"})
+            os.kill(os.getpid(), signal.SIGKILL)
     gc.collect()
     done.put({"receiver_cuda_tensors_after_close": len(_live_cuda(gc.get_objects()))})
 
 
-def _no_release_of_exited_receivers() -> None:
-    # the suspect: a receiver that unmapped and exited is then released again by the sender (peer gone), taking
-    # its counter to -1, which torch reads as held forever; without that release the warning should go
-    import hwsync.exports as exports
-
-    exports.ReceiverExports.release_dead = lambda self: None  # type: ignore[method-assign]
-    exports.SegmentExports.release_dead = lambda self: None  # type: ignore[method-assign]
-
-
-def hwsync_sync(mapped: bool, keep_model: bool, drop_sender: bool, syncs: int = 2, keep_dead: bool = False) -> None:
+def hwsync_sync(mapped: bool, keep_model: bool, drop_sender: bool, syncs: int = 2, killed: bool = False) -> None:
     """hwsync's sender here, a WeightReceiver in a spawned process: packed buffers, or the model's own segments."""
     from hwsync.colocated.sender import WeightSender
-
-    if keep_dead:
-        _no_release_of_exited_receivers()
 
     ctx = tmp.get_context("spawn")
     done = ctx.Queue()
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda().to(torch.bfloat16)
     sender = WeightSender(bucket_bytes=8 << 20, timeout_s=60)
     receiver_log = f"/tmp/hwsync-ipc-exit-{os.getpid()}-receiver.log"
-    child = ctx.Process(target=_hwsync_receiver, args=(sender.endpoint, syncs, mapped, done, receiver_log))
+    child = ctx.Process(target=_hwsync_receiver, args=(sender.endpoint, syncs, mapped, done, receiver_log, killed))
     child.start()
     for version in range(1, syncs + 1):
         if mapped:
@@ -170,12 +165,10 @@ SCENARIOS = {
     "torch: consumer released, tensor alive at exit": lambda: torch_export(True, True),
     "torch: exported, never mapped": lambda: torch_export(False, False),
     "hwsync packed (as roundtrip)": lambda: hwsync_sync(False, False, False),
-    "hwsync packed, sender dropped": lambda: hwsync_sync(False, False, True),
-    "hwsync packed, one sync": lambda: hwsync_sync(False, False, True, syncs=1),
+    "hwsync packed, receiver killed": lambda: hwsync_sync(False, False, True, killed=True),
     "hwsync mapped, model freed": lambda: hwsync_sync(True, False, True),
     "hwsync mapped, model alive at exit": lambda: hwsync_sync(True, True, True),
-    "hwsync packed, exited receiver not released": lambda: hwsync_sync(False, False, True, keep_dead=True),
-    "hwsync mapped, exited receiver not released": lambda: hwsync_sync(True, False, True, keep_dead=True),
+    "hwsync mapped, receiver killed": lambda: hwsync_sync(True, False, True, killed=True),
 }
 
 
