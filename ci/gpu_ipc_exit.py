@@ -121,6 +121,8 @@ def _hwsync_receiver(endpoint: str, syncs: int, into: bool, done: "tmp.Queue[obj
                 receiver.receive(_read_all)
         if killed:  # gone with everything mapped, as a killed engine: the sender must release its exports
             done.put({"receiver": "killed while mapping"})
+            done.close()
+            done.join_thread()  # the queue's feeder thread has written it before the kill
             os.kill(os.getpid(), signal.SIGKILL)
     gc.collect()
     done.put({"receiver_cuda_tensors_after_close": len(_live_cuda(gc.get_objects()))})
@@ -175,13 +177,14 @@ SCENARIOS = {
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", choices=list(SCENARIOS))
+    parser.add_argument("--only", default="", help="run the scenarios whose name contains this")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.scenario:
         SCENARIOS[args.scenario]()
         return 0
     rows: list[dict[str, Any]] = []
-    for name in SCENARIOS:
+    for name in [n for n in SCENARIOS if args.only in n]:
         run = subprocess.run([sys.executable, __file__, "--scenario", name], capture_output=True, text=True,
                              timeout=180)
         steps = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
