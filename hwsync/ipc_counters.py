@@ -1,6 +1,6 @@
 """torch's IPC ref counters, read: release an export only while its consumer has not.
 
-torch gives every export of a device block (CUDA IPC; torch_npu's is built the same way) a
+torch gives every export of a device block (CUDA IPC; the NPU runtime's is built the same way) a
 counter in the exporting process's ref-counter file: a shared-memory file, /dev/shm/<handle>,
 made by torch's RefcountedMapAllocator, whose first 64 bytes are the allocator's own header,
 then one int64 per export. An export starts at 1; its consumer takes it to 0 when it unmaps; a
