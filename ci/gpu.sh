@@ -5,7 +5,8 @@
 # stevedore come as wheels in .whl/ where the machine has no package registry; see docs/cuda.md):
 #   bash ci/gpu.sh [LOG_DIR] [STEPS]
 # STEPS (default all): any of install,roundtrip,ipc-exit,bench,bench-load,bench-shm,tests,suite, comma-separated.
-# The benchmarks run before the tests, on a quiet GPU; PYTEST_WORKERS=N runs the tests on N pytest-xdist workers.
+# The benchmarks run before the tests, on a quiet GPU; PYTEST_WORKERS=N runs the tests on N pytest-xdist workers
+# (bring pytest-xdist and execnet as wheels in .whl/ too).
 # With verl installed (its wheel in .whl/, installed without its dependencies), `bench` also runs verl's own
 # colocated sender on the same state dict (hwsync bench transfer --peer verl).
 # Every step runs under its own time limit and the script goes on after a failure, so one run shows
