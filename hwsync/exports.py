@@ -18,8 +18,9 @@ there): every export must be taken down exactly once. So:
   (hwsync.ipc_counters; the backends' release functions do that);
 - a live receiver's failed attempt may still be unmapping when the sender learns of the
   failure, so its exports wait as orphans: released once that process is gone, or has come
-  back to a later sync (its failure handling, which unmaps everything, is over), or when the
-  sender closes.
+  back to a later sync (its failure handling, which unmaps everything, is over). One whose
+  process lives on and never comes back keeps its block parked until this process exits, as
+  a consumer that never unmaps would.
 A transport's SendBuffers keeps one ReceiverExports and says how to export one buffer and how to
 release one export.
 

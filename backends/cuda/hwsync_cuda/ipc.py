@@ -22,8 +22,8 @@ How it works, and the rules it keeps:
   none; the exports of a receiver that failed before accepting, or died, are released by the
   sender (torch's _release_ipc_counter, only while the counter shows the receiver did not
   unmap them: hwsync.ipc_counters), so no block waits in torch's IPC limbo for a consumer
-  that will never come, nor for a counter released twice. close() and the next open collect (`torch.cuda.ipc_collect()`) what
-  receivers have let go.
+  that will never come, nor for a counter released twice. close() and the next open collect
+  (`torch.cuda.ipc_collect()`) what receivers have let go.
 """
 
 from __future__ import annotations
