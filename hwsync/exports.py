@@ -89,6 +89,12 @@ class _Orphans:
 ORPHANS = _Orphans()
 
 
+def _pop_dead(by_receiver: dict[str, Any]) -> list[Any]:
+    """Take out the receivers whose process is gone."""
+    dead = [key for key, exports in by_receiver.items() if not peer_alive(exports.pid, exports.host)]
+    return [by_receiver.pop(key) for key in dead]
+
+
 @dataclass
 class _Exports:
     pid: int | None
@@ -122,11 +128,9 @@ class ReceiverExports:
 
     def release_dead(self) -> None:
         """Release the exports of receivers whose process is gone (what they mapped went with them)."""
-        for receiver, exports in list(self._by_receiver.items()):
-            if not peer_alive(exports.pid, exports.host):
-                del self._by_receiver[receiver]
-                for record in exports.records:
-                    self._release_one(record)
+        for exports in _pop_dead(self._by_receiver):
+            for record in exports.records:
+                self._release_one(record)
         ORPHANS.settle_dead()
 
     def forget(self) -> None:
@@ -185,11 +189,9 @@ class SegmentExports:
 
     def release_dead(self) -> None:
         """Release the exports of receivers whose process is gone (what they mapped went with them)."""
-        for receiver, exports in list(self._by_receiver.items()):
-            if not peer_alive(exports.pid, exports.host):
-                del self._by_receiver[receiver]
-                for record in exports.records.values():
-                    self._release_one(record)
+        for exports in _pop_dead(self._by_receiver):
+            for record in exports.records.values():
+                self._release_one(record)
         ORPHANS.settle_dead()
 
     def drop(self, segment: int) -> None:

@@ -39,10 +39,10 @@ def counter(handle: bytes | str, offset: int) -> int | None:
     return int.from_bytes(raw, "little", signed=True) if len(raw) == 8 else None
 
 
-def release_if_held(handle: bytes | str, offset: int, release: Callable[[], object]) -> bool:
-    """Run `release` (torch's decrement of this counter) only while the counter is above 0; whether it ran."""
+def release_if_held(handle: bytes, offset: int, release: Callable[[bytes, int], object]) -> bool:
+    """Call torch's `release(handle, offset)` only while the counter is above 0; whether it ran."""
     value = counter(handle, offset)
     if value is None or value <= 0:
         return False
-    release()
+    release(handle, offset)
     return True

@@ -55,18 +55,18 @@ def test_a_release_runs_only_while_the_counter_is_above_zero(slots):
     values, handle = slots
     values[0], values[1], values[2] = 1, 0, -1
 
-    def release(i: int) -> None:
+    def release(_handle: bytes, i: int) -> None:
         values[i] -= 1  # what torch's _release_ipc_counter_cuda does to the slot
 
-    assert [release_if_held(handle, i, lambda i=i: release(i)) for i in (0, 1, 2)] == [True, False, False]
+    assert [release_if_held(handle, i, release) for i in (0, 1, 2)] == [True, False, False]
     assert values[:3].tolist() == [0, 0, -1]
-    assert not release_if_held(handle, 0, lambda: release(0))  # a second release is skipped too
+    assert not release_if_held(handle, 0, release)  # a second release is skipped too
 
 
 def test_a_gone_file_reads_as_nothing_to_release_and_a_path_is_refused():
     ran: list[int] = []
     assert counter("/torch_0_0_0_gone", 0) is None
-    assert not release_if_held(b"/torch_0_0_0_gone", 0, lambda: ran.append(1))
+    assert not release_if_held(b"/torch_0_0_0_gone", 0, lambda _h, _o: ran.append(1))
     assert ran == []
     for name in ("../etc/passwd", "/dev/shm/../x", "a/b", ""):
         with pytest.raises(ValueError, match="not a torch ref-counter slot"):

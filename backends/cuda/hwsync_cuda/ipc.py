@@ -222,9 +222,8 @@ def _release_export(fields: dict[str, Any]) -> None:
     # what torch's rebuild_cuda_tensor does for an export it does not map (storage_cls._release_ipc_counter), only
     # while the receiver has not unmapped it: released twice, torch holds the buffer until exit (hwsync.ipc_counters)
     handle = _as_bytes(fields["ref_counter_handle"], "the ref-counter handle")
-    offset = int(fields["ref_counter_offset"])
     if handle is not None:
-        release_if_held(handle, offset, lambda: torch.UntypedStorage._release_ipc_counter_cuda(handle, offset))
+        release_if_held(handle, int(fields["ref_counter_offset"]), torch.UntypedStorage._release_ipc_counter_cuda)
 
 
 class CudaIpcReceiveBuffers(ReceiveBuffers):

@@ -80,8 +80,8 @@ class CudaDeviceSegments(AllocatorSegments):
     def release_export(self, record: Record) -> None:
         """torch's _release_ipc_counter_cuda for an export its receiver will never unmap, unless it already did."""
         record = _checked(record)
-        handle, offset = record["ref_counter_handle"], record["ref_counter_offset"]
-        release_if_held(handle, offset, lambda: torch.UntypedStorage._release_ipc_counter_cuda(handle, offset))
+        release_if_held(record["ref_counter_handle"], record["ref_counter_offset"],
+                        torch.UntypedStorage._release_ipc_counter_cuda)
 
     def open(self, record: Record, size: int) -> torch.Tensor:
         """One storage over the whole segment on this thread's current GPU (peer access when it is not the sender's)."""

@@ -153,9 +153,8 @@ def _wait_stream(torch_npu: Any) -> None:
 def _release_export(record: dict[str, Any]) -> None:
     # what torch_npu's rebuild_npu_tensor does for an export it does not map, only while the receiver has not unmapped
     # it (torch_npu's counters are torch's: hwsync.ipc_counters)
-    handle, offset = record["ref_counter_handle"], record["ref_counter_offset"]
-    release_if_held(handle, offset, lambda: torch.UntypedStorage._release_ipc_counter_npu(  # type: ignore[attr-defined]
-        handle, offset))
+    release_if_held(record["ref_counter_handle"], record["ref_counter_offset"],
+                    torch.UntypedStorage._release_ipc_counter_npu)  # type: ignore[attr-defined]  # torch_npu's
 
 
 class NpuIpcReceiveBuffers(ReceiveBuffers):

@@ -77,9 +77,8 @@ class NpuDeviceSegments(AllocatorSegments):
     def release_export(self, record: Record) -> None:
         """torch_npu's _release_ipc_counter_npu for an export its receiver will never unmap, unless it already did."""
         record = _checked(record)
-        handle, offset = record["ref_counter_handle"], record["ref_counter_offset"]
-        release_if_held(handle, offset, lambda: torch.UntypedStorage._release_ipc_counter_npu(  # type: ignore[attr-defined]
-            handle, offset))
+        release_if_held(record["ref_counter_handle"], record["ref_counter_offset"],
+                        torch.UntypedStorage._release_ipc_counter_npu)  # type: ignore[attr-defined]  # torch_npu's
 
     def open(self, record: Record, size: int) -> torch.Tensor:
         """One storage over the whole segment on this thread's current NPU (peer access when not the sender's)."""
