@@ -82,10 +82,13 @@ def dense(tensor: torch.Tensor, dtype: torch.dtype) -> Delta:
 class SenderDeltas:
     """The baseline of one sender (or sender rank: each keeps the tensors it sends) and its syncs' deltas."""
 
-    def __init__(self, device: Device, *, on_device: bool = False) -> None:
+    def __init__(self, device: Device, *, on_device: bool = False, stable_sources: bool = True) -> None:
         self._device = device
         #: keep the baseline on the trainer's device (fast diffs, device memory) rather than in host memory
         self.on_device = on_device
+        #: False: a source may reuse or change a tensor's memory once it yielded the next, so each tensor is copied
+        #: as it is taken, before any encode reads it
+        self.stable_sources = stable_sources
         self._prefix = secrets.token_hex(6)
         self._count = 0
         self.base_id: str | None = None
