@@ -79,7 +79,7 @@ class Link:
         self.sync += 1  # the next sync's id is higher than any before: older frames are stale from here on
         self._send(RankReady(token=self.endpoint.token, proto=PROTOCOL_VERSION, backend=self.backend, role=role,
                              rank=rank, epoch=epoch, pid=os.getpid(), host=socket.gethostname(), address=address,
-                             state=state or {}))
+                             state=state or {}, attempt=self.sync))
 
     def next(self, kinds: tuple[type[Frame], ...], what: str, worker: CollectiveWorker | None = None) -> Any:
         """The next frame of `kinds` from the hub (others are dropped); raises on abort or silence.

@@ -51,6 +51,7 @@ from hwsync.protocol.disaggregated import (
     Commit,
     Go,
     Joined,
+    Listening,
     Ping,
     PlanAccept,
     PlanFrame,
@@ -60,18 +61,20 @@ from hwsync.protocol.disaggregated import (
     RankReady,
     Sent,
     Setup,
+    Start,
+    Waiting,
 )
 from hwsync.protocol.fields import BadFrame, Count, Frame, Map, short, value_to_wire
 from hwsync.protocol.layout import BucketSpec, Entry, Ref, SegmentSpec
 
 #: bump when frames change incompatibly; a receiver refuses any other version
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 __all__ = ["PROTOCOL_VERSION", "TO_HUB", "TO_RANK", "TO_RECEIVER", "TO_SENDER", "Abort", "Accept", "Alive", "BadFrame",
            "Bucket", "BucketSpec", "Commit", "Complete", "Count", "Done", "Entry", "Error", "Frame", "Go", "Gone",
-           "Joined", "Map", "Offer", "Ping", "PlanAccept", "PlanFrame", "Pong", "Progress", "RankComplete", "RankReady",
-           "Ready", "Ref", "Refs", "Refused", "Release", "SegmentSpec", "Sent", "Setup", "Welcome", "decode", "encode",
-           "frame_set", "peek", "refused_reason"]
+           "Joined", "Listening", "Map", "Offer", "Ping", "PlanAccept", "PlanFrame", "Pong", "Progress", "RankComplete",
+           "RankReady", "Ready", "Ref", "Refs", "Refused", "Release", "SegmentSpec", "Sent", "Setup", "Start", "Waiting",
+           "Welcome", "decode", "encode", "frame_set", "peek", "refused_reason"]
 
 
 def frame_set(*classes: type[Frame]) -> dict[str, type[Frame]]:
@@ -84,8 +87,8 @@ def frame_set(*classes: type[Frame]) -> dict[str, type[Frame]]:
 
 TO_SENDER = frame_set(Ready, Gone, Accept, Release, Complete, Error)
 TO_RECEIVER = frame_set(Welcome, Refused, Offer, Bucket, Refs, Done, Abort)
-TO_HUB = frame_set(RankReady, Joined, PlanAccept, Progress, Sent, RankComplete, Pong, Error)
-TO_RANK = frame_set(Welcome, Refused, Setup, PlanFrame, Go, Commit, Ping, Alive, Abort)
+TO_HUB = frame_set(RankReady, Listening, Joined, PlanAccept, Progress, Sent, RankComplete, Pong, Error)
+TO_RANK = frame_set(Welcome, Refused, Start, Waiting, Setup, PlanFrame, Go, Commit, Ping, Alive, Abort)
 
 
 def encode(frame: Frame) -> bytes:

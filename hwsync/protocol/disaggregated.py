@@ -1,9 +1,14 @@
 """Frames of the cross-node path (hwsync.disaggregated): every rank talks to sender 0's hub.
 
     rank (sender s > 0, or receiver r)      hub (sender 0)
-    RankReady {token, role, rank, epoch} ->
+    RankReady {token, role, rank, epoch,
+               attempt}                  ->
                                          <-  Welcome {pid, host}  (at once; or Refused {reason}: not served)
-                                         <-  Setup {epoch, addresses}     (only when groups are (re)built)
+                                         <-  Waiting {attempt, missing}  (while it gathers the other ranks)
+                                         <-  Start {attempt, sync}  (this ready is in sync `sync`)
+                                         <-  Setup {epoch, addresses}     (only when groups are (re)built:
+    Listening (sender ranks)             ->   to the sender ranks first, to the receivers once every
+                                              sender's store listens)
     Joined                               ->
                                          <-  PlanFrame {manifest, buckets, owners}
     PlanAccept (receivers)               ->
@@ -13,6 +18,13 @@
                                          <-  Commit {version}
     Ping {n} <-> Pong {n}, Alive: who is still there. Welcome, Refused, Error and Abort are the
     same-host path's frames.
+
+Sync ids are the hub's alone. A rank numbers its readies (`attempt`, one count per connection) and
+waits for the Start that answers its latest one; from then on it takes only frames of that Start's
+sync. A Start that answers an earlier ready (one the rank gave up on) is dropped, and the rank's
+newer ready reaches the hub behind it, which then starts the rank again in the sync it is in, or
+ends that sync and keeps the ready for the next. So a timeout on either side, in any order, never
+leaves the two counting different syncs.
 """
 
 from __future__ import annotations
@@ -37,6 +49,32 @@ class RankReady(Frame):
     host: str
     address: str | None
     state: Map
+    #: this connection's count of readies (1, 2, ...): the hub's Start names the one it took
+    attempt: Count
+
+
+@frame("start")
+class Start(Frame):
+    """The hub took this rank's ready `attempt` into sync `sync`: the frames of that sync carry that id."""
+
+    attempt: Count
+    sync: Count
+
+
+@frame("waiting")
+class Waiting(Frame):
+    """The hub holds this rank's ready `attempt` and still waits for the ranks `missing` names (a keep-alive)."""
+
+    attempt: Count
+    missing: str
+
+
+@frame("listening")
+class Listening(Frame):
+    """This sender rank's group store listens: the hub may announce its address to the receivers."""
+
+    #: the hub's sync id (Hub.send and Link.send fill it in)
+    sync: Count = 0
 
 
 @frame("joined")
