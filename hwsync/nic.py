@@ -134,6 +134,24 @@ def nic_towards(peer: str) -> Nic | None:
     return nic_owning(local) if local is not None else None
 
 
+def listening(port: int) -> bool | None:
+    """Whether a TCP socket of this network namespace listens on `port` (on any address), from /proc/net/tcp and
+    tcp6; None where that cannot be read (off Linux)."""
+    readable = False
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        readable = True
+        for line in lines:
+            fields = line.split()  # sl, local address (HEX_IP:HEX_PORT), remote address, state (0A: LISTEN), ...
+            if len(fields) > 3 and fields[3] == "0A" and int(fields[1].rpartition(":")[2], 16) == port:
+                return True
+    return False if readable else None
+
+
 def describe_addresses() -> str:
     """'eth0 10.0.0.5, lo 127.0.0.1' — this host's addresses, for an error that asks the user to pick one."""
     addrs = local_addresses()

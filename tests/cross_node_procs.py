@@ -6,6 +6,10 @@ folder, which every host sees (the hosts share the machine's file system):
 - the rank writes `up-WHO` once imported, and `res-WHO-P-V.json` after sync V of phase P (its outcome);
 - it starts sync V of phase P only once `go-P-V` exists, so the test can cut a link or change a rate between syncs;
 - a receiver writes `loaded-WHO-P-V` after the first bucket of a sync it loaded: the moment for a fault mid-sync.
+
+A phase may also make the senders late (`late_s`: they wait that long after `go` before each first sync of the
+phase), let receivers call receive() again after a timeout (`retries`, after `retry_pause_s[rank]` seconds: a
+user's retry loop), and bind sender 0's hub to every address of its host (`hub_wildcard`: tcp://0.0.0.0).
 """
 
 from __future__ import annotations
@@ -87,12 +91,17 @@ def sender(folder: str, rank: int, phases: list[dict], wait_s: float = 120.0) ->
     lines = _setup(folder, who)
     outcomes = []
     for p, phase in enumerate(phases):
-        tx = CrossNodeSender(phase["endpoint"], rank=rank, num_senders=phase["senders"],
+        endpoint = phase["endpoint"]
+        if rank == 0 and phase.get("hub_wildcard"):  # bound to every address; the others connect to the real one
+            endpoint = "tcp://0.0.0.0:" + endpoint.partition("#")[0].rpartition(":")[2] + endpoint[endpoint.index("#"):]
+        tx = CrossNodeSender(endpoint, rank=rank, num_senders=phase["senders"],
                              num_receivers=phase["receivers"], bucket_bytes=phase["bucket_bytes"],
                              timeout_s=phase["timeout_s"], secret_key=phase.get("secret") if rank == 0 else None)
         try:
-            for v in phase["versions"]:
+            for i, v in enumerate(phase["versions"]):
                 _wait_file(os.path.join(folder, f"go-{p}-{v}"), wait_s)
+                if i == 0:
+                    time.sleep(phase.get("late_s", 0.0))
                 t0 = time.time()
                 try:
                     stats = tx.send(tensors(v, phase["mb"]), version=v)
@@ -130,17 +139,26 @@ def receiver(folder: str, rank: int, phases: list[dict], wait_s: float = 120.0) 
                         _write(marker, time.time())
 
                 t0 = time.time()
-                try:
-                    stats = rx.receive(load)
-                except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
-                    outcomes.append(_outcome(folder, who, p, v, t0, False, error=f"{type(exc).__name__}: {exc}"))
+                failed: list[str] = []  # the calls that timed out before the one that returned
+                stats = None
+                while stats is None:
+                    try:
+                        stats = rx.receive(load)
+                    except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+                        failed.append(f"{type(exc).__name__}: {exc}")
+                        if "Timeout" not in type(exc).__name__ or len(failed) > phase.get("retries", 0):
+                            break
+                        time.sleep(phase.get("retry_pause_s", [0.0] * (rank + 1))[rank])
+                if stats is None:
+                    outcomes.append(_outcome(folder, who, p, v, t0, False, error=failed[-1], failed=failed))
                     continue
                 want = dict(tensors(v, phase["mb"]))
                 exact = set(got) == set(want) and all(
                     got[n].dtype == t.dtype and got[n].shape == t.shape and torch.equal(got[n], t)
                     for n, t in want.items())
+                waits = getattr(rx._link, "hub_waits_for", None)  # whom the hub said it waited for, if it said
                 outcomes.append(_outcome(folder, who, p, v, t0, True, exact=exact, seconds=stats.total_s,
-                                         epoch=rx.group_epoch))
+                                         epoch=rx.group_epoch, failed=failed, hub_waits_for=waits))
         finally:
             rx.close()
     return {"outcomes": outcomes, "log": lines.lines}

@@ -198,3 +198,73 @@ def test_slow_link_progresses_within_a_sized_timeout_and_a_short_one_says_bytes_
         need = re.search(r"needs timeout_s above (\d+) s", err)
         assert need and int(need.group(1)) > 2 * 8 * MiB / 1.25e6 * 0.8, f"{who}: {err}"
     cluster.finish()
+
+
+# -- recovery: whichever side timed out or retried first, the next sync completes with every live rank -----------
+
+def _no_store_retries(cluster: Cluster) -> None:
+    """No receiver's group store client was refused and retried: each sender's store listened before its address
+    was announced (a retry looks the address's host name up, which takes seconds in a host without a resolver)."""
+    for who in ("r0", "r1"):
+        assert "failed to connect" not in cluster.procs[who].log(), cluster.procs[who].log()[-2000:]
+
+
+def test_receivers_that_timed_out_before_a_late_trainers_first_send_get_it_exact(bed3, tmp_path):
+    """The trainer's first send() comes 4 s after the engines started waiting with timeout_s=3: each receive() times
+    out and is called again (receiver 1 after a pause, so sender 0 takes its stale ready first and must start it
+    again). The trainer's first sync is exact on both engine hosts, and the next one on the same groups."""
+    bed = bed3
+    cluster = Cluster(bed, str(tmp_path), [{"versions": [1, 2], "timeout_s": 3.0, "bucket_bytes": MiB, "mb": 4,
+                                            "late_s": 4.0, "retries": 2, "retry_pause_s": [0.0, 1.5]}])
+    cluster.go(0, 1)
+    first = cluster.outcomes(0, 1, timeout=60)
+    _all_exact(first)
+    for who in ("r0", "r1"):
+        assert first[who]["failed"] and all("SyncTimeoutError" in e for e in first[who]["failed"]), first[who]
+    cluster.go(0, 2)
+    second = cluster.outcomes(0, 2)
+    _all_exact(second)
+    assert {o["epoch"] for o in second.values()} == {first["s0"]["epoch"]}, "the groups were rebuilt"
+    _no_store_retries(cluster)
+    cluster.finish()
+
+
+def test_a_host_cut_off_before_the_handshake_gets_the_next_sync_exact_once_reconnected(bed3, tmp_path):
+    """Engine host 2's cable is out when a sync starts: sender 0 names receiver 1 (never heard of) at its timeout,
+    the ranks that were ready hear whom it waits for, and host 2's receiver times out. Cable back, every rank calls
+    again: the next sync is exact everywhere."""
+    bed, timeout = bed3, 3.0
+    cluster = Cluster(bed, str(tmp_path), [{"versions": [1, 2], "timeout_s": timeout, "bucket_bytes": MiB,
+                                            "mb": 4}])
+    bed.link_down(2)
+    cluster.go(0, 1)
+    cut = cluster.outcomes(0, 1, timeout=6 * timeout)
+    assert not any(o["ok"] for o in cut.values()), cut
+    bed.link_up(2)
+    deadline = time.monotonic() + 30  # TCP retransmits what host 2 sent while cut off, with backoff
+    while bed.unacked_bytes(2) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    cluster.go(0, 2)
+    _all_exact(cluster.outcomes(0, 2))
+    _no_store_retries(cluster)
+    assert "SyncTimeoutError" in cut["s0"]["error"] and "receiver 1 (not heard of yet)" in cut["s0"]["error"], cut
+    for who in ("s1", "r0"):  # ready, kept alive while sender 0 gathered: they know whom it waited for
+        assert "waiting for receiver 1 (not heard of yet)" in cut[who]["error"], f"{who}: {cut[who]['error']}"
+    cluster.finish()
+
+
+def test_a_hub_bound_to_every_address_of_a_host_with_a_second_interface_announces_one_the_engines_reach(
+        bed3, tmp_path):
+    """The trainer host has a second interface holding the default route (a management NIC), and sender 0 binds its
+    hub to 0.0.0.0 with no group_host=: its group binds the address its route to the receivers leaves from, and the
+    syncs are exact."""
+    bed = bed3
+    bed.add_interface(0, "198.18.0.1/24")  # RFC 2544's benchmarking range: no bed subnet is in it
+    cluster = Cluster(bed, str(tmp_path), [{"versions": [1], "timeout_s": 8.0, "bucket_bytes": MiB, "mb": 2,
+                                            "hub_wildcard": True}])
+    cluster.go(0, 1)
+    _all_exact(cluster.outcomes(0, 1, timeout=40))
+    results = cluster.finish()
+    a0 = bed.address(0)
+    assert results["s0"]["group_host"] == a0
+    assert any(f"sender 0 built its group at tcp://{a0}:" in line for line in results["s0"]["log"]), results["s0"]

@@ -179,6 +179,27 @@ class Bed:
         _run(["ip", "-n", self.switch, "link", "set", self.port(host), "up"])
         self._up[host] = True
 
+    def unacked_bytes(self, host: int) -> int:
+        """Bytes host `host`'s TCP connections sent and have not had acknowledged (their Send-Q): 0 once a link that
+        came back has caught up. TCP retransmits with backoff, so after a long cut that can take seconds."""
+        out = _run(["ip", "netns", "exec", self.netns(host), "ss", "-tnH", "state", "established"])
+        return sum(int(line.split()[1]) for line in out.splitlines() if len(line.split()) >= 4)
+
+    def add_interface(self, host: int, cidr: str, *, default_route: bool = True) -> str:
+        """Give host `host` a second interface holding `cidr` (e.g. "198.18.0.1/24"), by default with the default
+        route: a node whose management NIC routes everywhere while its peers sit on the bed's network. It is one end
+        of a veth pair whose other end stays in the host too (this kernel may lack the dummy type): it reaches no
+        other host. Its name."""
+        name, ns = f"hwmgmt{host}", self.netns(host)
+        _run(["ip", "-n", ns, "link", "add", name, "type", "veth", "peer", "name", f"{name}p"])
+        _run(["ip", "-n", ns, "link", "set", f"{name}p", "addrgenmode", "none", "up"])
+        _run(["ip", "-n", ns, "link", "set", name, "addrgenmode", "none"])
+        _run(["ip", "-n", ns, "addr", "add", cidr, "dev", name])
+        _run(["ip", "-n", ns, "link", "set", name, "up"])
+        if default_route:
+            _run(["ip", "-n", ns, "route", "add", "default", "dev", name])
+        return name
+
     def is_up(self, host: int) -> bool:
         """Whether host `host`'s link is up (as this bed last set it)."""
         self._check(host)

@@ -27,10 +27,14 @@ from hwsync.disaggregated.worker import CollectiveWorker
 from hwsync.errors import ManifestError
 from hwsync.interfaces import Backend, Communicator
 from hwsync.manifest import TensorSpec
-from hwsync.nic import Nic, nic_owning
+from hwsync.nic import Nic, listening, nic_owning
 from hwsync.source import NamedTensors, checked_items
 from hwsync.stats import SyncStats
 from hwsync.timing import FAILED_JOIN_S, WORKER_JOIN_S
+
+#: how long a rank looks for its new group's store to listen before it also pumps its control plane meanwhile (the
+#: store listens within milliseconds of the build's start; a pump waits up to a control slice)
+STORE_SPIN_S = 0.5
 
 log = logging.getLogger("hwsync")
 
@@ -52,6 +56,7 @@ class SenderGroup:
         self.failed: str | None = None
         #: the interface the group binds (the one that holds its address), once known
         self.nic: Nic | None = None
+        self._address = ""  # where the group being built or held rendezvous
         self._buffers: list[torch.Tensor] = []
         #: the bucket each buffer's broadcast is sending, or None when the buffer is free
         self._inflight: list[int | None] = [None] * num_buffers
@@ -63,6 +68,22 @@ class SenderGroup:
         self.epoch, self.failed = epoch, None
         self.nic = nic_owning(parse_rendezvous(address)[0])
         self.worker.submit(("build", address), self._make_group, address, world, self.nic)
+        self._address = address
+
+    def wait_listening(self, what: str) -> None:
+        """Return once the group being built has its store listening, so its address may be announced.
+
+        A receiver that connects before then is refused and retries, and torch's retry looks up the host name of
+        the address (seconds, on a host whose resolver cannot be reached). Off Linux (no /proc) it cannot tell and
+        returns at once; a build that fails is the control plane's to report.
+        """
+        port = parse_rendezvous(self._address)[1]
+        spin_until = time.monotonic() + STORE_SPIN_S
+        while self.comm is None and self.failed is None and listening(port) is False:
+            if time.monotonic() < spin_until:
+                time.sleep(0.002)
+            else:
+                self.pump(what)
 
     def _make_group(self, address: str, world: int, nic: Nic | None) -> tuple[Communicator, str]:
         return open_communicator(self.backend, address, 0, world, self.timeout_s, nic)

@@ -9,7 +9,16 @@ Failure detection, all on the hub (sender rank 0):
 - an error frame names its sender; a peer whose collective failed ("collective" errors) does
   not know who is to blame, so the hub pings everyone and names those that do not answer;
 - when nothing has happened for half the timeout the hub pings too; at the timeout it gives up.
-The hub sends Alive frames meanwhile, so the other ranks time out only when it goes silent.
+The hub sends Alive frames meanwhile, and while it gathers the ranks of the next sync it sends
+each waiting rank a Waiting frame naming the ranks it still waits for, so the other ranks time
+out only when it goes silent, and know whom it was waiting for.
+
+Sync ids are the hub's: it answers the ready it took from each rank (the rank numbers them) with a
+Start naming the sync. A rank of the running sync that readies again gave up on the ready the hub
+took (its call timed out, or failed): if it has sent nothing in this sync yet and its new ready
+still fits (roster.restart_refusal), the hub starts it again in this sync and replays the sync's
+frames so far to it; otherwise the sync ends, naming it, and its new ready waits for the next
+sync. Either way the next sync completes with every live rank.
 
 Who may talk to the hub is its Gate's (hwsync.gate): a rank presents the token in its
 RankReady, which binds its connection; the hub answers Welcome, or Refused with the reason (a
@@ -21,16 +30,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import socket
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from hwsync.control import Endpoint, peer_alive
 from hwsync.disaggregated.progress import SyncProgress
+from hwsync.disaggregated.roster import Key, PeerInfo, Roster, describe, restart_refusal, this_process, wanted
 from hwsync.disaggregated.worker import CollectiveWorker, Result
 from hwsync.errors import ProtocolError, RemoteError, SyncError, SyncTimeoutError
 from hwsync.gate import Gate, reply_on
@@ -45,6 +52,9 @@ from hwsync.protocol import (
     Pong,
     Progress,
     RankReady,
+    Setup,
+    Start,
+    Waiting,
     encode,
 )
 from hwsync.protocol.limits import MAX_SENDER_FRAME_BYTES, check_size, cut
@@ -55,6 +65,11 @@ log = logging.getLogger("hwsync")
 
 #: error kind a rank reports when its own collective failed and it cannot tell who is at fault
 COLLECTIVE = "collective"
+#: the longest the hub stays quiet towards a rank that waits on it (Alive, Waiting; a quarter of its own timeout_s
+#: if that is less): a rank whose timeout_s is shorter than the hub's must hear from it in time too
+KEEPALIVE_S = 1.0
+
+__all__ = ["COLLECTIVE", "Hub", "PeerInfo", "close_socket", "describe", "this_process"]
 
 
 def close_socket(sock: zmq.Socket, ctx: zmq.Context) -> None:
@@ -65,40 +80,6 @@ def close_socket(sock: zmq.Socket, ctx: zmq.Context) -> None:
         ctx.term()
 
 
-
-@dataclass
-class PeerInfo:
-    """A rank other than the hub, as its ready frame described it."""
-
-    role: str  # "sender" or "receiver"
-    rank: int
-    identity: bytes
-    pid: int | None
-    host: str | None
-    epoch: int | None
-    address: str | None = None
-    state: dict[str, Any] = field(default_factory=dict)
-    #: the address its control connection came from (a host name alone may not tell nodes apart)
-    ip: str | None = None
-
-    @property
-    def key(self) -> tuple[str, int]:
-        """(role, rank)."""
-        return self.role, self.rank
-
-    def __str__(self) -> str:
-        at = f", {self.ip}" if self.ip and self.ip != self.host else ""
-        return f"{self.role} {self.rank} (pid {self.pid} on {self.host}{at})"
-
-
-def describe(peers: list[PeerInfo]) -> str:
-    """'receiver 2 (pid 1 on h), sender 1 (...)'."""
-    return ", ".join(str(p) for p in peers)
-
-
-def this_process() -> dict[str, Any]:
-    """pid and host, which let a peer on the same host check that this process still exists."""
-    return {"pid": os.getpid(), "host": socket.gethostname()}
 
 
 class Hub:
@@ -114,9 +95,18 @@ class Hub:
         self._sock.setsockopt(zmq.LINGER, int(ERROR_LINGER_S * 1000))  # lets a final abort reach live peers
         self.gate = Gate(token, RankReady, TO_HUB, reply_on(self._socket), names=("rank", "hub"))
         self._connections = ConnectionLog(self._sock, "the hub")
-        self.waiting: dict[tuple[str, int], PeerInfo] = {}  # ready ranks for the next sync
+        self.roster = Roster()  # the ready ranks for the next sync, and the last ready seen of each
         self.peers: list[PeerInfo] = []
         self.sync = 0
+        #: a sync is running (from a complete gather until the next gather): a ready of one of its peers is a retry
+        self.active = False
+        #: this sync's frames so far (encoded) and to whom (None: every peer): what a rank started again is sent
+        self._sent: list[tuple[bytes, frozenset[Key] | None]] = []
+        #: peers that sent a frame in this sync: one that readies again cannot simply be started again
+        self._acted: set[Key] = set()
+        #: this sync announced new groups (a Setup): a rank started again may hold any epoch, it joins them
+        self._announced = False
+        self._keepalive_s = min(timeout_s / 4, KEEPALIVE_S)
         self.replies: dict[type[Frame], dict[tuple[str, int], Any]] = {}
         self._by_identity: dict[bytes, PeerInfo] = {}
         self._suspect: str | None = None
@@ -137,35 +127,58 @@ class Hub:
         return str(Endpoint(self.address, self.token, self.server_key))
 
     def gather(self, followers: int, receivers: int) -> list[PeerInfo]:
-        """Wait for every other rank's RankReady, then start a sync with them."""
-        wanted = [("sender", s) for s in range(1, followers + 1)] + [("receiver", r) for r in range(receivers)]
+        """Wait for every other rank's RankReady (telling the ready ones whom it still waits for), then start a sync
+        with them: each gets a Start naming the sync and the ready it answers."""
+        keys = wanted(followers, receivers)
         self._by_identity = {}  # late frames of the previous sync are ignored from here on
+        self.active = False
         deadline = time.monotonic() + self.timeout_s
+        told = 0.0
         while True:
             refusal = self.gate.take_fatal()
             if refusal is not None:
                 raise ProtocolError(f"a rank was refused: {refusal}")
-            if all(key in self.waiting for key in wanted):
+            missing = self.roster.missing(keys)
+            if not missing:
                 break
-            if time.monotonic() > deadline:
-                missing = ", ".join(f"{role} {rank}" for role, rank in wanted if (role, rank) not in self.waiting)
-                raise SyncTimeoutError(f"timed out after {self.timeout_s:.1f}s waiting for {missing} to call "
-                                  f"send()/receive() (endpoint {self.address}); start them, or raise timeout_s")
+            now = time.monotonic()
+            if now > deadline:
+                raise SyncTimeoutError(f"timed out after {self.timeout_s:.1f}s waiting for "
+                                       f"{self.roster.describe_missing(missing)} to call send()/receive() (endpoint "
+                                       f"{self.address}); start them, or raise timeout_s. The ranks that are ready "
+                                       "stay ready for the next send()")
+            if now - told >= self._keepalive_s:
+                text = cut(self.roster.describe_missing(missing))
+                for peer in self.roster.waiting.values():
+                    self._to(peer, Waiting(attempt=peer.attempt, missing=text))
+                told = now
             self._poll_once(None)
         self.sync += 1
-        self.peers = [self.waiting.pop(key) for key in wanted]
+        self.peers = self.roster.take(keys)
         self._by_identity = {p.identity: p for p in self.peers}
+        self.active = True
         self.replies = {}
         self.progress = None
+        self._sent, self._acted, self._announced = [], set(), False
         self._suspect, self._pings = None, 0
-        self.last_event = time.monotonic()
+        self.last_event = self._last_alive = time.monotonic()
+        for peer in self.peers:
+            self._to(peer, Start(attempt=peer.attempt, sync=self.sync))
         return self.peers
+
+    def _to(self, peer: PeerInfo, frame: Frame) -> None:
+        """One frame to one peer, as it is (no sync id filled in)."""
+        self._sock.send_multipart([peer.identity, check_size(encode(frame), MAX_SENDER_FRAME_BYTES,
+                                                             f"the hub's {frame.T} frame")])
 
     def send(self, frame: Frame, peers: list[PeerInfo] | None = None) -> None:
         """Send a frame of the current sync to `peers` (all of this sync's peers by default)."""
         data = check_size(encode(dataclasses.replace(frame, sync=self.sync)),  # type: ignore[type-var]
                           MAX_SENDER_FRAME_BYTES,
                           f"the hub's {frame.T} frame")
+        if not isinstance(frame, (Alive, Ping, Abort)):  # the sync's own steps: what a rank started again must get
+            self._sent.append((data, None if peers is None else frozenset(p.key for p in peers)))
+            self._announced = self._announced or isinstance(frame, Setup)
         for peer in self.peers if peers is None else peers:
             self._sock.send_multipart([peer.identity, data])
 
@@ -235,6 +248,7 @@ class Hub:
         if peer is None or getattr(frame, "sync", None) != self.sync:
             return  # a frame of an earlier sync, or of a rank outside this one
         self.last_event = time.monotonic()
+        self._acted.add(peer.key)
         if isinstance(frame, Error):
             if frame.kind != COLLECTIVE:
                 raise RemoteError(f"{peer} failed: {frame.message}")
@@ -243,7 +257,8 @@ class Hub:
         self.replied(type(frame))[peer.key] = frame
 
     def _on_ready(self, identity: bytes, frame: RankReady) -> None:
-        """Take a rank for the next sync (bound and welcomed), or refuse it with the reason."""
+        """Take a rank for the next sync (bound and welcomed), start a rank of this sync again, or refuse it with the
+        reason."""
         places = {"sender": range(1, self.num_senders), "receiver": range(self.num_receivers)}
         if frame.role not in places or frame.rank not in places[frame.role]:
             limits = f"num_senders={self.num_senders}, num_receivers={self.num_receivers}"
@@ -257,12 +272,42 @@ class Hub:
                                        "cannot meet; set HWSYNC_BACKEND alike on every rank", fatal=True)
             return
         peer = PeerInfo(frame.role, frame.rank, identity, frame.pid, frame.host, frame.epoch, frame.address,
-                        frame.state, self._peer_ip)
-        old = self.waiting.get(peer.key)
+                        frame.state, self._peer_ip, frame.attempt)
+        current = next((p for p in self.peers if p.key == peer.key), None) if self.active else None
+        if current is not None:
+            self._again(current, peer)
+            return
+        old = self.roster.add(peer)  # a later ready (a retry, a restarted rank) replaces an earlier one
         if old is not None and old.identity != identity and old.identity not in self._by_identity:
             self.gate.unbind(old.identity)  # a restarted rank: its old connection is gone
-        self.waiting[peer.key] = peer  # a later ready (a restarted rank) replaces an earlier one
         self.gate.bind(identity)
+
+    def _again(self, current: PeerInfo, peer: PeerInfo) -> None:
+        """`current`, a rank of this sync, readied again as `peer`: it gave up on the ready the hub took. Start it
+        again in this sync, replaying the sync's frames so far; or end the sync, its new ready kept for the next."""
+        refusal = restart_refusal(current, peer, acted=current.key in self._acted,
+                                  groups_announced=self._announced)
+        if current.identity != peer.identity:
+            self.gate.unbind(current.identity)  # a restarted process: its old connection is gone
+            self._by_identity.pop(current.identity, None)
+        self.gate.bind(peer.identity)
+        if refusal is not None:
+            self.roster.add(peer)
+            raise SyncError(f"{peer} called send()/receive() again while this sync ran with its earlier call, which "
+                            f"it gave up on (it timed out or failed): {refusal}. It is ready for the next sync")
+        log.info("hwsync: %s readied again (attempt %d) before taking part in sync %d: started again in it", peer,
+                 peer.attempt, self.sync)
+        for name in dataclasses.fields(peer):  # in place: the sync's lists of peers hold this object
+            setattr(current, name.name, getattr(peer, name.name))
+        self.roster.known[peer.key] = current
+        self._by_identity[current.identity] = current
+        self._to(current, Start(attempt=current.attempt, sync=self.sync))
+        for data, audience in self._sent:
+            if audience is None or current.key in audience:
+                self._sock.send_multipart([current.identity, data])
+        if self._suspect is not None:  # a round of pings is on: it must answer this one too
+            self.send(Ping(n=self._pings), [current])
+        self.last_event = time.monotonic()
 
     def _start_round(self, reason: str | None) -> None:
         """Ping every peer; whoever does not answer within a quarter of the timeout is named."""
@@ -277,7 +322,7 @@ class Hub:
         if gone:
             raise SyncError(f"{describe(gone)} exited while {what}; restart it and sync again "
                             "(the group is rebuilt on the next sync)")
-        if now - self._last_alive > self.timeout_s / 4:
+        if now - self._last_alive > self._keepalive_s:
             self.send(Alive())
             self._last_alive = now
         if self._suspect is not None and now > self._ping_deadline:

@@ -3,12 +3,18 @@
 The rank's main thread pumps it while it waits (for the hub's next frame, a group to form, a bucket
 to arrive); each slice also watches the rank's collective thread, whose results it hands back and
 whose failure it reports to the hub, which names the rank at fault. The hub sends Alive frames
-while it waits, so a rank times out only when the hub itself goes silent.
+while a sync runs and Waiting frames while it gathers the ranks (naming the ones it still waits
+for), so a rank times out only when the hub itself goes silent.
+
+The sync id is the hub's: each ready is numbered (its attempt), and the rank takes the sync the
+hub's Start for that attempt names; before it, no frame of any sync is taken, after it only that
+sync's (hwsync.protocol.disaggregated says why this survives a timeout on either side).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import socket
 import time
@@ -35,6 +41,8 @@ from hwsync.protocol import (
     RankReady,
     Refused,
     Setup,
+    Start,
+    Waiting,
     Welcome,
     decode,
     encode,
@@ -43,6 +51,8 @@ from hwsync.protocol import (
 from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES, check_size, cut
 from hwsync.sockets import connect_control
 from hwsync.timing import CONTROL_SLICE_S
+
+log = logging.getLogger("hwsync")
 
 
 class Link:
@@ -55,7 +65,10 @@ class Link:
         self._ctx = zmq.Context()
         self._sock, self._watch = connect_control(self._ctx, self.endpoint)
         self.refused = False  # the hub refused this rank: it is told nothing more
-        self.sync = 0  # the sync in progress (0 before the first plan or setup frame)
+        self.attempt = 0  # readies sent on this connection: the hub's Start names the one it took
+        self.sync: int | None = None  # the hub's id of the sync this rank is in; None until its Start comes
+        #: whom the hub said it still waits for (its last Waiting frame), for this rank's own timeout message
+        self.hub_waits_for: str | None = None
         self.hub: tuple[int | None, str | None] = (None, None)  # the hub's pid and host, once known
         self.reported: str | None = None  # a collective failure already reported to the hub
         #: frames of this sync from the hub not yet asked for (Setup, PlanFrame, Go, Commit), in arrival order
@@ -64,7 +77,9 @@ class Link:
         self._heard = time.monotonic()
 
     def send(self, frame: Frame) -> None:
-        """Send a frame, tagged with the current sync."""
+        """Send a frame, tagged with the sync this rank is in (the hub's Start named it)."""
+        if self.sync is None:
+            raise ProtocolError(f"a {frame.T} frame before sender 0 started this rank in a sync: a bug in hwsync")
         self._send(dataclasses.replace(frame, sync=self.sync))  # type: ignore[type-var]  # frames are dataclasses
 
     def _send(self, frame: Frame) -> None:
@@ -72,14 +87,15 @@ class Link:
 
     def ready(self, role: str, rank: int, epoch: int | None, *, address: str | None = None,
               state: dict[str, Any] | None = None) -> None:
-        """Announce this rank for the next sync."""
-        self.reported, self.refused = None, False
+        """Announce this rank for the next sync (a new attempt: every frame of an earlier one is stale from here on)."""
+        self.reported, self.refused, self.hub_waits_for = None, False, None
         self._inbox.clear()
         self._heard = time.monotonic()
-        self.sync += 1  # the next sync's id is higher than any before: older frames are stale from here on
+        self.attempt += 1
+        self.sync = None  # until the hub's Start for this attempt names the sync
         self._send(RankReady(token=self.endpoint.token, proto=PROTOCOL_VERSION, backend=self.backend, role=role,
                              rank=rank, epoch=epoch, pid=os.getpid(), host=socket.gethostname(), address=address,
-                             state=state or {}, attempt=self.sync))
+                             state=state or {}, attempt=self.attempt))
 
     def next(self, kinds: tuple[type[Frame], ...], what: str, worker: CollectiveWorker | None = None) -> Any:
         """The next frame of `kinds` from the hub (others are dropped); raises on abort or silence.
@@ -116,22 +132,33 @@ class Link:
         if not peer_alive(*self.hub):
             raise SyncError(f"sender 0 (the hub, pid {self.hub[0]}) exited while {what}; restart the trainer")
         if time.monotonic() - self._heard > self.timeout_s:
+            waits = "" if self.hub_waits_for is None else \
+                f"; when last heard it was waiting for {self.hub_waits_for} to call send()/receive()"
             raise SyncTimeoutError(f"timed out after {self.timeout_s:.1f}s {what}: sender 0 (the hub, "
-                                   f"{self.endpoint.address}) went silent: it died or stalled, or the network between "
-                                   "this host and it is down. Check its log and the network, or raise timeout_s")
+                                   f"{self.endpoint.address}) went silent{waits}: it died or stalled, it is not in "
+                                   "send(), or the network between this host and it is down. Check its log and the "
+                                   "network, or raise timeout_s; calling this again joins the next sync")
         return results
 
     def _take(self, frame: Frame) -> None:
-        """Note a Welcome, answer a Ping, raise an Abort, keep the rest of this sync's frames for next()."""
+        """Note a Welcome, a Waiting or this attempt's Start; answer a Ping, raise an Abort; keep the rest of this
+        sync's frames for next(). Any frame shows the hub is alive; frames of another sync are dropped."""
+        self._heard = time.monotonic()
         if isinstance(frame, Welcome):
             self.hub = (frame.pid, frame.host)
             return
-        sync = getattr(frame, "sync", None)
-        if sync is not None and sync < self.sync:
-            return  # left over from an earlier sync
-        self._heard = time.monotonic()
-        if isinstance(frame, (Setup, PlanFrame, Abort)):
-            self.sync = frame.sync if frame.sync is not None else self.sync
+        if isinstance(frame, (Start, Waiting)):
+            if frame.attempt != self.attempt:
+                return  # the answer to a ready this rank gave up on: its newer ready is on its way to the hub
+            if isinstance(frame, Waiting):
+                if frame.missing != self.hub_waits_for:
+                    log.info("hwsync: sender 0 (the hub) has this rank's ready and waits for %s", frame.missing)
+                self.hub_waits_for = frame.missing
+            elif self.sync is None:
+                self.sync = frame.sync
+            return
+        if self.sync is None or getattr(frame, "sync", None) != self.sync:
+            return  # a frame of a sync this rank is not in (an earlier one, or one its newer ready replaces)
         if isinstance(frame, (Setup, PlanFrame)):
             self.hub = (frame.pid, frame.host)
         if isinstance(frame, Abort):
@@ -157,8 +184,8 @@ class Link:
 
     def report(self, exc: BaseException) -> None:
         """Tell the hub this rank failed (unless the failure came from the hub, or the hub refused it)."""
-        if isinstance(exc, RemoteError) or self.refused:
-            return
+        if isinstance(exc, RemoteError) or self.refused or self.sync is None:
+            return  # the hub's own verdict, a refused rank, or no sync yet: a newer ready supersedes this one
         kind = COLLECTIVE if self.reported is not None else "local"
         try:
             self.send(Error(sync=None, kind=kind, message=cut(f"{type(exc).__name__}: {exc}")))

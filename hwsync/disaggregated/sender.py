@@ -17,7 +17,6 @@ bucket k+1 into one buffer overlaps the broadcast of bucket k from another.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Iterable
 
@@ -27,17 +26,25 @@ from hwsync.bucket import ALIGN
 from hwsync.casting import EngineDtypes
 from hwsync.control import new_token
 from hwsync.delta.sender import SenderDeltas
+from hwsync.disaggregated.addresses import (
+    choose_group_host,
+    default_host,
+    endpoint_host,
+    pick_port,
+    routed_host,
+    unreachable_hint,
+)
 from hwsync.disaggregated.group import SenderGroup
-from hwsync.disaggregated.hub import Hub, PeerInfo, this_process
+from hwsync.disaggregated.hub import Hub
 from hwsync.disaggregated.link import Link
 from hwsync.disaggregated.plan import CollectivePlan, delta_groups, make_plan
-from hwsync.errors import SyncError
+from hwsync.disaggregated.roster import PeerInfo, this_process
+from hwsync.errors import SyncError, SyncTimeoutError
 from hwsync.interfaces import Backend
 from hwsync.manifest import TensorSpec
-from hwsync.nic import describe_addresses, local_addresses, nic_owning, pick_local_host, source_address
 from hwsync.offload import onload_during
 from hwsync.planner import TrainerModel, resolve_source
-from hwsync.protocol import Commit, Go, Joined, PlanAccept, PlanFrame, RankComplete, Sent, Setup
+from hwsync.protocol import Commit, Go, Joined, Listening, PlanAccept, PlanFrame, RankComplete, Sent, Setup
 from hwsync.registry import get_backend
 from hwsync.sizes import DEFAULT_BUCKET_BYTES, DEFAULT_NUM_BUFFERS, MIN_NUM_BUFFERS
 from hwsync.source import TensorSource, with_manifest
@@ -46,44 +53,7 @@ from hwsync.timing import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("hwsync")
 
-
-def default_host() -> str:
-    """This host's address when nothing names one (hwsync.nic.pick_local_host); pass group_host where it is not
-    the right NIC."""
-    return pick_local_host()
-
-
-def endpoint_host(endpoint: str) -> str | None:
-    """The host of a tcp:// endpoint (`tcp://HOST:PORT[#...]`), or None (ipc://, or a wildcard address)."""
-    address = endpoint.partition("#")[0]
-    if not address.startswith("tcp://"):
-        return None
-    host = address[len("tcp://"):].rpartition(":")[0].strip("[]")
-    return None if host in ("", "*", "0.0.0.0", "::") else host
-
-
-def choose_group_host(group_host: str | None, rank: int, endpoint: str | None) -> str:
-    """The address this sender's group binds: `group_host` (checked to be this host's), else for sender 0 its hub's
-    address, for the others the address that routes to the hub, else default_host()."""
-    if group_host:
-        if nic_owning(group_host) is None and local_addresses() is not None:
-            raise ValueError(f"group_host={group_host!r} is not an address of this host (its addresses: "
-                             f"{describe_addresses()}); pass the address of the interface the engines reach "
-                             "this host through")
-        return group_host
-    hub = endpoint_host(endpoint) if endpoint else None
-    if hub is not None:
-        mine = hub if rank == 0 else source_address(hub)
-        if mine is not None and nic_owning(mine) is not None:
-            return mine
-    return default_host()
-
-
-def pick_port(host: str) -> int:
-    """A TCP port free on `host` right now (the group's store binds it moments later)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+__all__ = ["CrossNodeSender", "choose_group_host", "default_host", "endpoint_host", "pick_port", "receiver_states"]
 
 
 def receiver_states(frame: PlanFrame) -> list[dict]:
@@ -113,7 +83,17 @@ class CrossNodeSender:
         secret_key: str | None = None,
         delta: bool = False,
         delta_on_device: bool = False,
+        stable_sources: bool = True,
     ) -> None:
+        """A trainer rank's sender; rank 0 binds the control endpoint (its `.endpoint` goes to every other rank).
+
+        `group_host`: the address this rank's group binds, which every receiver must reach (see choose_group_host;
+        sender 0 left without it and bound to a wildcard address takes the one its route to the receivers leaves
+        from). `delta`: send only what changed (sender 0 decides; `send(delta=...)` overrides), its baseline on the
+        device with `delta_on_device`. `stable_sources` (as WeightSender's): True, each tensor a source yields
+        keeps its memory until send() returns; False, the source may reuse a tensor's memory once it yields the
+        next (a gather into one staging buffer), so nothing may read it after that.
+        """
         if not 0 <= rank < num_senders:
             raise ValueError(f"rank {rank} is outside num_senders={num_senders}")
         if num_receivers < 1:
@@ -125,6 +105,11 @@ class CrossNodeSender:
         self.num_senders = num_senders
         self.num_receivers = num_receivers
         self.group_host = choose_group_host(group_host, rank, endpoint)
+        #: where sender 0's group host came from (for the errors of groups that did not form); None: the hub is bound
+        #: to a wildcard address and nothing named it, so each build takes the address its routes to the receivers
+        #: leave from (addresses.routed_host)
+        self._host_from = "group_host=" if group_host else \
+            "the hub's address" if rank == 0 and endpoint_host(endpoint or "") else None
         self.group_port = group_port
         self.bucket_bytes = int(bucket_bytes or DEFAULT_BUCKET_BYTES)
         if self.bucket_bytes < ALIGN:
@@ -157,7 +142,7 @@ class CrossNodeSender:
         self._group = SenderGroup(rank, self.backend, control, num_buffers, timeout_s)
         #: send only what changed since what every receiver holds (sender 0 decides; `send(delta=...)` overrides)
         self.delta = delta
-        self._deltas = SenderDeltas(self.backend.device(), on_device=delta_on_device)
+        self._deltas = SenderDeltas(self.backend.device(), on_device=delta_on_device, stable_sources=stable_sources)
 
     @property
     def endpoint(self) -> str:
@@ -279,14 +264,28 @@ class CrossNodeSender:
         stats.load_s = max((r.get("load_s", 0.0) for r in reports), default=0.0)
 
     def _setup(self, hub: Hub, peers: list[PeerInfo], followers: list[PeerInfo]) -> None:
-        """Announce one group address per sender and build this rank's group while the others join."""
+        """Build new groups: this rank's store listens first, then the other senders' (told first), and only then
+        are their addresses announced to the receivers, who join them all."""
         epoch = hub.sync  # unique and increasing: no rank can mistake an old group for the new one
+        receivers = [p for p in peers if p.role == "receiver"]
+        if self._host_from is None:  # the hub is bound to a wildcard address and nothing named the group's
+            self.group_host = routed_host(receivers, self.group_host)
         addresses = [self._candidate_address()] + [str(f.address) for f in followers]
-        hub.send(Setup(**this_process(), epoch=epoch, addresses=addresses, num_receivers=self.num_receivers))
+        setup = Setup(**this_process(), epoch=epoch, addresses=addresses, num_receivers=self.num_receivers)
         self._group.build(addresses[0], epoch, 1 + self.num_receivers)
-        what = f"waiting for every rank to join the groups at {addresses}"
-        while not (hub.all_replied(Joined, peers) and self._group.comm is not None):
-            self._group.pump(what)
+        try:
+            self._group.wait_listening(f"starting this rank's group store at {addresses[0]}")
+            if followers:
+                hub.send(setup, followers)
+                while not hub.all_replied(Listening, followers):
+                    self._group.pump(f"waiting for the other senders' group stores at {addresses[1:]} to listen")
+            hub.send(setup, receivers)
+            what = f"waiting for every rank to join the groups at {addresses}"
+            while not (hub.all_replied(Joined, peers) and self._group.comm is not None):
+                self._group.pump(what)
+        except (SyncError, SyncTimeoutError) as exc:
+            hint = unreachable_hint(addresses, self.group_host, self._host_from, receivers)
+            raise type(exc)(f"{exc}. {hint}") from exc
 
     # -- sender ranks 1.. ------------------------------------------------------------------------
 
@@ -303,9 +302,12 @@ class CrossNodeSender:
             if self.rank >= len(frame.addresses):
                 raise SyncError(f"sender rank {self.rank} is outside the {len(frame.addresses)} senders sender 0 "
                                 "expects; give each sender a distinct rank below num_senders")
-            group.build(frame.addresses[self.rank], frame.epoch, 1 + frame.num_receivers)
+            address = frame.addresses[self.rank]
+            group.build(address, frame.epoch, 1 + frame.num_receivers)
+            group.wait_listening(f"starting this rank's group store at {address}")
+            link.send(Listening())  # sender 0 announces the address to the receivers only now
             while group.comm is None:
-                group.pump(f"joining the group at {frame.addresses[self.rank]}")
+                group.pump(f"waiting for the receivers to join the group at {address}")
             link.send(Joined())
             frame = link.next((PlanFrame,), "waiting for sender 0's plan", group.worker)
         assert isinstance(frame, PlanFrame)

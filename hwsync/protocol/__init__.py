@@ -73,8 +73,8 @@ PROTOCOL_VERSION = 10
 __all__ = ["PROTOCOL_VERSION", "TO_HUB", "TO_RANK", "TO_RECEIVER", "TO_SENDER", "Abort", "Accept", "Alive", "BadFrame",
            "Bucket", "BucketSpec", "Commit", "Complete", "Count", "Done", "Entry", "Error", "Frame", "Go", "Gone",
            "Joined", "Listening", "Map", "Offer", "Ping", "PlanAccept", "PlanFrame", "Pong", "Progress", "RankComplete",
-           "RankReady", "Ready", "Ref", "Refs", "Refused", "Release", "SegmentSpec", "Sent", "Setup", "Start", "Waiting",
-           "Welcome", "decode", "encode", "frame_set", "peek", "refused_reason"]
+           "RankReady", "Ready", "Ref", "Refs", "Refused", "Release", "SegmentSpec", "Sent", "Setup", "Start",
+           "Waiting", "Welcome", "decode", "encode", "frame_set", "peek", "refused_reason"]
 
 
 def frame_set(*classes: type[Frame]) -> dict[str, type[Frame]]:
