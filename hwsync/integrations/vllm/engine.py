@@ -16,11 +16,23 @@ before the layerwise reload starts, and the reload is finalized inside `update_w
 exit path — vLLM's worker never calls `finish_weight_update` after a failed `update_weights`,
 and a reload left open breaks the next forward pass. The worker never sees the weight version
 given to `finish_weight_update`, so the trainer also puts it in the update info, for the
-worker's reported state. This module imports vLLM: only vLLM's factory imports it.
+worker's reported state.
+
+vllm-ascend's NPUWorker up to 0.26.0rc1 drives its engine by an older contract: it opens vLLM's
+layerwise reload itself in its `start_weight_update` (every layer's weights become meta tensors),
+calls `receive_weights(info, load_weights=model.load_weights)` and finalizes in its own
+`finish_weight_update`. Given `load_weights`, hwsync first closes the reload the worker opened,
+untouched (no layer received anything, so every layer gets its own tensors back), then runs its
+own sync as on vLLM: the manifest is checked and the fingerprint read on the real weights, and
+the model is whole on every exit path; the worker's later finalize finds no open reload and does
+nothing. vllm-ascend's main branch delegates to the engine as vLLM does (start / update /
+finish), which needs nothing of this. This module imports vLLM: only vLLM's factory imports it.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +42,43 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 from hwsync.errors import HwsyncError
 from hwsync.integrations.vllm.adapters import AdapterSpec
 from hwsync.integrations.vllm.loading import Target, WorkerSync
+from hwsync.integrations.vllm.worker import target_of
 from hwsync.timing import DEFAULT_TIMEOUT_S
 
 BACKEND = "hwsync"
+#: the vLLM logger that warns "Failed to load weights" for each layer a finalize restores unloaded
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def open_reload_layers(model: torch.nn.Module) -> int:
+    """How many of the model's layers are in an open layerwise reload (someone initialized it, nobody finalized)."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    return sum(1 for layer in model.modules() if layer in LAYERWISE_INFO and LAYERWISE_INFO[layer].can_load())
+
+
+class _DropRecords(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+def close_untouched_reload(target: Target) -> int:
+    """Finalize a layerwise reload the worker opened and nothing loaded into: every layer gets its own tensors back
+    (vLLM's finalize places a layer's kept tensors back when it received nothing). Returns the layers it closed."""
+    layers = open_reload_layers(target.model)
+    if not layers:
+        return 0
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    quiet = _DropRecords()  # vLLM would warn "Failed to load weights" for each layer: none was meant to load
+    logger = logging.getLogger(_RELOAD_LOGGER)
+    logger.addFilter(quiet)
+    try:
+        with target.context(), torch.no_grad():
+            finalize_layerwise_reload(target.model, target.model_config)
+    finally:
+        logger.removeFilter(quiet)
+    return layers
 
 
 @dataclass
@@ -76,9 +122,16 @@ class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpda
         """Nothing changes yet: the reload starts at the first bucket, once the manifest is accepted."""
         self._require_init()
 
-    def receive_weights(self, update_info: HwsyncUpdateInfo) -> None:
-        """Receive one whole sync into the model (checked, loaded layerwise, finalized)."""
+    def receive_weights(self, update_info: HwsyncUpdateInfo,
+                        load_weights: Callable[[Any], Any] | None = None) -> None:
+        """Receive one whole sync into the model (checked, loaded layerwise, finalized).
+
+        `load_weights`: given by a worker that opened vLLM's layerwise reload itself (vllm-ascend up to 0.26.0rc1,
+        which passes `model.load_weights`): that reload is closed untouched first, and hwsync loads through the
+        model's own `load_weights` in a reload of its own, as on vLLM (see the module doc)."""
         init = self._require_init()
+        if load_weights is not None:
+            close_untouched_reload(self.target())
         adapter = None if update_info.adapter is None else AdapterSpec.parse(update_info.adapter)
         self.worker.receive(update_info.endpoint or init.endpoint, self.target(),
                             timeout_s=float(init.timeout_s), allow_partial=bool(init.allow_partial),
@@ -97,7 +150,7 @@ class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpda
 
     def target(self) -> Target:
         """The model this update writes into (vLLM may point it at a draft model for one session)."""
-        return Target(self.model, self.model_config, self.vllm_config)
+        return target_of(self.model, self.model_config, self.vllm_config)
 
     def state(self) -> dict[str, Any]:
         """This worker's reported state (see WorkerSync.state)."""

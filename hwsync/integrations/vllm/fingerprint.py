@@ -1,7 +1,8 @@
 """A fingerprint of the weights a vLLM model holds: taken after each complete sync, checked before the next plan.
 
 The engine reports whether it still holds the base it was synced with by looking, not by a flag
-someone must keep right. Two parts, both read on the weights' own device:
+someone must keep right. Two parts, both read on the weights' own device as raw bytes (no cast
+there), then copied to the host once:
 - sampled values: `samples` evenly spaced elements of every non-empty parameter (one small
   gather per tensor, one host copy for all);
 - kernel outputs: every linear layer whose weight parameter is empty is run on a fixed input
@@ -32,11 +33,14 @@ DEFAULT_SAMPLES = 8
 
 
 def _spaced(tensor: torch.Tensor, count: int) -> torch.Tensor:
-    """`count` evenly spaced elements of `tensor` (any strides, nothing copied but them), as float64."""
+    """`count` evenly spaced elements of `tensor` (any strides, nothing copied but them), as their raw bytes.
+
+    Bytes, not values: nothing is cast on the device (no float64 there, which Ascend's AI Core is not known to
+    compute) and a bit pattern is what the comparison needs anyway."""
     numel = tensor.numel()
     flat = torch.linspace(0, numel - 1, min(count, numel), device=tensor.device).round().long()
     coords = torch.unravel_index(flat, tuple(tensor.shape))
-    return tensor.detach()[coords].to(torch.float64)
+    return tensor.detach()[coords].reshape(-1).view(torch.uint8)
 
 
 def _empty_weight(module: torch.nn.Module) -> bool:

@@ -130,11 +130,28 @@ class HwsyncTrainerEngine(TrainerWeightTransferEngine[HwsyncTrainerInitInfo]):
         self.client.start_weight_update()
         outcome = send_while(partial(self.client.update_weights, update), self.sender, parts.source,
                              version=number, manifest=parts.manifest, timeout_s=float(self.init_info.timeout_s))
-        if outcome.rpc_exc is None:  # vLLM's workers closed nothing after a failed update; after this one, close
-            self.client.finish_weight_update(weight_version if outcome.send_exc is None else None)
+        self._finish(weight_version if outcome.send_exc is None and outcome.rpc_exc is None else None,
+                     failed=outcome.rpc_exc is not None)
         reset_prefix_cache(self.client)  # also after a failure: a sync that broke midway changed some layers
         self.last_stats = outcome.result()
         return self.last_stats
+
+    def _finish(self, weight_version: str | None, *, failed: bool) -> None:
+        """End the update on every worker, after a failed one too.
+
+        vLLM's worker (and vllm-ascend's main branch) closed the update itself when `update_weights` failed and
+        refuses a finish then; vllm-ascend's NPUWorker up to 0.26.0rc1 did not, and only its finish puts back the
+        tensors its own reload moved to meta and lets a next update start. So the finish always goes, and after a
+        failed update its refusal is expected."""
+        try:
+            self.client.finish_weight_update(weight_version)
+        except Exception as exc:
+            if not failed:
+                raise
+            # vLLM's words: "... without a matching start_weight_update", "start_weight_update must be called ..."
+            expected = "start_weight_update" in str(exc)
+            log.log(logging.DEBUG if expected else logging.WARNING, "hwsync: finish_weight_update after a failed "
+                    "update: %s: %s", type(exc).__name__, exc)
 
     def shutdown(self) -> None:
         """Close the sender (buffers, socket); the workers' receivers reconnect to the next one."""

@@ -8,23 +8,97 @@ endpoint; with tensor parallelism every worker receives the full tensors and its
 
 The loading itself (manifest check before anything changes, MoE kernel reset, layerwise
 reload, finalize on every exit path) is loading.py's, shared with the native `hwsync` backend
-(engine.py). vLLM is imported lazily: importing this module never needs vLLM.
+(engine.py). Around it, what a worker's own weight-update door does and this one must do too
+(vllm-ascend's NPUWorker does all three): the reload's allocations land on the model's device
+(`DeviceTarget`), the device is synchronized once after the finalize (through the backend's
+Device), and on Ascend a worker whose weights may be in FRACTAL_NZ refuses the sync (ascend.py; the
+extension turns NZ off before the model loads). This is the door that works on vllm-ascend
+0.26.0rc1 unpatched: vLLM mixes the extension into NPUWorker as into any worker class.
+vLLM is imported lazily: importing this module never needs vLLM.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from hwsync.errors import HwsyncError
 from hwsync.integrations.vllm.adapters import AdapterSpec
+from hwsync.integrations.vllm.ascend import default_nz_off, nz_refusal
 from hwsync.integrations.vllm.loading import Target, WorkerSync
+from hwsync.manifest import TensorSpec
 from hwsync.timing import DEFAULT_TIMEOUT_S
+
+log = logging.getLogger("hwsync")
+
+
+def model_device(model: torch.nn.Module) -> torch.device | None:
+    """The device the model's weights live on (its first tensor not on meta), or None."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        if not tensor.is_meta:
+            return tensor.device
+    return None
+
+
+@dataclass
+class DeviceTarget(Target):
+    """A Target whose reload runs under its model's device, as a worker's own weight update does (vLLM's reload and
+    weight loaders allocate on the default device: on an NPU worker that must be the NPU)."""
+
+    device: torch.device | None = None
+
+    def context(self) -> Any:
+        """vLLM's current config, and the model's device as the default device."""
+        stack = ExitStack()
+        stack.enter_context(super().context())
+        if self.device is not None:
+            stack.enter_context(torch.device(self.device))
+        return stack
+
+
+def target_of(model: torch.nn.Module, model_config: Any, vllm_config: Any) -> DeviceTarget:
+    """The DeviceTarget for a worker's model."""
+    return DeviceTarget(model, model_config, vllm_config, model_device(model))
+
+
+def refuse(worker: WorkerSync, endpoint: str, timeout_s: float, reason: str) -> None:
+    """Refuse the sender's sync through the protocol (it is told `reason` at once, no weight is touched); raises."""
+
+    def refused(*_: Any) -> None:
+        raise HwsyncError(reason)
+
+    def check(_: list[TensorSpec]) -> None:
+        refused()
+
+    worker.connect(endpoint, timeout_s).receive(refused, check_manifest=check, state=worker.state())
+    raise HwsyncError(reason)  # receive raised already; a sender that announced nothing and sent nothing ends here
+
+
+def synchronize_after(worker: WorkerSync) -> None:
+    """Wait once for the device work the finalize queued, through the backend's Device (every peer does)."""
+    if worker.receiver is not None:
+        worker.receiver.backend.device().synchronize()
+
+
+def _flag(value: bool | str) -> bool:
+    return value in (True, "1", "true", "True")
 
 
 class HwsyncWorkerExtension:
     """Mixed into each vLLM worker: RPC methods `hwsync_receive`, `hwsync_status`, `hwsync_close`."""
 
     _hwsync: WorkerSync | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # vLLM builds the worker with the extension mixed in: this runs before the worker's __init__ reads its
+        # config and long before the model loads, so the weights hwsync writes keep the checkpoint's layout
+        default_nz_off()
+        return super().__new__(cls)
 
     def _hwsync_worker(self) -> WorkerSync:
         # one WorkerSync per worker: the native backend's when vLLM made one, so both paths report one state
@@ -37,7 +111,7 @@ class HwsyncWorkerExtension:
 
     def _hwsync_target(self) -> Target:
         runner = self.model_runner  # type: ignore[attr-defined]
-        return Target(runner.model, runner.model_config, getattr(self, "vllm_config", None))
+        return target_of(runner.model, runner.model_config, getattr(self, "vllm_config", None))
 
     def hwsync_status(self) -> dict[str, Any]:
         """What this worker holds (WorkerSync.state): versions, the checked EngineState, LoRA adapters."""
@@ -49,13 +123,24 @@ class HwsyncWorkerExtension:
         """Receive one sync from `endpoint` into the model (its trailing tensors `adapter`'s LoRA, if
         given; `plans`: the sender plans from this worker's state); returns this worker's stats as a dict."""
         # strings too: vLLM's HTTP /collective_rpc route passes every argument as a string (JSON for adapter)
-        partial = allow_partial in (True, "1", "true", "True")
         if isinstance(adapter, str):
             adapter = json.loads(adapter) if adapter not in ("", "None", "null") else None
         spec = None if adapter is None else AdapterSpec.parse(adapter)
-        return self._hwsync_worker().receive(endpoint, self._hwsync_target(), timeout_s=float(timeout_s),
-                                             allow_partial=partial, adapter=spec,
-                                             plans=plans in (True, "1", "true", "True"))
+        worker = self._hwsync_worker()
+        reason = nz_refusal()
+        if reason is not None:
+            refuse(worker, endpoint, float(timeout_s), reason)
+        try:
+            stats = worker.receive(endpoint, self._hwsync_target(), timeout_s=float(timeout_s),
+                                   allow_partial=_flag(allow_partial), adapter=spec, plans=_flag(plans))
+        except BaseException:
+            try:  # the reload was finalized on this path too: its queued work is waited for all the same
+                synchronize_after(worker)
+            except Exception as exc:  # noqa: BLE001 - never hide the sync's own error behind a failed wait
+                log.warning("hwsync: the device synchronize after a failed sync failed too: %s", exc)
+            raise
+        synchronize_after(worker)
+        return stats
 
     def hwsync_close(self) -> None:
         """Drop the receiver (its socket and buffer mappings); the next receive reconnects."""
