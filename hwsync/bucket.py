@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hwsync.errors import DestinationError
 from hwsync.manifest import TensorSpec, dtype_from_name
 from hwsync.protocol import Entry
 
@@ -125,17 +126,25 @@ class CopyBatch:
 
 def checked_destination(name: str, dtype: torch.dtype, shape: tuple[int, ...], dest: torch.Tensor | None
                         ) -> torch.Tensor | None:
-    """What into(name) returned as flat bytes, or None; ValueError naming the tensor unless it matches."""
+    """What into(name) returned as flat bytes, or None; DestinationError naming the tensor unless it matches."""
+    dest = matching_destination(name, dtype, shape, dest)
+    return None if dest is None else dest.detach().reshape(-1).view(torch.uint8)
+
+
+def matching_destination(name: str, dtype: torch.dtype, shape: tuple[int, ...], dest: torch.Tensor | None
+                         ) -> torch.Tensor | None:
+    """What into(name) returned, or None; DestinationError naming the tensor and both specs unless it is a
+    contiguous tensor of exactly `dtype` and `shape` (the full and the delta path check it alike)."""
     if dest is None:
         return None
-    if dest.dtype != dtype or tuple(dest.shape) != shape:
-        raise ValueError(f"into({name!r}) gave a {dest.dtype} tensor of shape {tuple(dest.shape)}, "
-                         f"but the sender sent {dtype} of shape {shape}; return a matching tensor "
-                         "or None to get this one through load")
+    if dest.dtype != dtype or tuple(dest.shape) != tuple(shape):
+        raise DestinationError(f"into({name!r}) gave a {dest.dtype} tensor of shape {tuple(dest.shape)}, "
+                               f"but the sender sent {dtype} of shape {tuple(shape)}; return a matching tensor "
+                               "or None to get this one through load")
     if not dest.is_contiguous():
-        raise ValueError(f"into({name!r}) gave a non-contiguous tensor; return a contiguous one "
-                         "or None to get this one through load")
-    return dest.detach().reshape(-1).view(torch.uint8)
+        raise DestinationError(f"into({name!r}) gave a non-contiguous tensor; return a contiguous one "
+                               "or None to get this one through load")
+    return dest
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

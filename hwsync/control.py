@@ -164,13 +164,17 @@ class CloseSignal:
 
     def __init__(self, who: str) -> None:
         self.who = who
+        #: where close() was called from, for the message: "from another thread", or from the call's own code
+        self.whence = "from another thread"
         self._event = threading.Event()
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)
 
-    def set(self) -> None:
+    def set(self, whence: str | None = None) -> None:
         """Ask the running sync (if any) to end; safe from any thread, and to call twice."""
         if not self._event.is_set():
+            if whence is not None:
+                self.whence = whence
             self._event.set()
             try:
                 os.write(self._write, b"x")
@@ -188,7 +192,7 @@ class CloseSignal:
     def check(self, what: str) -> None:
         """Raise ClosedError once close() was called."""
         if self._event.is_set():
-            raise ClosedError(f"the {self.who} was closed (close() called from another thread) while {what}")
+            raise ClosedError(f"the {self.who} was closed (close() called {self.whence}) while {what}")
 
     def close(self) -> None:
         """Release the pipe (once nothing waits on it any more)."""
@@ -242,12 +246,19 @@ class Lifetime:
                 self._release_once()
 
     def close(self) -> None:
-        """End a running call (from another thread) and release the resources; safe to call twice."""
+        """End a running call (from another thread, or from the call's own code: a source or load that closes)
+        and release the resources; safe to call twice."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             running = self._running not in (None, threading.get_ident())
+            inside = self._running == threading.get_ident()
+        if inside:
+            # close() from inside the call (its source, its load): the call is still using the resources, so it
+            # ends at its next check with ClosedError and releases them as it returns (call()'s finally)
+            self.signal.set("from inside the call, on its own thread")
+            return
         self.signal.set()
         if running and not self._idle.wait(CLOSE_GRACE_S):
             with self._lock:

@@ -31,6 +31,11 @@ class ManifestError(SyncError):
     """The announced tensors do not match the receiving model, or iteration strayed from them."""
 
 
+class DestinationError(ManifestError, ValueError):
+    """A receiver's into() gave a destination that does not match the tensor sent (dtype, shape, layout); nothing
+    was written into it."""
+
+
 class DeltaCheckError(SyncError):
     """A tensor did not have the sender's digest after a delta was applied; the receiver holds no known version,
     and the next sync is full."""

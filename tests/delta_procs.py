@@ -27,7 +27,10 @@ def start(endpoint: str, mode: str, dtypes: dict | None = None, timeout_s: float
 
 
 def receiver_main(endpoint: str, mode: str, dtypes: dict | None, timeout_s: float, commands, results) -> None:
-    """Receive one sync per command: {"receive": True}, optionally {"flip": name} first, or {"stop": True}."""
+    """Receive one sync per command: {"receive": True}, optionally {"flip": name} first, or {"stop": True}.
+
+    `mode`: "load", "into" (a destination of the announced spec, made anew when the spec changes) or "into-rigid"
+    (the tensor it holds under that name, whatever spec is announced: an engine with fixed parameters)."""
     torch.set_num_threads(1)
     device = get_backend().device().torch_device()
     held: dict[str, torch.Tensor] = {}
@@ -37,9 +40,9 @@ def receiver_main(endpoint: str, mode: str, dtypes: dict | None, timeout_s: floa
 
     def into(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         dest = held.get(name)
-        if dest is None or dest.dtype != dtype or tuple(dest.shape) != tuple(shape):
+        if dest is None or (mode != "into-rigid" and (dest.dtype != dtype or tuple(dest.shape) != tuple(shape))):
             dest = held[name] = torch.empty(shape, dtype=dtype, device=device)
-        return dest
+        return dest  # "into-rigid": an engine's fixed tensor, whatever the sender now sends
 
     def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in pairs:
@@ -50,7 +53,7 @@ def receiver_main(endpoint: str, mode: str, dtypes: dict | None, timeout_s: floa
             flat = held[command["flip"]].view(-1).view(torch.uint8)
             flat[3] ^= 0x10
         try:
-            stats = receiver.receive(load if mode == "load" else None, into=into if mode == "into" else None,
+            stats = receiver.receive(load if mode == "load" else None, into=None if mode == "load" else into,
                                      state=state)
             results.put({"version": receiver.version, "digests": procs.digests(held), "bytes": stats.bytes,
                          "at": time.time()})

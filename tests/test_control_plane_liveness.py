@@ -8,6 +8,7 @@ plane was rebuilt; every test here bounds the wait far below the timeouts it set
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import torch.multiprocessing as mp
 
 from hwsync import ClosedError, WeightReceiver, WeightSender
 from hwsync.errors import ProtocolError, RemoteError
-from hwsync.shm import ShmTransport
+from hwsync.shm import ShmTransport, leftover_segments
 
 import control_procs
 import transfer_procs as procs
@@ -94,6 +95,31 @@ def test_close_during_a_sync_aborts_every_receiver_at_once():
         assert result["at"] - closed < 2.0, f"heard {result['at'] - closed:.1f}s after close()"
         proc.kill()
         proc.join(10)
+    with pytest.raises(ClosedError, match="this WeightSender is closed"):
+        sender.send([("a", torch.ones(2))], version=2)
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["full", "delta"])
+def test_close_from_inside_the_source_ends_the_sync_with_closed_error(delta):
+    """close() called by send()'s own source, on the sending thread: the buffers stay until send() is done with
+    them (no IndexError from a released buffer), send() raises ClosedError saying where close() came from, the
+    receiver hears the abort, and nothing is left in /dev/shm."""
+    sender = WeightSender(timeout_s=TIMEOUT_S, bucket_bytes=1 << 16, delta=delta)
+    proc, q = _start(control_procs.serve, sender.endpoint, timeout_s=TIMEOUT_S)
+
+    def closing_source():
+        for i in range(64):  # 64 tensors of 32 KiB in 64 KiB buckets: buffers are reused after the close
+            if i == 8:
+                sender.close()
+            yield f"w{i}", torch.full((8192,), float(i))
+
+    with pytest.raises(ClosedError, match="close\\(\\) called from inside the call"):
+        sender.send(closing_source(), version=1)
+    result = q.get(timeout=2 * TIMEOUT_S)
+    assert "closed" in result.get("error", ""), result
+    proc.kill()
+    proc.join(10)
+    assert not leftover_segments(os.getpid())
     with pytest.raises(ClosedError, match="this WeightSender is closed"):
         sender.send([("a", torch.ones(2))], version=2)
 

@@ -121,7 +121,7 @@ class WeightSender:
         self._mapped = MappedSources(self.transport, self.backend.device(), enabled=stable_sources)
         #: send only what changed since what every receiver holds (a per-sync `send(delta=...)` overrides it)
         self.delta = delta
-        self._deltas = SenderDeltas(self.backend.device(), on_device=delta_on_device)
+        self._deltas = SenderDeltas(self.backend.device(), on_device=delta_on_device, stable_sources=stable_sources)
 
     def _resolve_transport(self, transport: str | Transport | None) -> Transport:
         if isinstance(transport, Transport):

@@ -100,8 +100,12 @@ class DeltaEncoder:
         return self._scratch[(device, dtype)]
 
     def uses_native(self, device: torch.device) -> bool:
-        """Whether a baseline on `device` is diffed by the compiled kernel."""
-        return self.engine != "torch" and device.type == "cpu" and native.kernel() is not None
+        """Whether a baseline on `device` is diffed by the compiled kernel ("auto": once loaded, native.ready)."""
+        return device.type == "cpu" and self._compiled()
+
+    def _compiled(self) -> bool:
+        """Whether this encoder runs compiled kernels now: forced ("numba"), or "auto" once they are loaded."""
+        return self.engine == "numba" or (self.engine == "auto" and native.ready())
 
     def _chunks(self, new_flat: torch.Tensor, base_i: torch.Tensor, ints: torch.dtype, direct: bool,
                 s: Scratch, span0: int, span1: int, *, compiled_cast: bool = True
@@ -115,7 +119,7 @@ class DeltaEncoder:
         """
         fast = None
         if compiled_cast and not direct and new_flat.dtype == torch.float32 and s.dtype == torch.bfloat16 \
-                and new_flat.device.type == "cpu" and self.engine != "torch":
+                and new_flat.device.type == "cpu" and self._compiled():
             fast = native.cast_bf16()
         for start in range(span0, span1, self.chunk_elems):
             stop = min(span1, start + self.chunk_elems)

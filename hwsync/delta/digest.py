@@ -132,7 +132,7 @@ def tensor_digest(t: torch.Tensor, *, compiled: bool = True) -> int:
     cols = key_table("col", device, _LANES_PER_ROW)
     rows_total = (n + _LANES_PER_ROW - 1) // _LANES_PER_ROW
     row_keys = key_table("row", device, rows_total)
-    kernel = native.digest_lanes() if device.type == "cpu" and compiled else None
+    kernel = native.digest_lanes() if device.type == "cpu" and compiled and native.ready() else None
     if kernel is not None:  # on the host, one compiled pass at memory speed (torch ops: three passes)
         return finish(int(kernel(lanes.numpy(), cols.numpy(), row_keys.numpy())), nbytes)
     step = _ROWS_PER_STEP.get(device.type, 64) * _LANES_PER_ROW

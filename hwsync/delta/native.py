@@ -12,11 +12,18 @@ kernels' modules are imported at the first use, never when hwsync is.
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Callable
 
 from hwsync.delta.cast_probe import matches_torch
 
 _kernels: dict[str, Callable[..., Any]] | None = None
+#: set once the kernels are loaded for every width (hwsync.delta.warm.start); the codec uses them only then
+_loaded = threading.Event()
+#: the thread that loads them uses them while it does
+_loading = threading.local()
 _tried = False
 _cast_checked: bool | None = None
 #: 64-bit words per run of the scan's first pass (its list of differing words stays in cache): the size of the
@@ -45,6 +52,42 @@ def _get(name: str) -> Callable[..., Any] | None:
         if os.environ.get("HWSYNC_DELTA_NUMBA", "1") != "0":
             _kernels = _build()
     return None if _kernels is None else _kernels[name]
+
+
+def ready() -> bool:
+    """Whether a sync's codec runs the compiled kernels now: numba is installed and they are loaded (warm.start: a
+    thread of its own, started when a sender or receiver enters delta mode), or this is the thread loading them.
+
+    Until then the codec runs torch ops, which give the same bytes: no sync waits for numba, whose first compile
+    on a machine takes half a minute (then it loads them from its disk cache in a few seconds)."""
+    return kernel() is not None and (_loaded.is_set() or getattr(_loading, "active", False))
+
+
+@contextmanager
+def loading() -> Iterator[None]:
+    """This thread loads the kernels: ready() is true for it meanwhile."""
+    _loading.active = True
+    try:
+        yield
+    finally:
+        _loading.active = False
+
+
+def mark_loaded() -> None:
+    """The kernels are loaded: every thread's codec may use them from now on."""
+    _loaded.set()
+
+
+def wait_loaded(timeout: float | None = None) -> bool:
+    """Wait until the kernels are loaded (warm.start must have been called); False on timeout or without numba."""
+    return kernel() is not None and _loaded.wait(timeout)
+
+
+def cache_misses() -> int:
+    """How many kernel signatures this process compiled rather than loading from numba's disk cache."""
+    if _kernels is None:
+        return 0
+    return sum(sum(k.stats.cache_misses.values()) for k in _kernels.values() if hasattr(k, "stats"))
 
 
 def kernel() -> Callable[..., tuple[int, int]] | None:

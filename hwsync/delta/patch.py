@@ -105,7 +105,7 @@ def apply_into(dest: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, *
         tail = offsets[(ends[-2] if nb > 1 else 0):].to(torch.int64).bitwise_and_(0xFFFF)
         if tail.numel() and int(tail.max()) >= last:  # checked here: on a GPU a bad index is a device assert
             raise ValueError(f"{name}: the delta's last block has an offset past the tensor's {n} elements")
-        scatter = native.scatter_blocks() if flat.device.type == "cpu" else None
+        scatter = native.scatter_blocks() if flat.device.type == "cpu" and native.ready() else None
         if scatter is not None:  # on the host, one compiled pass over the changes
             keys, rows = dg.host_keys(flat.numel() * flat.element_size())
             found = scatter(counts.numpy(), offsets.numpy().view("uint16"), values.numpy(), 0, flat.numpy(), keys,
@@ -126,7 +126,7 @@ def apply_into(dest: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, *
         if n % 64 and bool(bits.unpack_bits(words[-1:].view(torch.uint8), 64)[n % 64:].any()):
             raise ValueError(f"{name}: the delta's bitmap has bits set past the tensor's {n} elements")
         values = _section(data, pad8((n + 7) // 8), k, ints)
-        scatter_bits = native.scatter_bits() if flat.device.type == "cpu" else None
+        scatter_bits = native.scatter_bits() if flat.device.type == "cpu" and native.ready() else None
         if scatter_bits is not None:  # on the host, one compiled pass over the bits
             keys, rows = dg.host_keys(flat.numel() * flat.element_size())
             done, found = scatter_bits(words.view(torch.uint8).numpy(), values.numpy(), flat.numpy(), keys, rows, gain)
@@ -150,7 +150,7 @@ class BaseMismatch(ValueError):
 def _apply_steps(flat: torch.Tensor, header: DeltaHeader, payload: torch.Tensor, name: str, gain: bool) -> int:
     """Write a step code's changes into `flat` (int16), all checked first (the base's values at the changes
     included); the digest's gain."""
-    scatter = native.scatter_steps() if flat.device.type == "cpu" else None
+    scatter = native.scatter_steps() if flat.device.type == "cpu" and native.ready() else None
     if scatter is not None:  # on the host, compiled passes: check the payload, check the base, write
         return _scatter_steps_host(scatter, flat, header, payload.to(flat.device).numpy(), name, gain)
     count = header.count

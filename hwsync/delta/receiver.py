@@ -33,16 +33,15 @@ from typing import Any
 
 import torch
 
-from hwsync.bucket import IntoFn, LoadFn
-from hwsync.delta import native
+from hwsync.bucket import IntoFn, LoadFn, matching_destination
+from hwsync.delta import native, warm
 from hwsync.delta.digest import tensor_digest
-from hwsync.delta.header import BITMAP, BLOCKS, SAME, STEPS, DeltaHeader, headers_from_words
+from hwsync.delta.header import BITMAP, BLOCKS, DENSE, SAME, STEPS, DeltaHeader, headers_from_words
 from hwsync.delta.patch import BaseMismatch, apply_into, verify
-from hwsync.delta.warm import warm_up
 from hwsync.devices import DeviceOwner
-from hwsync.errors import DeltaCheckError, ProtocolError
+from hwsync.errors import DeltaCheckError, ManifestError, ProtocolError
 from hwsync.interfaces import Device
-from hwsync.manifest import TensorSpec, dtype_from_name
+from hwsync.manifest import TensorSpec, dtype_from_name, dtype_name
 
 #: a delta with at most 1 changed element in this many is checked from its changes (when the held digest is known)
 CHANGED_CHECK_RATIO = 50
@@ -84,8 +83,6 @@ class ReceiverDeltas:
         self._full = True
         self._pool: ThreadPoolExecutor | None = None
         self._owner: DeviceOwner | None = None
-        #: the dtypes of a full sync in delta mode: their kernels are loaded once it completes
-        self._warm: list[torch.dtype] = []
         #: the tensors a full sync in delta mode wrote (destinations and kept copies), digested once it completes
         self._written: dict[str, torch.Tensor] = {}
         self._digesting: Future[dict[str, int]] | None = None
@@ -100,8 +97,8 @@ class ReceiverDeltas:
         self._settle()  # the digests of the last full sync, taken before anything is written again
         held, self.held, self._wire = self.held, None, wire
         self._headers, self._targets, self._delta = {}, {}, False
-        if wire is not None and wire["base"] is None:  # deltas of these dtypes will follow (bf16: not announced)
-            self._warm = sorted({dtype_from_name(spec.dtype) for spec in targets or []} or {torch.bfloat16}, key=str)
+        if wire is not None:  # a sender in delta mode: deltas will follow; their kernels load on a thread of their own
+            warm.start()
         if wire is None or wire["base"] is None:
             self._digests, self._since_full = {}, 0  # what a full sync writes is digested once it completes
             if wire is None:
@@ -165,12 +162,18 @@ class ReceiverDeltas:
         if header is None or spec is None:
             raise ProtocolError(f"the sender sent a payload for {name!r}, which its delta sync did not announce")
         dtype = dtype_from_name(spec.dtype)
-        dest = into(name, dtype, spec.shape) if into is not None else None
+        dest = matching_destination(name, dtype, spec.shape, into(name, dtype, spec.shape) if into else None)
         if dest is not None:
             return dest, True
         kept = self._kept.get(name)
+        if kept is not None and (kept.dtype != dtype or tuple(kept.shape) != tuple(spec.shape)):
+            if header.code != DENSE:  # a sender changes a tensor's spec only with the whole tensor
+                raise ManifestError(f"{name}: a {header.code} delta for {spec.dtype} of shape {list(spec.shape)}, but "
+                                    f"the copy this receiver keeps of it is {dtype_name(kept.dtype)} of shape "
+                                    f"{list(kept.shape)}; refused (the sender's next sync is full)")
+            kept = None  # reshaped, or another dtype: the dense payload fills a copy of the new spec
         if kept is None:
-            if header.code != "dense":
+            if header.code != DENSE:
                 raise ProtocolError(f"{name}: a {header.code} delta, but this receiver keeps no copy of it to "
                                     "apply it on; refused (the sender's next sync is full)")
             kept = self._kept[name] = torch.empty(spec.shape, dtype=dtype, device=payload.device)
@@ -193,6 +196,10 @@ class ReceiverDeltas:
                     ok, how = verify(result, header), "the whole tensor"
             except BaseMismatch:  # a step code checks its base's values first and then writes nothing
                 ok, how = False, "the values at its changes, before writing"
+            except ValueError as exc:  # a payload that does not fit its header or its base: nothing trusted
+                self._digests.pop(name, None)
+                raise ProtocolError(f"{name}: its {header.code} delta could not be applied ({exc}); this receiver "
+                                    "holds no known version of it, and the sender's next sync is full") from None
         if not ok:
             self._digests.pop(name, None)
             raise DeltaCheckError(f"{name} does not have the sender's digest for its {header.code} delta (checked on "
@@ -211,9 +218,6 @@ class ReceiverDeltas:
             # checked from its changes; a full sync that landed wrong still fails it (its digest is the sender's)
             written, self._written = {**self._written, **self._kept}, {}
             self._digesting = self.pool().submit(_digest_all, written)
-        if self._warm:  # after a full sync in delta mode: the kernels load while the trainer trains (once a process)
-            self.pool().submit(warm_up, self._warm)
-            self._warm = []
 
     def _settle(self) -> None:
         """Take the last full sync's digests (waiting for them); none if digesting failed (checked whole then)."""
@@ -348,6 +352,6 @@ class Applying:
 def _check_changes(header: DeltaHeader) -> bool:
     """Whether a host tensor's result is checked from its changes rather than digested whole (the cheaper; on a
     GPU a whole digest always is)."""
-    if header.code == STEPS and native.scatter_steps() is not None:
+    if header.code == STEPS and native.ready():
         return header.count * STEP_CHECK_RATIO <= header.numel
     return header.code in (BLOCKS, BITMAP, STEPS) and header.count * CHANGED_CHECK_RATIO <= header.numel

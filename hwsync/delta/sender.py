@@ -12,6 +12,13 @@ host (the payloads are announced with the offer and stream as byte tensors), or 
 across nodes (hwsync.delta.ahead: each group's headers travel with it). The baseline moves only once
 every receiver completed the sync (`commit`): a failed delta leaves it as it was, a failed full sync
 drops it (it was overwritten as the sync streamed).
+
+The baseline owns its bytes before send() returns: the caller's tensors are theirs again then, and an
+optimizer step may change them at once. A full sync copies each tensor into the baseline as it is taken. A
+delta's sparse payloads are written into the sender's own room; a dense one (the whole tensor) may stream as a
+view of the caller's tensor, so its bytes are copied, on the encode thread, into the tensor that becomes the
+baseline at commit (the old one is kept as the next dense copy's room: no fresh pages per sync). With
+`stable_sources=False` each tensor is copied as it is taken from the source, before any encode reads it.
 """
 
 from __future__ import annotations
@@ -27,15 +34,15 @@ from typing import Any
 import torch
 
 from hwsync.casting import EngineDtypes
+from hwsync.delta import warm
 from hwsync.delta.ahead import EncodeAhead, Job
 from hwsync.delta.diff import Delta, encode, to_engine_dtype
 from hwsync.delta.digest import tensor_digest
 from hwsync.delta.header import DENSE, DeltaHeader
 from hwsync.delta.patch import advance
 from hwsync.delta.room import RESERVE_SHARE, PayloadRoom
-from hwsync.delta.warm import warm_up
 from hwsync.devices import DeviceOwner
-from hwsync.errors import ManifestError
+from hwsync.errors import DuplicateTensorError, ManifestError
 from hwsync.interfaces import Device
 from hwsync.manifest import TensorSpec, dtype_from_name, dtype_name
 from hwsync.planner import EngineState
@@ -94,7 +101,12 @@ class SenderDeltas:
         self.base_id: str | None = None
         self._tensors: dict[str, torch.Tensor] = {}
         self._digests: dict[str, int] = {}
-        self._pinned: list[torch.Tensor] = []
+        #: host tensors pinned for device-to-host copies, by data pointer (unpinned when dropped)
+        self._pinned: dict[int, torch.Tensor] = {}
+        #: a dense delta's copy of each tensor, written on the encode threads: the baseline once the sync commits
+        self._successors: dict[str, torch.Tensor] = {}
+        #: the baseline tensors a commit replaced with their successors: room for the next dense copy of each
+        self._spares: dict[str, torch.Tensor] = {}
         #: why the next sync cannot be a delta though every receiver may hold the baseline
         self._lost = "the first sync: no baseline yet"
         #: threads that encode tensors side by side (the trainer waits for the sync meanwhile)
@@ -115,12 +127,17 @@ class SenderDeltas:
 
     @property
     def baseline_bytes(self) -> int:
-        """Memory the baseline holds."""
+        """Memory the baseline holds: its tensors, and the spares the next dense copies are written into."""
         self.settle()
-        return self._held_bytes()
+        return self._held_bytes() + self.spare_bytes
 
     def _held_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+    @property
+    def spare_bytes(self) -> int:
+        """Memory kept beside the baseline for the next dense deltas' copies (the tensors they replaced)."""
+        return sum(t.numel() * t.element_size() for t in self._spares.values())
 
     def decide(self, states: Sequence[Mapping[str, Any]]) -> tuple[bool, str]:
         """(whether this sync is a delta, why), from every receiver's report."""
@@ -157,9 +174,12 @@ class SenderDeltas:
         """
         self.settle()
         self.room.reset()  # the last sync's payloads are spent: settle() waited for the baseline to take them
+        self._release_successors()
         self._count += 1
         self._next = f"{self._prefix}:{self._count}"
         self.active = self.active or delta
+        if self.active:
+            warm.start()  # the codec's compiled kernels load on a thread of their own; torch ops serve until then
         if not self.active:
             self._pending = Prepared(dtypes.pairs(pairs), dtypes.manifest(manifest), dtypes.manifest(manifest), None)
             return self._pending
@@ -175,8 +195,9 @@ class SenderDeltas:
                                      {"base": None, "next": self._next, "headers": None})
         else:
             self._pending = self._encode(pairs, dtypes, manifest, note, streamed)
-        note["baseline_bytes"] = self.baseline_bytes
+        note["baseline_bytes"] = self.baseline_bytes  # with the spares
         note["room_bytes"] = self.room.held_bytes
+        note["spare_bytes"] = self.spare_bytes
         return self._pending
 
     def _keep(self, pairs: Iterable[tuple[str, torch.Tensor]], dtypes: EngineDtypes
@@ -193,8 +214,10 @@ class SenderDeltas:
             dtype = dtypes.target(name, tensor.dtype)
             kept = self._tensors.get(name)
             if kept is None or kept.shape != tensor.shape or kept.dtype != dtype:
+                if kept is not None:
+                    self._forget(kept)
                 kept = self._tensors[name] = self._allocate(tuple(tensor.shape), dtype, tensor.device)
-            kept.copy_(tensor)
+            kept.copy_(tensor)  # before the next is taken: a source with stable_sources=False may refill it then
             cast_here = dtype != tensor.dtype and kept.device == tensor.device
             yield name, kept if cast_here else dtypes.cast(name, tensor)
 
@@ -204,8 +227,40 @@ class SenderDeltas:
             return torch.empty(shape, dtype=dtype, device=source)
         kept = torch.empty(shape, dtype=dtype)
         if source.type != "cpu" and self._device.pin_host_memory(kept):
-            self._pinned.append(kept)  # device-to-host copies into it at full speed
+            self._pinned[kept.data_ptr()] = kept  # device-to-host copies into it at full speed
         return kept
+
+    def _forget(self, kept: torch.Tensor) -> None:
+        """A baseline tensor or spare no longer kept: unpinned, so that its memory goes with it."""
+        if self._pinned.pop(kept.data_ptr(), None) is not None:
+            self._device.unpin_host_memory(kept)
+
+    def _successor(self, name: str, engine: torch.Tensor, fresh: bool) -> None:
+        """What the baseline of `name` becomes if this sync commits: `engine` (the tensor in the engine's dtype,
+        as the receivers will hold it) in memory this sender owns, where the baseline lives (an encode thread's
+        job). `fresh`: `engine` was made for this sync (a cast, a contiguous copy, a copy taken from an unstable
+        source), not the caller's own memory, so where it already is where the baseline lives it is kept as it is.
+        """
+        where = engine.device if self.on_device else torch.device("cpu")
+        if fresh and engine.device == where and engine.is_contiguous():
+            self._successors[name] = engine
+            return
+        spare = self._spares.pop(name, None)
+        if spare is None or spare.shape != engine.shape or spare.dtype != engine.dtype:
+            if spare is not None:
+                self._forget(spare)
+            spare = self._allocate(tuple(engine.shape), engine.dtype, engine.device)
+        spare.copy_(engine)
+        self._successors[name] = spare
+
+    def _release_successors(self) -> None:
+        """The copies of a sync that did not commit go back to being spares (their memory is reused)."""
+        successors, self._successors = self._successors, {}
+        for name, successor in successors.items():
+            if name not in self._spares and successor is not self._tensors.get(name):
+                self._spares[name] = successor
+            else:
+                self._forget(successor)
 
     def _encode(self, pairs: NamedTensors, dtypes: EngineDtypes, manifest: list[TensorSpec] | None,
                 note: dict[str, Any], streamed: bool) -> Prepared:
@@ -237,15 +292,27 @@ class SenderDeltas:
     def _jobs(self, pairs: NamedTensors, dtypes: EngineDtypes, targets: list[TensorSpec] | None) -> Iterator[Job]:
         """Each tensor's encode, taken from the source as the encodes ask for it (on the calling thread: a DTensor
         gathers here); the host kernel and torch's ops release the GIL, so the encodes run side by side."""
+        seen: set[str] = set()
         for position, item in enumerate(pairs):
             name, tensor = named_tensor(position, item)
+            if name in seen:  # two encodes of one name would race for its baseline
+                raise DuplicateTensorError(f"item #{position} of the source repeats the name {name!r}; a delta sync "
+                                           "sends each tensor once: yield each name once")
+            seen.add(name)
+            fresh = False
+            if hasattr(tensor, "full_tensor"):  # an FSDP DTensor: gathered here, in source order (a collective)
+                tensor, fresh = tensor.full_tensor(), True
+            if not self.stable_sources and not fresh:
+                # the source may refill this memory once it yields the next tensor, while the encodes still read it
+                tensor, fresh = tensor.detach().clone(memory_format=torch.contiguous_format), True
             spec = self._target_spec(position, name, tensor, dtypes, targets)
             base = self._tensors.get(name)
             target_dtype = dtype_from_name(spec.dtype)
             if base is None or base.shape != tensor.shape or base.dtype != target_dtype:
-                yield spec, dense, (tensor, target_dtype)  # new to the baseline (or reshaped): no patch
+                # new to the baseline, or another shape or dtype than it holds: the whole tensor, no patch
+                yield spec, self._dense_job, (name, tensor, target_dtype, fresh)
             else:
-                yield spec, _encode, (tensor, base, self._digests.get(name), name, self._helper, self.room)
+                yield spec, self._encode_job, (name, tensor, base, fresh)
 
     def _encoders(self) -> ThreadPoolExecutor:
         """The encode threads, kept across syncs (each keeps its chunk buffers: no fresh pages per sync), on the
@@ -276,20 +343,47 @@ class SenderDeltas:
                                     "in their order")
         return spec
 
+    def _dense_job(self, name: str, tensor: torch.Tensor, dtype: torch.dtype, fresh: bool) -> Delta:
+        """The whole tensor as a dense delta, and its copy that becomes the baseline (an encode thread's job)."""
+        found = dense(tensor, dtype)
+        self._successor(name, found.payload.view(dtype).view(tensor.shape), fresh or dtype != tensor.dtype
+                        or not tensor.is_contiguous())
+        return found
+
+    def _encode_job(self, name: str, tensor: torch.Tensor, base: torch.Tensor, fresh: bool) -> Delta:
+        """One tensor against its baseline; a dense result's copy becomes the baseline (an encode thread's job)."""
+        found = encode(tensor, base, base_digest=self._digests.get(name), name=name, helper=self._helper,
+                       room=self.room)
+        if found.header.code == DENSE:
+            self._successor(name, found.payload.view(base.dtype).view(base.shape), fresh
+                            or base.dtype != tensor.dtype or not tensor.is_contiguous())
+        return found
+
     def commit(self) -> None:
         """Every receiver completed the sync: the baseline is what they hold now."""
         pending, self._pending = self._pending, None
         if pending is None or pending.wire is None:
             return
         shapes = {spec.name: spec for spec in pending.targets or []}
-        moves = []
+        moves, strays = [], []
+        successors, self._successors = self._successors, {}
         for name, found in pending.deltas.items():
             spec, kept = shapes[name], self._tensors.get(name)
-            if kept is None or tuple(kept.shape) != spec.shape or dtype_name(kept.dtype) != spec.dtype:
-                kept = self._allocate(spec.shape, dtype_from_name(spec.dtype), found.payload.device)
-                self._tensors[name] = kept
-            moves.append((name, kept, found))
             self._digests[name] = found.header.digest
+            successor = successors.pop(name, None)
+            if successor is not None:  # dense: its copy, taken before send() returned, is the baseline now
+                self._tensors[name] = successor
+                if kept is not None:
+                    self._retire(name, kept)
+                continue
+            if kept is None or tuple(kept.shape) != spec.shape or dtype_name(kept.dtype) != spec.dtype:
+                strays.append(name)  # cannot happen (another spec always goes dense); if it does, start over
+                continue
+            moves.append((name, kept, found))
+        if strays:
+            self.drop(f"the last sync's deltas of {strays[:3]} did not match the baseline's tensors (a bug: report it)")
+            self.active = True
+            return
         # the changes are written, or after a full sync each tensor digested (the next delta's digests then follow
         # from its changes alone), after send() returns, while the trainer goes on; the next use waits for it
         todo = [] if pending.deltas else [name for name in self._tensors if name not in self._digests]
@@ -297,9 +391,8 @@ class SenderDeltas:
             if self._advancer is None:
                 owner = DeviceOwner(self._device)
                 self._advancer = ThreadPoolExecutor(1, thread_name_prefix="hwsync-baseline", initializer=owner.enter)
-            warm = [] if pending.deltas else sorted({t.dtype for t in self._tensors.values()}, key=str)
             reserve = 0 if pending.deltas or self.on_device else int(RESERVE_SHARE * self._held_bytes())
-            self._settling = self._advancer.submit(_advance_all, moves, self._tensors, todo, self._digests, warm,
+            self._settling = self._advancer.submit(_advance_all, moves, self._tensors, todo, self._digests,
                                                    self.room, reserve)
         first = self.base_id is None
         self.base_id = self._next
@@ -320,11 +413,19 @@ class SenderDeltas:
             self.drop(f"moving the baseline to the last sync failed: {type(error).__name__}: {error}")
             self.active = True  # still in delta mode: the next sync makes a new baseline
 
+    def _retire(self, name: str, kept: torch.Tensor) -> None:
+        """A baseline tensor its successor replaced: the room of the next dense copy of `name`."""
+        old = self._spares.pop(name, None)
+        if old is not None:
+            self._forget(old)
+        self._spares[name] = kept
+
     def abort(self) -> None:
         """The sync failed: a delta leaves the baseline as it was (a full sync already dropped it)."""
         pending, self._pending = self._pending, None
         if pending is not None and pending.encoded is not None:
             pending.encoded.close()  # its encoding threads end here
+        self._release_successors()
 
     def close(self) -> None:
         """End the encode and baseline threads (the baseline's last writes finish first); the baseline stays."""
@@ -348,31 +449,22 @@ class SenderDeltas:
             self._settling = None
         freed = self.baseline_bytes
         self.room.clear()  # the payloads' memory goes with it (a few percent of the baseline's)
-        for kept in self._pinned:
+        for kept in self._pinned.values():
             self._device.unpin_host_memory(kept)
-        self._pinned, self._tensors, self._digests, self.base_id, self._lost = [], {}, {}, None, reason
+        self._pinned, self._tensors, self._digests, self.base_id, self._lost = {}, {}, {}, None, reason
+        self._spares, self._successors = {}, {}
         self.active = False
         if freed:
             log.info("hwsync: delta baseline dropped: %.1f MB freed", freed / 1e6)
         return freed
 
 
-def _encode(tensor: torch.Tensor, base: torch.Tensor, base_digest: int | None, name: str,
-            helper: ThreadPoolExecutor | None, room: PayloadRoom) -> Delta:
-    """One tensor against its baseline (an encode thread's job; a large one's pieces from its end on `helper`; a
-    host payload in `room`)."""
-    return encode(tensor, base, base_digest=base_digest, name=name, helper=helper, room=room)
-
-
 def _advance_all(moves: list[tuple[str, torch.Tensor, Delta]], tensors: Mapping[str, torch.Tensor],
-                 todo: list[str], digests: dict[str, int], warm: list[torch.dtype], room: PayloadRoom,
-                 reserve: int) -> None:
-    """Write each committed delta into its baseline tensor (the changes only; a dense one whole), digest the
-    tensors in `todo` (a full sync's) into `digests`, load the kernels that deltas of `warm` will run, and make
-    `reserve` bytes of payload room ready for the first delta."""
+                 todo: list[str], digests: dict[str, int], room: PayloadRoom, reserve: int) -> None:
+    """Write each committed delta into its baseline tensor (the changes only), digest the tensors in `todo` (a full
+    sync's) into `digests`, and make `reserve` bytes of payload room ready for the first delta."""
     for name, kept, found in moves:
         advance(kept, found.header, found.payload, name=name)
     for name in todo:
         digests[name] = tensor_digest(tensors[name])
-    warm_up(warm)
     room.reserve(reserve)

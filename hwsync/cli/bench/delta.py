@@ -87,9 +87,9 @@ def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, 
     from transformers import LlamaForCausalLM
 
     from hwsync import CrossNodeSender, WeightSender
-    from hwsync.delta import encode
+    from hwsync.delta import warm
 
-    encode(torch.ones(1 << 16), torch.zeros(1 << 16, dtype=torch.bfloat16))  # compile (or load) the host kernels now
+    warm.wait()  # compile (or load) the host kernels before anything is timed
     torch.manual_seed(0)
     model = LlamaForCausalLM(_config(hidden, layers))
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -142,11 +142,9 @@ def engine(endpoint: str | None, hidden: int, layers: int, syncs: int, timeout_s
 
     from hwsync import CrossNodeReceiver, WeightReceiver
     from hwsync.casting import engine_dtypes
-    from hwsync.delta import apply_into, encode
+    from hwsync.delta import warm
 
-    base = torch.zeros(1 << 16, dtype=torch.bfloat16)
-    found = encode(torch.ones(1 << 16), base)
-    apply_into(base, found.header, found.payload)  # compile (or load) the host kernels now
+    warm.wait()  # compile (or load) the host kernels before anything is timed
     with torch.device("meta"):
         shapes = LlamaForCausalLM(_config(hidden, layers)).state_dict()
     held = {name: torch.empty(t.shape, dtype=torch.bfloat16) for name, t in shapes.items()}

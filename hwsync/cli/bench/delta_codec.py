@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from hwsync.cli.bench.transfer import model_spec
-from hwsync.delta import CHUNK_ELEMS, DeltaEncoder, apply_into, payload_bytes, tensor_digest
+from hwsync.delta import CHUNK_ELEMS, DeltaEncoder, apply_into, payload_bytes, tensor_digest, warm
 from hwsync.delta.header import BITMAP, BLOCKS, DENSE, SAME, STEPS
 
 _LINKS_GBIT = (1, 10)
@@ -80,6 +80,7 @@ def _sizes(deltas: list[Any], numels: list[int]) -> dict[str, int]:
 
 def _warm_up(encoder: DeltaEncoder) -> None:
     """Compile the host kernels (numba, once per machine: cached) before anything is timed."""
+    warm.wait()
     for dtype in (torch.bfloat16, torch.float32):
         base = torch.zeros(1 << 17, dtype=dtype)
         for new in (base.clone().fill_(1), base + (torch.arange(base.numel()) % 3 == 0)):
