@@ -26,6 +26,8 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -107,6 +109,11 @@ class SenderDeltas:
         self._successors: dict[str, torch.Tensor] = {}
         #: the baseline tensors a commit replaced with their successors: room for the next dense copy of each
         self._spares: dict[str, torch.Tensor] = {}
+        #: this sync's copies of what the caller owns (dense successors, tensors of an unstable source): bytes,
+        #: seconds summed over the threads that made them, and the stats note they go into at commit
+        self._owned = [0, 0.0]
+        self._owned_lock = threading.Lock()
+        self._note: dict[str, Any] | None = None
         #: why the next sync cannot be a delta though every receiver may hold the baseline
         self._lost = "the first sync: no baseline yet"
         #: threads that encode tensors side by side (the trainer waits for the sync meanwhile)
@@ -175,6 +182,7 @@ class SenderDeltas:
         self.settle()
         self.room.reset()  # the last sync's payloads are spent: settle() waited for the baseline to take them
         self._release_successors()
+        self._owned, self._note = [0, 0.0], None
         self._count += 1
         self._next = f"{self._prefix}:{self._count}"
         self.active = self.active or delta
@@ -186,7 +194,7 @@ class SenderDeltas:
         use, reason = self.decide(states) if delta else (False, "this sync asked for a full sync (delta=False)")
         note: dict[str, Any] = {"mode": "delta" if use else "full", "reason": reason,
                                 "base": self.base_id if use else None}
-        stats.notes["delta"] = note
+        stats.notes["delta"] = self._note = note
         if not use:
             self.base_id, self._digests = None, {}  # overwritten while this full sync streams
             self._lost = "the last full sync did not complete, and the baseline was overwritten while it streamed"
@@ -245,6 +253,7 @@ class SenderDeltas:
         if fresh and engine.device == where and engine.is_contiguous():
             self._successors[name] = engine
             return
+        t0 = time.perf_counter()
         spare = self._spares.pop(name, None)
         if spare is None or spare.shape != engine.shape or spare.dtype != engine.dtype:
             if spare is not None:
@@ -252,6 +261,13 @@ class SenderDeltas:
             spare = self._allocate(tuple(engine.shape), engine.dtype, engine.device)
         spare.copy_(engine)
         self._successors[name] = spare
+        self._count_owned(spare, t0)
+
+    def _count_owned(self, copy: torch.Tensor, t0: float) -> None:
+        """A copy made so that this sync owns what the caller may change once send() returns (any thread)."""
+        with self._owned_lock:
+            self._owned[0] += copy.numel() * copy.element_size()
+            self._owned[1] += time.perf_counter() - t0
 
     def _release_successors(self) -> None:
         """The copies of a sync that did not commit go back to being spares (their memory is reused)."""
@@ -304,7 +320,9 @@ class SenderDeltas:
                 tensor, fresh = tensor.full_tensor(), True
             if not self.stable_sources and not fresh:
                 # the source may refill this memory once it yields the next tensor, while the encodes still read it
+                t0 = time.perf_counter()
                 tensor, fresh = tensor.detach().clone(memory_format=torch.contiguous_format), True
+                self._count_owned(tensor, t0)
             spec = self._target_spec(position, name, tensor, dtypes, targets)
             base = self._tensors.get(name)
             target_dtype = dtype_from_name(spec.dtype)
@@ -365,6 +383,8 @@ class SenderDeltas:
         if pending is None or pending.wire is None:
             return
         shapes = {spec.name: spec for spec in pending.targets or []}
+        if self._note is not None:  # what owning the caller's bytes cost this sync (bench delta prints it)
+            self._note.update(owned_bytes=self._owned[0], owned_s=self._owned[1])
         moves, strays = [], []
         successors, self._successors = self._successors, {}
         for name, found in pending.deltas.items():

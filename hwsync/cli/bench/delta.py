@@ -2,7 +2,9 @@
 
 A Llama of about 300M parameters (random weights from a transformers config) trains in fp32 with
 AdamW on the trainer host; the engine host holds it in bf16 (it says so: the trainer casts to the
-engine's dtype, the loader's own cast). For each learning rate and link rate, the trainer host
+engine's dtype, the loader's own cast), or with `--engine-dtype float32` in fp32: then nothing is cast,
+the deltas are dense, and what owning the caller's bytes costs (the copy of each dense tensor into the
+sender's next baseline, before send() returns: "owned" in the table) is what it costs most. For each learning rate and link rate, the trainer host
 syncs once (full: the baseline), then each step trains and sends a delta sync, as an RL loop does,
 and at the end sends FULL_SYNCS full syncs of the last weights (a full sync's cost does not depend on
 the step), over the cross-node path (CrossNodeSender / CrossNodeReceiver, gloo) and the bed's
@@ -39,6 +41,8 @@ def add_bench_delta_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size of the Llama")
     parser.add_argument("--layers", type=int, default=18, help="decoder layers (18 x 1024: about 335M parameters)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any wait may take")
+    parser.add_argument("--engine-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the dtype the engine holds (float32: nothing cast, deltas dense)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -75,7 +79,7 @@ def copy_gbps(nbytes: int = 1 << 30, repeat: int = 3) -> float:
 
 
 def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, lr: float, steps: int,
-            timeout_s: float) -> dict[str, Any]:
+            timeout_s: float, engine_dtype: str = "bfloat16") -> dict[str, Any]:
     """The trainer host: trains and syncs; every sync's stats, the densities and the copy speed (JSON).
 
     Each sync goes twice: across the link (CrossNodeSender, the engine host's CrossNodeReceiver) and on this
@@ -99,7 +103,7 @@ def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, 
     with CrossNodeSender(endpoint, num_receivers=1, group_host=address, timeout_s=timeout_s,
                          secret_key=secret) as sender, WeightSender(timeout_s=timeout_s) as local:
         beside = multiprocessing.get_context("spawn").Process(
-            target=engine, args=(None, hidden, layers, syncs, timeout_s, local.endpoint), daemon=True)
+            target=engine, args=(None, hidden, layers, syncs, timeout_s, local.endpoint, engine_dtype), daemon=True)
         beside.start()
 
         def sync(step: int, version: int, delta: bool) -> None:
@@ -116,7 +120,8 @@ def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, 
                                   "bytes": stats.bytes, "density": note.get("density"), "diff_s": note.get("diff_s"),
                                   "apply_s": stats.load_s, "wait_s": stats.wait_s, "pack_s": stats.pack_s,
                                   "baseline_bytes": note.get("baseline_bytes"), "reason": note.get("reason"),
-                                  "check": peer.get("notes", {}).get("delta_check"), "cpu_s": cpu})
+                                  "check": peer.get("notes", {}).get("delta_check"), "cpu_s": cpu,
+                                  "owned_bytes": note.get("owned_bytes"), "owned_s": note.get("owned_s")})
 
         sync(0, 0, True)  # the first: full, it makes the baseline
         for step in range(1, steps + 1):
@@ -134,7 +139,7 @@ def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, 
 
 
 def engine(endpoint: str | None, hidden: int, layers: int, syncs: int, timeout_s: float,
-           local: str | None = None) -> dict[str, Any]:
+           local: str | None = None, engine_dtype: str = "bfloat16") -> dict[str, Any]:
     """The engine: holds the model in bf16 and receives `syncs` syncs into it, from across the link (`endpoint`)
     or from a sender on this host (`local`: a WeightSender's endpoint)."""
     import torch
@@ -147,7 +152,7 @@ def engine(endpoint: str | None, hidden: int, layers: int, syncs: int, timeout_s
     warm.wait()  # compile (or load) the host kernels before anything is timed
     with torch.device("meta"):
         shapes = LlamaForCausalLM(_config(hidden, layers)).state_dict()
-    held = {name: torch.empty(t.shape, dtype=torch.bfloat16) for name, t in shapes.items()}
+    held = {name: torch.empty(t.shape, dtype=getattr(torch, engine_dtype)) for name, t in shapes.items()}
     state = {"dtypes": engine_dtypes(held.items())}
     seconds, cpu, began = [], [], [0.0]
     receiver = WeightReceiver(local, timeout_s=timeout_s) if local else \
@@ -172,8 +177,9 @@ def _run_pair(bed: Any, lr: float, args: argparse.Namespace) -> dict[str, Any]:
     target = "hwsync.cli.bench.delta:"
     syncs = 1 + args.steps + FULL_SYNCS
     train = bed.start(0, target + "trainer", endpoint, secret, address, args.hidden, args.layers, lr, args.steps,
-                      args.timeout)
-    held = bed.start(1, target + "engine", endpoint, args.hidden, args.layers, syncs, args.timeout)
+                      args.timeout, args.engine_dtype)
+    held = bed.start(1, target + "engine", endpoint, args.hidden, args.layers, syncs, args.timeout, None,
+                     args.engine_dtype)
     limit = args.timeout * (syncs + 2)
     result = train.result(timeout=limit)
     result["engine"] = held.result(timeout=limit)
@@ -221,7 +227,7 @@ def run_bench_delta(args: argparse.Namespace) -> int:
         with Bed(2, rate_bps=rate) as bed:
             for lr in args.lrs:
                 summary = _summary(_run_pair(bed, lr, args), rate)
-                report.append({"link": link, "lr": lr, **summary})
+                report.append({"link": link, "lr": lr, "engine_dtype": args.engine_dtype, **summary})
                 if not args.json:
                     _print(report[-1])
     if args.json:
@@ -230,18 +236,20 @@ def run_bench_delta(args: argparse.Namespace) -> int:
 
 
 def _print(r: dict[str, Any]) -> None:
-    print(f"\n== link {r['link']}, LR {r['lr']:g}: {r['params'] / 1e6:.0f}M parameters (fp32 masters, bf16 engine), "
-          f"copy {r['copy_gbps']:.1f} GB/s")
+    engine = "bf16" if r.get("engine_dtype", "bfloat16") == "bfloat16" else "fp32"
+    print(f"\n== link {r['link']}, LR {r['lr']:g}: {r['params'] / 1e6:.0f}M parameters (fp32 masters, {engine} "
+          f"engine), copy {r['copy_gbps']:.1f} GB/s")
     full_s, full_bytes = r["full_s"], r["full_bytes"]
     if full_s:
         print(f"   full sync: {full_bytes / 1e6:.0f} MB in {full_s:.3f} s = {r['full_vs_line']:.2f}x the line rate")
     print("   step  density   wire MB   delta s   diff s  apply s   wire floor s  read floor s  vs floor  "
-          "CPU s: trainer  engine  receiver checked")
+          "owned MB  owned s  CPU s: trainer  engine  receiver checked")
     for d in r["deltas"]:
         engine = "-" if d.get("engine_cpu_s") is None else f"{d['engine_cpu_s']:.3f}"
         print(f"   {d['step']:>4}  {d['density']:>7.4%}  {d['bytes'] / 1e6:>8.2f}  {d['seconds']:>8.3f}  "
               f"{d['diff_s']:>7.3f}  {d['apply_s']:>7.3f}  {d['wire_floor_s']:>12.3f}  {d['read_floor_s']:>12.3f}  "
-              f"{d['vs_floor']:>7.2f}x  {d['cpu_s']:>14.3f}  {engine:>6}  {d.get('check') or '-'}")
+              f"{d['vs_floor']:>7.2f}x  {(d.get('owned_bytes') or 0) / 1e6:>8.1f}  {d.get('owned_s') or 0.0:>7.3f}  "
+              f"{d['cpu_s']:>14.3f}  {engine:>6}  {d.get('check') or '-'}")
     if r["speedup"]:
         print(f"   delta sync {r['speedup']:.1f}x faster than a full sync (medians)")
     near = r["colocated"]
