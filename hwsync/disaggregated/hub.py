@@ -148,7 +148,7 @@ class Hub:
                                        f"{self.address}); start them, or raise timeout_s. The ranks that are ready "
                                        "stay ready for the next send()")
             if now - told >= self._keepalive_s:
-                text = cut(self.roster.describe_missing(missing))
+                text = cut(self.roster.describe_missing(missing, ages=False))
                 for peer in self.roster.waiting.values():
                     self._to(peer, Waiting(attempt=peer.attempt, missing=text))
                 told = now

@@ -84,14 +84,15 @@ class Roster:
         """The readies of `keys`, in that order, no longer held."""
         return [self.waiting.pop(key) for key in keys]
 
-    def describe_missing(self, keys: list[Key]) -> str:
-        """'receiver 1 (pid P on h, 10.0.0.3; its last ready came 12.0 s ago), sender 1 (not heard of yet)'."""
+    def describe_missing(self, keys: list[Key], *, ages: bool = True) -> str:
+        """'receiver 1 (pid P on h, 10.0.0.3) (its last ready came 12.0 s ago), sender 1 (not heard of yet)'; without
+        `ages`, the same without when (a text that changes only when the missing ranks do)."""
         now = time.monotonic()
         out = []
         for key in keys:
             known = self.known.get(key)
-            out.append(f"{key[0]} {key[1]} (not heard of yet)" if known is None else
-                       f"{known} (its last ready came {now - known.seen:.1f} s ago)")
+            when = f" (its last ready came {now - known.seen:.1f} s ago)" if known is not None and ages else ""
+            out.append(f"{key[0]} {key[1]} (not heard of yet)" if known is None else f"{known}{when}")
         return ", ".join(out)
 
 
