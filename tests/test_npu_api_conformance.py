@@ -1,10 +1,13 @@
-"""Every torch_npu name the NPU backend uses exists in the real torch-npu wheel.
+"""Every torch_npu name the NPU backend uses exists in the real torch-npu wheels users run.
 
-Read statically: the wheel is a zip; its .py files are parsed with ast and its shared libraries
+Read statically: a wheel is a zip; its .py files are parsed with ast and its shared libraries
 searched for binding names. Nothing from it is imported (it cannot be, without CANN). The names
-come from hwsync_npu.api, the one list the backend itself uses, so the two cannot drift.
-The wheel is fetched by ci/fetch-torch-npu.sh into .cache/torch-npu/; without it (and no way to
-download it) these tests skip with that reason.
+come from hwsync_npu.api, the one list the backend itself uses, so the two cannot drift. Each test
+runs on every checked version (api.CHECKED_TORCH_NPU_VERSIONS): 2.13.0, and 2.10.0.post4 in its
+aarch64 build, the one vllm-ascend 0.26.0rc1 pins and Atlas 800T A2 (Kunpeng) hosts install. A name
+a version lacks must be an optional one, whose fallback api.py names. The wheels are fetched by
+ci/fetch-torch-npu.sh into .cache/torch-npu/; without one (and no way to download it) its tests skip
+with that reason.
 """
 
 from __future__ import annotations
@@ -14,21 +17,33 @@ import zipfile
 from functools import lru_cache
 
 import pytest
+from npu_wheel import STATIC_PLATFORM, VERSIONS, missing, static_wheel_path
 
 from hwsync_npu import api
 from hwsync_npu.ipc import SHARE_FIELDS
 
-from npu_wheel import CACHE, VERSION, wheel_path
 
-
-
-@pytest.fixture(scope="module")
-def wheel() -> zipfile.ZipFile:
-    path = wheel_path()
+@pytest.fixture(scope="module", params=VERSIONS)
+def wheel(request: pytest.FixtureRequest) -> zipfile.ZipFile:
+    path = static_wheel_path(request.param)
     if path is None:
-        pytest.skip(f"torch-npu {VERSION} wheel not in {CACHE} and could not be fetched (run ci/fetch-torch-npu.sh)")
+        pytest.skip(missing(request.param, STATIC_PLATFORM.get(request.param)))
     with zipfile.ZipFile(path) as zf:
+        zf.checked_version = request.param  # type: ignore[attr-defined]
         yield zf
+
+
+def _libraries(zf: zipfile.ZipFile) -> list[str]:
+    return [n for n in zf.namelist() if n.startswith("torch_npu/") and ".so" in n.rsplit("/", 1)[-1]]
+
+
+@lru_cache(maxsize=8)
+def _library_bytes(zf: zipfile.ZipFile, lib: str) -> bytes:
+    return zf.read(lib)
+
+
+def _in_libraries(zf: zipfile.ZipFile, needle: bytes) -> bool:
+    return any(needle in _library_bytes(zf, lib) for lib in _libraries(zf))
 
 
 @lru_cache(maxsize=None)
@@ -107,12 +122,25 @@ def test_wheel_is_the_checked_version(wheel: zipfile.ZipFile) -> None:
     tree = _parse(wheel, "torch_npu/version.py")
     values = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
               for t in n.targets if isinstance(t, ast.Name) and isinstance(n.value, ast.Constant)}
-    assert values["__version__"] == VERSION
+    assert values["__version__"] == wheel.checked_version  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("dotted", api.PYTHON_ATTRIBUTES)
 def test_python_attribute_exists(wheel: zipfile.ZipFile, dotted: str) -> None:
-    assert resolve(wheel, dotted), f"{dotted} is not defined in torch-npu {VERSION}"
+    assert resolve(wheel, dotted), f"{dotted} is not defined in torch-npu {wheel.checked_version}"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("dotted", sorted(api.OPTIONAL_PYTHON_ATTRIBUTES))
+def test_an_optional_attribute_is_there_or_has_a_fallback(wheel: zipfile.ZipFile, dotted: str) -> None:
+    if not resolve(wheel, dotted):
+        # the backend must not need it there: the fallback api.py names is what runs
+        assert api.OPTIONAL_PYTHON_ATTRIBUTES[dotted]
+
+
+def test_the_pinned_torch_npu_has_no_npurt_and_the_newest_has(wheel: zipfile.ZipFile) -> None:
+    # what decides the host-registration route (host_register.py): npurt where it is, AscendCL elsewhere
+    has = resolve(wheel, "torch_npu.npu.npurt") and _in_libraries(wheel, b"npuHostRegister")
+    assert has == (wheel.checked_version == "2.13.0")  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("method", api.STORAGE_METHODS)
@@ -130,10 +158,8 @@ def test_storage_method_is_attached_to_untyped_storage(wheel: zipfile.ZipFile, m
 
 @pytest.mark.parametrize("name", api.C_EXTENSION_NAMES)
 def test_binding_name_is_in_the_extension(wheel: zipfile.ZipFile, name: str) -> None:
-    libraries = [n for n in wheel.namelist() if n.startswith("torch_npu/") and ".so" in n.rsplit("/", 1)[-1]]
-    assert libraries, "the wheel holds no shared library"
-    needle = name.encode()
-    assert any(needle in wheel.read(lib) for lib in libraries), f"{name} is in none of {libraries}"
+    assert _libraries(wheel), "the wheel holds no shared library"
+    assert _in_libraries(wheel, name.encode()), f"{name} is in none of {_libraries(wheel)}"
 
 
 def test_share_tuple_has_the_fields_the_ipc_transport_reads(wheel: zipfile.ZipFile) -> None:
@@ -148,14 +174,18 @@ def test_share_tuple_has_the_fields_the_ipc_transport_reads(wheel: zipfile.ZipFi
     assert rebuilds and len(rebuilds[0].args) == len(SHARE_FIELDS)
 
 
-def test_hccl_group_is_built_the_way_torch_npu_builds_it(wheel: zipfile.ZipFile) -> None:
-    # torch_npu/_init/registry/distributed.py: ProcessGroupHCCL(store, group_rank, group_size,
-    # pg_options) with pg_options = ProcessGroupHCCL.Options() and pg_options._timeout = timeout
-    source = wheel.read("torch_npu/_init/registry/distributed.py").decode()
-    tree = ast.parse(source)
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func).endswith(".ProcessGroupHCCL")]
-    assert calls and len(calls[0].args) == 4
-    assert "ProcessGroupHCCL.Options()" in source and "pg_options._timeout" in source
+def test_the_storage_checks_the_stand_in_applies_are_in_the_extension(wheel: zipfile.ZipFile) -> None:
+    # tests/npu_torch_standin.py refuses what StorageSharing.cpp refuses, with its words
+    for words in (b"Try to share a storage without base format", b"tuple of 8 items expected",
+                  b"Supported to send NPU tensor received from another process"):
+        assert _in_libraries(wheel, words), words
+
+
+def test_torch_npus_own_hccl_groups_can_take_the_processs_world(wheel: zipfile.ZipFile) -> None:
+    # why hwsync makes its HCCL communicators itself (hccl.py): ProcessGroupHCCL's ranktable and sub-communicator
+    # paths, which derive a group from the process's own world, are in this build
+    for words in api.RANKTABLE_PATHS:
+        assert _in_libraries(wheel, words.encode()), words
 
 
 def test_cann_version_query_takes_cann_and_driver(wheel: zipfile.ZipFile) -> None:

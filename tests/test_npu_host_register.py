@@ -1,11 +1,13 @@
-"""Page-locking shared host memory for NPU copies (torch_npu's npurt), and the shm transport over it, without an NPU.
+"""Page-locking shared host memory for NPU copies, and the shm transport over it, without an NPU.
 
-No CANN exists here, so torch_npu's runtime module is a recording fake of the two calls
-torch_npu 2.13.0 binds (`npurt().npuHostRegister(ptr, size, flags)` and
-`npuHostUnregister(ptr)`, returning an ACL error code; the names are checked against the
-real wheel by test_npu_api_conformance): these tests check hwsync's side (which memory is
-registered, with which flag, unregistered before it is unmapped and only after the device was
-synchronized, what a refusal or an older torch_npu leads to), not the driver's. The shm transport
+No CANN exists here, so both routes of registration are recording stand-ins: torch_npu 2.13.0's
+runtime module (`npurt().npuHostRegister(ptr, size, flags)`, `npuHostUnregister(ptr)`), and for
+2.10.0.post4, which has no npurt, AscendCL's own `aclrtHostRegisterV2(ptr, size, flags)` /
+`aclrtHostUnregister(ptr)` as C function pointers reached through the prototypes hwsync declares (the
+names are checked against the real wheels by test_npu_api_conformance): these tests check hwsync's side
+(which route, which memory, which flag, unregistered before it is unmapped and only after the device was
+synchronized, a kernel on which CANN forbids it, what a refusal or a missing route leads to, what
+`hwsync info` says), not the driver's. The shm transport
 (the core's hwsync.device_shm over NpuDevice) runs with "cpu" standing in for the NPU's memory,
 over real POSIX shared memory. Why one design fits the NPU as it fits CUDA is read from the real
 wheel below (test_torch_npu_copies_asynchronously_only_into_registered_host_memory).
@@ -21,14 +23,17 @@ from types import SimpleNamespace
 import msgpack
 import pytest
 import torch
+from npu_wheel import CACHE, VERSION, wheel_path
 
 from hwsync.device_shm import DeviceShmTransport
 from hwsync.shm import SHM_DIR
-from hwsync_npu.backend import NpuBackend
+from hwsync_npu import host_register
+from hwsync_npu.backend import NpuBackend, NpuShmTransport
 from hwsync_npu.device import NpuDevice
-from hwsync_npu.host_register import ACL_HOST_REG_MAPPED, open_host_register
+from hwsync_npu.host_register import ACL_HOST_REG_MAPPED, npurt_route, open_host_pinning
 
-from npu_wheel import CACHE, VERSION, wheel_path
+#: a kernel on which CANN allows registering /dev/shm pages (the machine's own may not be one)
+NEW_KERNEL = "6.6.0-72.0.0.76.oe2403sp1.aarch64"
 
 
 class FakeNpuRuntime:
@@ -39,22 +44,46 @@ class FakeNpuRuntime:
         self.calls: list[tuple] = []
         self.refuse = refuse
 
-    def npuHostRegister(self, address: int, nbytes: int, flags: int) -> int:  # noqa: N802 - torch_npu's name
+    def npuHostRegister(self, address: int, nbytes: int, flags: int) -> int:
         self.calls.append(("register", address, nbytes, flags))
         if self.refuse:
             return 107000  # an ACL error code: the runtime refused
         self.registered[address] = nbytes
         return 0
 
-    def npuHostUnregister(self, address: int) -> int:  # noqa: N802
+    def npuHostUnregister(self, address: int) -> int:
         self.calls.append(("unregister", address))
         return 0 if self.registered.pop(address, None) is not None else 107000
 
 
+class FakeAcl:
+    """libascendcl.so's aclrtHostRegisterV2 / aclrtHostUnregister as C function pointers that record their calls."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        import ctypes
+
+        self.calls: list[tuple] = []
+        self.refuse = refuse
+        self._keep = []
+        for name, (result, args) in host_register.ACL_PROTOTYPES.items():
+            callback = ctypes.CFUNCTYPE(result, *args)(getattr(self, "_" + name))
+            self._keep.append(callback)
+            setattr(self, name, callback)
+
+    def _aclrtHostRegisterV2(self, address: int, nbytes: int, flags: int) -> int:
+        self.calls.append(("register", address, nbytes, flags))
+        return 107000 if self.refuse else 0
+
+    def _aclrtHostUnregister(self, address: int) -> int:
+        self.calls.append(("unregister", address))
+        return 0
+
+
 def _device_with(runtime: object) -> NpuDevice:
-    """An NpuDevice whose torch_npu.npu is a stand-in offering npurt() -> runtime."""
+    """An NpuDevice whose torch_npu.npu is a stand-in offering npurt() -> runtime, on a kernel CANN allows."""
     device = NpuDevice()
     device._torch_npu = SimpleNamespace(npu=SimpleNamespace(npurt=lambda: runtime))  # type: ignore[assignment]
+    device._pinning = open_host_pinning(device._torch_npu.npu, release=NEW_KERNEL)
     return device
 
 
@@ -69,6 +98,7 @@ class CpuStandInNpu(NpuDevice):
         self._torch_npu = SimpleNamespace(npu=SimpleNamespace(  # type: ignore[assignment]
             npurt=lambda: acl, is_initialized=lambda: initialized,
             synchronize=lambda: acl.calls.append(("synchronize",))))
+        self._pinning = open_host_pinning(self._torch_npu.npu, release=NEW_KERNEL)
 
     def staging_device(self) -> torch.device:
         """The CPU, standing in for the current NPU."""
@@ -104,19 +134,22 @@ def test_pin_refuses_what_aclrthostregister_cannot_take_without_calling_it() -> 
     buffer.close()
 
 
-def test_a_refusal_an_older_torch_npu_or_no_torch_npu_keeps_copies_pageable() -> None:
+def test_a_refusal_or_no_route_at_all_keeps_copies_pageable() -> None:
     buffer, tensor = _page_aligned(mmap.PAGESIZE)
     assert not _device_with(FakeNpuRuntime(refuse=True)).pin_host_memory(tensor)
 
-    older = NpuDevice()  # a torch_npu without npurt
-    older._torch_npu = SimpleNamespace(npu=SimpleNamespace())  # type: ignore[assignment]
-    assert not older.pin_host_memory(tensor)
+    def no_acl() -> object:
+        raise OSError("libascendcl.so: cannot open shared object file: No such file or directory")
+
+    older = open_host_pinning(SimpleNamespace(), release=NEW_KERNEL, acl=no_acl)  # no npurt, and no CANN
+    assert older.registrar is None and "no npu.npurt" in older.note and "libascendcl.so" in older.note
+    assert "pageable" in older.note
 
     def no_runtime() -> object:
         raise RuntimeError("torch_npu._C._npurt is unavailable in this build.")  # torch_npu's own words
 
-    assert open_host_register(SimpleNamespace(npurt=no_runtime)) is None  # type: ignore[arg-type]
-    assert open_host_register(SimpleNamespace(npurt=lambda: object())) is None  # type: ignore[arg-type]
+    assert npurt_route(SimpleNamespace(npurt=no_runtime))[0] is None
+    assert npurt_route(SimpleNamespace(npurt=lambda: object()))[0] is None
     if NpuDevice().probe().usable:
         pytest.skip("an NPU is usable here: the no-torch_npu case cannot be shown")
     assert not NpuDevice().pin_host_memory(tensor)  # torch_npu does not import on this machine
@@ -124,10 +157,59 @@ def test_a_refusal_an_older_torch_npu_or_no_torch_npu_keeps_copies_pageable() ->
     buffer.close()
 
 
+def test_a_torch_npu_without_npurt_registers_through_ascendcl() -> None:
+    # torch-npu 2.10.0.post4, the one vllm-ascend 0.26.0rc1 pins, has no npurt: AscendCL's own call, through ctypes
+    acl = FakeAcl()
+    pinning = open_host_pinning(SimpleNamespace(), release=NEW_KERNEL, acl=lambda: acl)
+    assert pinning.registrar is not None and "aclrtHostRegisterV2" in pinning.note and "pinned" in pinning.note
+    buffer, tensor = _page_aligned(2 * mmap.PAGESIZE)
+    device = NpuDevice()
+    device._torch_npu, device._pinning = SimpleNamespace(npu=SimpleNamespace()), pinning  # type: ignore[assignment]
+    assert device.pin_host_memory(tensor)
+    device.unpin_host_memory(tensor)
+    assert acl.calls == [("register", tensor.data_ptr(), 2 * mmap.PAGESIZE, ACL_HOST_REG_MAPPED),
+                         ("unregister", tensor.data_ptr())]
+    assert not NpuDevice.pin_host_memory(  # a refusal of AscendCL's is a pageable copy, not an error
+        _with_pinning(open_host_pinning(SimpleNamespace(), release=NEW_KERNEL, acl=lambda: FakeAcl(refuse=True))),
+        tensor)
+    del tensor
+    buffer.close()
+
+
+def _with_pinning(pinning: host_register.HostPinning) -> NpuDevice:
+    device = NpuDevice()
+    device._torch_npu, device._pinning = SimpleNamespace(npu=SimpleNamespace()), pinning  # type: ignore[assignment]
+    return device
+
+
+@pytest.mark.parametrize("release", ["5.10.0-60.18.0.50.oe2203.aarch64", "4.19.90-52.22.v2207.ky10.aarch64"])
+def test_no_registration_on_kernels_where_cann_forbids_it(release: str) -> None:
+    # openEuler 22.03 (5.10) and Kylin V10 (4.19), the usual Atlas 800T A2 host OSes: CANN's aclrtHostRegisterV2
+    # reference forbids registering memory aclrtMallocHost did not allocate there, whichever route
+    runtime, acl = FakeNpuRuntime(), FakeAcl()
+    pinning = open_host_pinning(SimpleNamespace(npurt=lambda: runtime), release=release, acl=lambda: acl)
+    assert pinning.registrar is None and release in pinning.note and "5.10" in pinning.note
+    buffer, tensor = _page_aligned(mmap.PAGESIZE)
+    assert not _with_pinning(pinning).pin_host_memory(tensor)
+    assert runtime.calls == [] and acl.calls == []
+    del tensor
+    buffer.close()
+    assert host_register.kernel_forbids("5.11.0") is None and host_register.kernel_forbids("6.6.0") is None
+
+
 def test_the_npu_backend_offers_the_cores_device_shm_over_its_device() -> None:
     backend = NpuBackend()
     transport = backend.transports()["shm"]
-    assert type(transport) is DeviceShmTransport and transport.device is backend.device()
+    assert isinstance(transport, DeviceShmTransport) and transport.device is backend.device()
+
+
+def test_hwsync_info_says_whether_shared_memory_copies_are_pinned() -> None:
+    # `hwsync info` prints each transport's available() reason
+    pinned = NpuShmTransport(_device_with(FakeNpuRuntime())).available()
+    assert pinned.usable and "pinned" in pinned.reason and "npurt" in pinned.reason
+    forbidden = _with_pinning(open_host_pinning(SimpleNamespace(), release="5.10.0", acl=lambda: FakeAcl()))
+    pageable = NpuShmTransport(forbidden).available()
+    assert pageable.usable and "pageable" in pageable.reason and "5.10" in pageable.reason
 
 
 def test_shm_round_trip_stages_a_copy() -> None:

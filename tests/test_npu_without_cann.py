@@ -1,8 +1,9 @@
 """hwsync on a machine with the real torch_npu installed but no CANN (this machine).
 
-The torch-npu wheel is installed with `pip install --no-deps --target DIR` (never into the
-venv) and put on PYTHONPATH for subprocesses. Checks that `hwsync info` still runs, reports npu
-unusable with torch_npu's real error, and that HWSYNC_BACKEND=npu fails with that reason.
+Each checked torch-npu (2.13.0, and 2.10.0.post4, the one vllm-ascend 0.26.0rc1 pins), in this machine's
+build, is installed with `pip install --no-deps --target DIR` (never into the venv) and put on
+PYTHONPATH for subprocesses. Checks that `hwsync info` still runs, reports npu unusable with
+torch_npu's real error, and that HWSYNC_BACKEND=npu fails with that reason.
 """
 
 from __future__ import annotations
@@ -13,19 +14,23 @@ import subprocess
 import sys
 
 import pytest
+from npu_wheel import VERSIONS, missing, wheel_path
 
 from hwsync_npu import api
 
-from npu_wheel import CACHE, VERSION, wheel_path
 AUTOLOAD_ERROR = "Failed to load the backend extension: torch_npu"
 
 
+@pytest.fixture(scope="module", params=VERSIONS)
+def version(request: pytest.FixtureRequest) -> str:
+    return request.param
+
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    wheel = wheel_path()
+def target_dir(tmp_path_factory: pytest.TempPathFactory, version: str) -> str:
+    wheel = wheel_path(version)
     if wheel is None:
-        pytest.skip(f"torch-npu {VERSION} wheel not in {CACHE} and could not be fetched (run ci/fetch-torch-npu.sh)")
+        pytest.skip(missing(version))
     target = str(tmp_path_factory.mktemp("torch_npu_target"))
     done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
                            "--target", target, wheel], capture_output=True, text=True, timeout=600)
@@ -65,14 +70,14 @@ def test_pre_import_hook_keeps_torch_importable(target_dir: str) -> None:
     assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in done.stdout and "libhccl.so" in done.stdout
 
 
-def test_info_reports_npu_unusable_with_the_real_reason(target_dir: str) -> None:
+def test_info_reports_npu_unusable_with_the_real_reason(target_dir: str, version: str) -> None:
     done = _info(target_dir, "--json", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     npu = _npu_status(report)
     assert report["selected"] != "npu" and npu["usable"] is False
     # torch_npu's own error on a machine without CANN, and the fix
-    assert f"torch_npu {VERSION} is installed but failed to import" in npu["reason"]
+    assert f"torch_npu {version} is installed but failed to import" in npu["reason"]
     assert "libhccl.so: cannot open shared object file" in npu["reason"]
     assert "set_env.sh" in npu["reason"]
 

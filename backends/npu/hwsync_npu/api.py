@@ -14,10 +14,12 @@ import importlib.util
 import os
 from types import ModuleType
 
-#: the torch-npu release the static checks were run against (tests/test_npu_api_conformance.py)
-CHECKED_TORCH_NPU_VERSION = "2.13.0"
+#: the torch-npu releases the static checks run against (tests/test_npu_api_conformance.py): the newest one,
+#: and the one vllm-ascend 0.26.0rc1 pins (read from its aarch64 wheel: Atlas 800T A2 hosts are Kunpeng)
+CHECKED_TORCH_NPU_VERSIONS: tuple[str, ...] = ("2.13.0", "2.10.0.post4")
+CHECKED_TORCH_NPU_VERSION = CHECKED_TORCH_NPU_VERSIONS[0]
 
-#: Python-level names, as dotted paths from the top-level package `torch_npu`.
+#: Python-level names every checked torch-npu defines, as dotted paths from the top-level package `torch_npu`.
 #: `torch.npu` is `torch_npu.npu` once torch_npu is imported; the backend uses the latter so
 #: the path names the file that defines it.
 PYTHON_ATTRIBUTES: tuple[str, ...] = (
@@ -33,13 +35,18 @@ PYTHON_ATTRIBUTES: tuple[str, ...] = (
     "torch_npu.npu.empty_cache",
     "torch_npu.npu.get_device_name",
     "torch_npu.npu.ipc_collect",
-    "torch_npu.npu.Event",  # events on the bucket path and before Complete (Device.record_event)
-    "torch_npu.npu.current_stream",
+    "torch_npu.npu.Event",  # events on the bucket path and after each HCCL collective (Device.record_event)
+    "torch_npu.npu.current_stream",  # HCCL collectives run on it (its `npu_stream`)
     "torch_npu.npu.memory_snapshot",  # the caching allocator's segments, for mapped sources (segments.py)
     "torch_npu.npu.utils.get_cann_version",
-    "torch_npu.npu.npurt",
     "torch_npu.distributed.is_hccl_available",
 )
+
+#: Names some checked torch-npu lacks, and what the backend does there instead
+OPTIONAL_PYTHON_ATTRIBUTES: dict[str, str] = {
+    # 2.13.0 has it; 2.10.0.post4 (vllm-ascend 0.26.0rc1's pin) and every v26.1.0 tag do not
+    "torch_npu.npu.npurt": "host memory is registered through AscendCL's aclrtHostRegisterV2 (host_register.py)",
+}
 
 #: Methods torch_npu attaches to torch.UntypedStorage at import (torch_npu/utils/storage.py,
 #: `_add_storage_methods`); the NPU IPC transport calls them on storages.
@@ -49,23 +56,32 @@ STORAGE_METHODS: tuple[str, ...] = ("_share_npu_", "_new_shared_npu", "_release_
 #: each is a symbol string in the wheel's shared libraries, which is as far as a static check
 #: of compiled bindings goes.
 C_EXTENSION_NAMES: tuple[str, ...] = (
-    "_distributed_c10d",  # torch_npu._C._distributed_c10d
-    "ProcessGroupHCCL",  # torch_npu._C._distributed_c10d.ProcessGroupHCCL(store, rank, size, options)
-    "Options",  # ProcessGroupHCCL.Options()
-    "_timeout",  # ProcessGroupHCCL.Options._timeout
-    "is_high_priority_stream",  # ProcessGroupHCCL.Options.is_high_priority_stream
-    "global_ranks_in_group",  # ProcessGroupHCCL.Options.global_ranks_in_group
-    "group_id",  # ProcessGroupHCCL.Options.group_id
     "_share_npu_",
     "_new_shared_npu",
     "_release_ipc_counter_npu",
-    "_npurt",  # torch_npu._C._npurt, what torch_npu.npu.npurt() returns
-    "npuHostRegister",  # npurt().npuHostRegister(ptr, size, flags): aclrtHostRegisterV2
-    "npuHostUnregister",
+    "npu_stream",  # torch_npu.npu.Stream.npu_stream: the aclrtStream HCCL calls take
+    "get_npu_format",  # torch_npu.get_npu_format(tensor): _share_npu_ refuses storages not in a base format
+    "aclrtHostRegisterV2",  # the AscendCL call every route of host registration ends in
 )
 
-#: Module imported for the HCCL group (the binding named above).
-HCCL_MODULE = "torch_npu._C._distributed_c10d"
+#: C-extension names some checked torch-npu lacks (see OPTIONAL_PYTHON_ATTRIBUTES)
+OPTIONAL_C_EXTENSION_NAMES: dict[str, str] = {
+    "_npurt": "torch_npu._C._npurt, what torch_npu.npu.npurt() returns",
+    "npuHostRegister": "npurt().npuHostRegister(ptr, size, flags): aclrtHostRegisterV2",
+    "npuHostUnregister": "npurt().npuHostUnregister(ptr)",
+}
+
+#: What torch_npu's ProcessGroupHCCL logs on the paths that derive a group from the process's own world (its
+#: createHCCLCommEx / createHCCLCommOrigin): present in a wheel, those paths are in it, and hwsync's groups
+#: must not go through ProcessGroupHCCL (hccl.py)
+RANKTABLE_PATHS: tuple[str, ...] = (
+    "The rank_table_file is not available, switch to original interface.",
+    "Sub comm derivation failed in createHCCLCommOrigin, fallback to rootinfo.",
+)
+
+#: storage formats torch_npu shares (FormatHelper::IsBaseFormatType: ND, NCHW, NHWC, NCDHW); any other (FRACTAL_NZ,
+#: 29, say) makes `_share_npu_` refuse with "Try to share a storage without base format"
+BASE_FORMATS = frozenset({0, 1, 2, 30})
 
 AUTOLOAD_ENV = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 

@@ -6,12 +6,26 @@ import torch
 
 from hwsync.communicator import ProcessGroupCommunicator
 from hwsync.device_shm import DeviceShmTransport
-from hwsync.interfaces import Backend, Communicator, Device, Transport
+from hwsync.interfaces import Backend, Communicator, Device, ProbeResult, Transport
 from hwsync.nic import Nic
 from hwsync.timing import GROUP_TIMEOUT_S
-from hwsync_npu.device import NpuDevice
+from hwsync_npu.device import NpuDevice, npu_device
 from hwsync_npu.hccl import hccl_group, hccl_interface, hccl_reduce_dtypes
 from hwsync_npu.ipc import NpuIpcTransport
+
+
+class NpuShmTransport(DeviceShmTransport):
+    """The core's shared memory with NPU copies (hwsync.device_shm); available() also says whether those copies
+    are pinned, and how (what `hwsync info` shows)."""
+
+    device: NpuDevice
+
+    def available(self) -> ProbeResult:
+        """Usable where /dev/shm is; the reason says how host pages are registered, or why they are not."""
+        result = super().available()
+        if not result.usable:
+            return result
+        return ProbeResult(True, f"{result.reason}; {self.device.host_pinning().note}")
 
 
 class NpuBackend(Backend):
@@ -24,11 +38,11 @@ class NpuBackend(Backend):
         # NPU IPC first where the driver and CANN allow it; shared memory is always there.
         self._transports: dict[str, Transport] = {
             "npu_ipc": NpuIpcTransport(self._current_device),
-            "shm": DeviceShmTransport(self._device),  # the core's, with this device's pinning and waits
+            "shm": NpuShmTransport(self._device),  # the core's, with this device's pinning and waits
         }
 
     def _current_device(self) -> torch.device:
-        return torch.device("npu", self._device.current_index())
+        return npu_device(self._device.current_index())
 
     def device(self) -> Device:
         """The NPUs visible to this process."""

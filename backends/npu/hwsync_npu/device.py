@@ -21,10 +21,42 @@ import torch
 
 from hwsync.interfaces import Device, ProbeResult
 from hwsync_npu.api import import_torch_npu, torch_npu_installed
-from hwsync_npu.host_register import HostRegister, open_host_register
+from hwsync_npu.host_register import HostPinning, HostRegister, open_host_pinning
 from hwsync_npu.preimport import NOTE_ENV
 
 VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
+#: torch's device type of NPU tensors; every NPU torch.device of this backend is made by npu_device()
+TORCH_TYPE = "npu"
+
+
+def npu_device(index: int | None) -> torch.device:
+    """The torch.device of NPU `index` (the one place this backend names the type)."""
+    return torch.device(TORCH_TYPE) if index is None else torch.device(TORCH_TYPE, index)
+
+
+#: where torch_npu reads its caching allocator's settings (NPUAllocatorConfig.h)
+ALLOC_CONF_ENV = "PYTORCH_NPU_ALLOC_CONF"
+
+
+def expandable_segments(settings: str) -> bool:
+    """Whether allocator settings ("key:value,key:value", the last of a key wins) enable expandable segments."""
+    enabled = False
+    for option in settings.split(","):
+        key, _, value = option.partition(":")
+        if key.strip() == "expandable_segments":
+            enabled = value.strip() == "True"
+    return enabled
+
+
+def expandable_segments_reason(settings: str | None = None) -> str | None:
+    """Why this process's NPU memory is not shared through NPU IPC here (its PYTORCH_NPU_ALLOC_CONF when None)."""
+    if not expandable_segments(os.environ.get(ALLOC_CONF_ENV, "") if settings is None else settings):
+        return None
+    return (f"this process's NPU caching allocator has expandable_segments:True ({ALLOC_CONF_ENV}; vllm-ascend sets it "
+            "by default outside sleep mode): torch_npu then shares memory through its separate VMM path, where a "
+            "storage's offset is not its segment's and which hwsync does not use. hwsync uses the 'shm' transport "
+            f"instead; to share NPU memory directly, set expandable_segments:False in {ALLOC_CONF_ENV} for this "
+            "process (or enable vllm-ascend's sleep mode, which leaves it off)")
 
 
 def parse_visible_devices(value: str | None) -> list[int] | None:
@@ -115,13 +147,13 @@ class NpuDevice(Device):
     """Ascend NPUs visible to this process."""
 
     name = "npu"
-    torch_type = "npu"
+    torch_type = TORCH_TYPE
     visible_devices_env = VISIBLE_DEVICES_ENV
 
     def __init__(self) -> None:
         self._torch_npu: ModuleType | None = None
-        #: torch_npu's host registration (npurt), looked up at the first pin (False: not yet; None: unavailable)
-        self._host_register: HostRegister | None | bool = False
+        #: how host memory is registered for NPU copies, decided at the first pin (None: not yet)
+        self._pinning: HostPinning | None = None
 
     def _npu(self) -> ModuleType:
         """torch_npu.npu, importing torch_npu on first use."""
@@ -215,20 +247,25 @@ class NpuDevice(Device):
         except Exception:  # noqa: BLE001 - an unnamed chip gets the dtypes every Ascend product reduces
             return None
 
-    def _registrar(self) -> HostRegister | None:
-        if self._host_register is False:
+    def host_pinning(self) -> HostPinning:
+        """How this process registers host memory for NPU copies (npurt, AscendCL, or not at all), and why."""
+        if self._pinning is None:
             try:
                 npu = self._npu()
-            except Exception:  # noqa: BLE001 - no usable torch_npu: nothing to copy to, nothing to register for
-                npu = None
-            self._host_register = None if npu is None else open_host_register(npu)
-        return self._host_register  # type: ignore[return-value]
+            except Exception as exc:  # noqa: BLE001 - no usable torch_npu: nothing to copy to, nothing to register for
+                return HostPinning(None, f"no usable torch_npu here ({type(exc).__name__}), so no NPU copies")
+            self._pinning = open_host_pinning(npu)
+        return self._pinning
+
+    def _registrar(self) -> HostRegister | None:
+        return self.host_pinning().registrar
 
     def pin_host_memory(self, tensor: torch.Tensor, *, read_only: bool = False) -> bool:
         """Register the tensor's pages (shared memory included) with the NPU runtime, so torch_npu copies them at
-        full speed; False where torch_npu lacks npurt, the memory does not start on a page (AscendCL requires it)
-        or the runtime refuses. AscendCL has no read-only flag: read-only pages are registered alike (whether the
-        runtime accepts them is unverified: no NPU here; a refusal leaves the copies pageable)."""
+        full speed; False where no route applies (host_pinning says why), the memory does not start on a page
+        (AscendCL requires it) or the runtime refuses. AscendCL has no read-only flag: read-only pages are
+        registered alike (whether the runtime accepts them is unverified: no NPU here; a refusal leaves the copies
+        pageable)."""
         nbytes = tensor.numel() * tensor.element_size()
         if not nbytes or tensor.device.type != "cpu" or tensor.data_ptr() % mmap.PAGESIZE:
             return False

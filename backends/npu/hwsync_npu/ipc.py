@@ -2,14 +2,18 @@
 sharing (`UntypedStorage._share_npu_` / `_new_shared_npu`, the calls behind its
 multiprocessing reductions).
 
-Only from Ascend HDK 25.3.RC1 and CANN 8.3.RC1 on; elsewhere `available()` says why and the
-backend's default transport falls back to shared memory, logging the reason once.
+Only from Ascend HDK 25.3.RC1 and CANN 8.3.RC1 on, and not in a process whose allocator has
+expandable segments (PYTORCH_NPU_ALLOC_CONF; vllm-ascend turns them on outside sleep mode), whose memory
+torch_npu shares through another path; elsewhere `available()` says why and the backend's default
+transport falls back to shared memory, logging the reason once.
 The receiver rebuilds each handle on its own current NPU (peer access when that is not the
 sender's chip), as vllm-ascend and verl do: the sender's chip need not be visible to it.
 Handles are plain msgpack values (ints, bytes, bools, None): no rebuild function, no pickle.
 publish() and release() wait for an event on the current stream (torch_npu.npu.Event), not for the
 whole device. The trainer's own memory is shared the same way for mapped sources, where NPU IPC is
 allowed (device_segments(): hwsync_npu.segments); where it is not, device tensors go packed.
+Run in CI against a stand-in torch_npu that applies StorageSharing.cpp's checks over CPU memory and
+torch's real ref-counter files (tests/npu_torch_standin.py); unverified on an NPU (none here).
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from typing import Any
 
 import torch
 
+from hwsync.errors import HwsyncError
 from hwsync.exports import ReceiverExports
 from hwsync.interfaces import DeviceSegments, Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
 from hwsync.ipc_counters import release_if_held
 from hwsync_npu.api import import_torch_npu, torch_npu_installed
-from hwsync_npu.device import current_visible_value, physical_index
+from hwsync_npu.device import current_visible_value, expandable_segments_reason, npu_device, physical_index
 from hwsync_npu.segments import NpuDeviceSegments
 from hwsync_npu.versions import IpcDecision, cann_version_from_files, decide_ipc, driver_version_from_files
 
@@ -169,7 +174,7 @@ class NpuIpcReceiveBuffers(ReceiveBuffers):
             self._views: list[torch.Tensor] = list(local._buffers)
             return
         self._views = []
-        device = torch.device("npu", int(self._torch_npu.npu.current_device()))  # this receiver's own NPU
+        device = npu_device(int(self._torch_npu.npu.current_device()))  # this receiver's own NPU
         for record in handles["buffers"]:
             storage = torch.UntypedStorage._new_shared_npu(  # type: ignore[attr-defined]
                 device.index, record["handle"], record["storage_bytes"], record["storage_offset"],
@@ -215,16 +220,23 @@ class NpuIpcTransport(Transport):
         return self._decision
 
     def available(self) -> ProbeResult:
-        """Usable when the versions allow it; the first refusal is logged once with its reason."""
+        """Usable when the versions allow it and this process's allocator shares plain handles (no expandable
+        segments); the first refusal is logged once with its reason."""
         decision = self.decision()
-        if not decision.use_ipc and not self._logged:
-            self._logged = True
-            log.warning("hwsync: npu_ipc unavailable, falling back to shm: %s", decision.reason)
-        return ProbeResult(decision.use_ipc, decision.reason)
+        reason = decision.reason if not decision.use_ipc else expandable_segments_reason()
+        if reason is not None:
+            if not self._logged:
+                self._logged = True
+                log.warning("hwsync: npu_ipc unavailable, falling back to shm: %s", reason)
+            return ProbeResult(False, reason)
+        return ProbeResult(True, decision.reason)
 
     def open_sender(self, bucket_bytes: int, num_buffers: int) -> SendBuffers:
-        """Allocate `num_buffers` shareable device buffers."""
+        """Allocate `num_buffers` shareable device buffers (refused, with the reason, under expandable segments)."""
         self._require()
+        reason = expandable_segments_reason()
+        if reason is not None:  # npu_ipc was asked for by name: refuse with the reason, do not fail later
+            raise HwsyncError(f"npu_ipc cannot be used: {reason}")
         return NpuIpcSendBuffers(self._device_fn(), bucket_bytes, num_buffers)
 
     def open_receiver(self, handles: Handles, owner_pid: int | None = None) -> ReceiveBuffers:
@@ -234,7 +246,9 @@ class NpuIpcTransport(Transport):
 
     def device_segments(self) -> DeviceSegments | None:
         """The trainer's allocator segments, mapped in place by receivers, where NPU IPC is allowed; else None (the
-        reason is available()'s, shown by `hwsync info`) and device tensors go packed."""
+        reason is available()'s, shown by `hwsync info`) and device tensors go packed. Expandable segments,
+        vllm-ascend's sleep-pool segments and storages not in a base format are never exported
+        (NpuDeviceSegments.locate)."""
         return self._segments if self.decision().use_ipc else None
 
     def _require(self) -> None:

@@ -1,24 +1,31 @@
 """Mapped sources on the NPU: the trainer's caching-allocator segments, exported once per receiver process.
 
 torch_npu shares NPU memory the way torch shares CUDA memory (torch_npu/csrc/ipc/StorageSharing.cpp,
-read from the torch-npu 2.13.0 wheel's sources): `storage._share_npu_()` gives the handle of the
-allocation (segment) that holds the storage (NPUCachingAllocator::shareIpcHandle), the storage's offset
-in it and a fresh ref-counter slot (one consumer); `UntypedStorage._new_shared_npu(device, handle, size,
-offset, ...)` maps the handle once per process (getIpcDevPtr) and makes a storage at any offset of it,
-whose deleter waits for the current stream and takes the counter to 0. So the design of
-hwsync_cuda.segments holds unchanged: one export per (receiver, segment) through a weakly held anchor
-storage, one storage over the whole segment on the receiver, the segment's size from the allocator's
-snapshot (torch_npu.npu.memory_snapshot: `device`, `address`, `total_size`), ipc_collect after drops.
-Differences: torch_npu has no IPC events ("NPU does not support event_sync in IPC now"), which changes
-nothing here (the sender waits for its stream before any receiver reads); and NPU IPC exists only from
-Ascend HDK 25.3.RC1 and CANN 8.3.RC1 on: elsewhere the npu_ipc transport is unavailable, says why in
-`hwsync info`, and offers no segments (device tensors go packed through shared memory).
-Unverified on an NPU (none here): the names are checked against the real wheel by
-tests/test_npu_api_conformance.py (hwsync_npu.api lists them).
+read from the torch-npu 2.13.0 and 2.10.0.post4 sources): `storage._share_npu_()` gives the handle of the
+allocation (segment) that holds the storage (NPUCachingAllocator::shareIpcHandle) and the storage's offset
+in it, a fresh ref-counter slot (one consumer) in torch's own RefcountedMapAllocator file, and an IPC event
+handle where the runtime records one; `UntypedStorage._new_shared_npu(device, handle, size, offset, ...)`
+maps the handle once per process (getIpcDevPtr) and makes a storage at any offset of it, whose deleter waits
+for the current stream and takes the counter down. So the design of hwsync_cuda.segments holds unchanged:
+one export per (receiver, segment) through a weakly held anchor storage, one storage over the whole segment
+on the receiver, the segment's size from the allocator's snapshot (torch_npu.npu.memory_snapshot: `device`,
+`address`, `total_size`, `is_expandable`, `segment_pool_id`), ipc_collect after drops. Never exported, so
+their tensors go packed:
+- expandable segments (shared through a separate VMM path; AllocatorSegments skips them);
+- segments of a private pool (`segment_pool_id` not (0, 0)): vllm-ascend's sleep mode allocates through
+  torch_npu's NPUPluggableAllocator into such a pool, and torch_npu does not share pluggable memory;
+- storages not in a base format (FRACTAL_NZ and the like), which `_share_npu_` refuses;
+- storages this process received from another (`_share_npu_` refuses re-sharing them; they are in no
+  segment of this process's allocator, so they are never found).
+NPU IPC exists only from Ascend HDK 25.3.RC1 and CANN 8.3.RC1 on: elsewhere the npu_ipc transport is
+unavailable, says why in `hwsync info`, and offers no segments (device tensors go packed through shared
+memory). Run in CI against a stand-in torch_npu that applies StorageSharing.cpp's checks over CPU memory
+(tests/npu_torch_standin.py); unverified on an NPU (none here).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from types import ModuleType
 from typing import Any, cast
@@ -29,19 +36,24 @@ from hwsync.colocated.allocator_segments import AllocatorSegments
 from hwsync.errors import HwsyncError
 from hwsync.interfaces import Record, SegmentPlace
 from hwsync.ipc_counters import release_if_held
-from hwsync_npu.api import import_torch_npu
+from hwsync_npu.api import BASE_FORMATS, import_torch_npu
+from hwsync_npu.device import TORCH_TYPE, npu_device
+
+log = logging.getLogger("hwsync")
 
 KIND = "npu_segment"
+DEFAULT_POOL = (0, 0)  # segment_pool_id of the allocator's own segments
 
 
 class NpuDeviceSegments(AllocatorSegments):
     """torch_npu's caching-allocator segments, shared through NPU IPC (finding them: AllocatorSegments)."""
 
-    device_type = "npu"
+    device_type = TORCH_TYPE
 
     def __init__(self) -> None:
         super().__init__()
         self._torch_npu: ModuleType | None = None
+        self._told: set[str] = set()  # kinds of memory already logged as packed
 
     def _npu(self) -> Any:
         if self._torch_npu is None:
@@ -49,7 +61,37 @@ class NpuDeviceSegments(AllocatorSegments):
         return self._torch_npu.npu
 
     def _snapshot(self) -> list[dict[str, Any]]:
-        return list(self._npu().memory_snapshot())
+        segments = list(self._npu().memory_snapshot())
+        pooled = [s for s in segments if tuple(s.get("segment_pool_id") or DEFAULT_POOL) != DEFAULT_POOL]
+        if pooled:
+            self._tell("pool", f"{len(pooled)} NPU segments belong to a private memory pool (vllm-ascend's sleep "
+                               "mode allocates through torch_npu's pluggable allocator, which torch_npu does not share "
+                               "by IPC): tensors in them go packed")
+        return [s for s in segments if tuple(s.get("segment_pool_id") or DEFAULT_POOL) == DEFAULT_POOL]
+
+    def locate(self, tensor: torch.Tensor) -> SegmentPlace | None:
+        """The segment of a plain NPU tensor torch_npu can share; None for one it cannot (packed)."""
+        place = super().locate(tensor)
+        return place if place is not None and self.shareable(tensor) else None
+
+    def shareable(self, tensor: torch.Tensor) -> bool:
+        """Whether torch_npu shares the tensor's storage: only one in a base format (it refuses FRACTAL_NZ and the
+        like with "Try to share a storage without base format")."""
+        try:
+            npu_format = int(import_torch_npu().get_npu_format(tensor))
+        except Exception as exc:  # noqa: BLE001 - a format that cannot be read is not shared: packing is always right
+            self._tell("format?", f"the storage format of an NPU tensor could not be read ({exc}): it goes packed")
+            return False
+        if npu_format not in BASE_FORMATS:
+            self._tell(f"format{npu_format}", f"an NPU tensor is in storage format {npu_format} (FRACTAL_NZ is 29), "
+                                              "which torch_npu does not share: such tensors go packed")
+            return False
+        return True
+
+    def _tell(self, kind: str, message: str) -> None:
+        if kind not in self._told:
+            self._told.add(kind)
+            log.info("hwsync: %s", message)
 
     def export(self, anchor: Any, place: SegmentPlace) -> Record:
         """`_share_npu_()` of the anchor's storage, for its whole segment (one ref-counter slot: one consumer)."""
@@ -89,7 +131,7 @@ class NpuDeviceSegments(AllocatorSegments):
         storage = torch.UntypedStorage._new_shared_npu(  # type: ignore[attr-defined]  # torch_npu's
             index, record["handle"], size, 0, record["ref_counter_handle"], record["ref_counter_offset"],
             record["event_handle"], record["event_sync_required"])
-        return torch.empty(0, dtype=torch.uint8, device=torch.device("npu", index)).set_(storage, 0, (size,), (1,))
+        return torch.empty(0, dtype=torch.uint8, device=npu_device(index)).set_(storage, 0, (size,), (1,))
 
     def collect(self) -> None:
         """torch_npu.npu.ipc_collect(); forget ranges no live anchor vouches for."""
