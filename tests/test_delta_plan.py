@@ -93,7 +93,7 @@ def test_a_full_sync_in_delta_mode_streams_the_baseline_it_cast_into():
         for (name, master), (streamed_name, tensor) in zip(masters, streamed):
             assert streamed_name == name and tensor.dtype == torch.bfloat16
             assert torch.equal(tensor.view(torch.int16), master.to(torch.bfloat16).view(torch.int16))
-            assert tensor.data_ptr() == deltas._tensors[name].data_ptr(), "a fresh cast tensor instead of the baseline"
+            assert tensor.data_ptr() == deltas.baseline.tensors[name].data_ptr(), "a fresh cast tensor instead of the baseline"
         assert streamed[-1][1] is norm
 
 

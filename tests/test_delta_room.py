@@ -76,7 +76,7 @@ def test_the_first_delta_after_a_full_sync_writes_into_the_room_made_ready_for_i
         assert payloads[0].data_ptr() == first, "each delta reuses the last one's memory"
     deltas.settle()
     for name, tensor in model.items():  # the baseline took every delta's changes before the next reused the room
-        assert torch.equal(deltas._tensors[name], tensor), name
+        assert torch.equal(deltas.baseline.tensors[name], tensor), name
     assert deltas.drop() > 0 and deltas.room.held_bytes == 0, "dropping the baseline lets the room go too"
     deltas.close()
 

@@ -12,13 +12,8 @@ host (the payloads are announced with the offer and stream as byte tensors), or 
 across nodes (hwsync.delta.ahead: each group's headers travel with it). The baseline moves only once
 every receiver completed the sync (`commit`): a failed delta leaves it as it was, a failed full sync
 drops it (it was overwritten as the sync streamed).
-
-The baseline owns its bytes before send() returns: the caller's tensors are theirs again then, and an
-optimizer step may change them at once. A full sync copies each tensor into the baseline as it is taken. A
-delta's sparse payloads are written into the sender's own room; a dense one (the whole tensor) may stream as a
-view of the caller's tensor, so its bytes are copied, on the encode thread, into the tensor that becomes the
-baseline at commit (the old one is kept as the next dense copy's room: no fresh pages per sync). With
-`stable_sources=False` each tensor is copied as it is taken from the source, before any encode reads it.
+The baseline owns its bytes before send() returns (hwsync.delta.baseline); with `stable_sources=False` each
+tensor is also copied as it is taken from the source, before any encode reads it.
 """
 
 from __future__ import annotations
@@ -26,8 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import threading
-import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,6 +31,7 @@ import torch
 from hwsync.casting import EngineDtypes
 from hwsync.delta import warm
 from hwsync.delta.ahead import EncodeAhead, Job
+from hwsync.delta.baseline import Baseline
 from hwsync.delta.diff import Delta, encode, to_engine_dtype
 from hwsync.delta.digest import tensor_digest
 from hwsync.delta.header import DENSE, DeltaHeader
@@ -93,26 +87,14 @@ class SenderDeltas:
 
     def __init__(self, device: Device, *, on_device: bool = False, stable_sources: bool = True) -> None:
         self._device = device
-        #: keep the baseline on the trainer's device (fast diffs, device memory) rather than in host memory
-        self.on_device = on_device
+        self.baseline = Baseline(device, on_device=on_device)
         #: False: a source may reuse or change a tensor's memory once it yielded the next, so each tensor is copied
         #: as it is taken, before any encode reads it
         self.stable_sources = stable_sources
         self._prefix = secrets.token_hex(6)
         self._count = 0
         self.base_id: str | None = None
-        self._tensors: dict[str, torch.Tensor] = {}
-        self._digests: dict[str, int] = {}
-        #: host tensors pinned for device-to-host copies, by data pointer (unpinned when dropped)
-        self._pinned: dict[int, torch.Tensor] = {}
-        #: a dense delta's copy of each tensor, written on the encode threads: the baseline once the sync commits
-        self._successors: dict[str, torch.Tensor] = {}
-        #: the baseline tensors a commit replaced with their successors: room for the next dense copy of each
-        self._spares: dict[str, torch.Tensor] = {}
-        #: this sync's copies of what the caller owns (dense successors, tensors of an unstable source): bytes,
-        #: seconds summed over the threads that made them, and the stats note they go into at commit
-        self._owned = [0, 0.0]
-        self._owned_lock = threading.Lock()
+        #: the stats note of the sync running (what owning the caller's bytes cost goes in at commit)
         self._note: dict[str, Any] | None = None
         #: why the next sync cannot be a delta though every receiver may hold the baseline
         self._lost = "the first sync: no baseline yet"
@@ -133,18 +115,15 @@ class SenderDeltas:
         self.room = PayloadRoom()
 
     @property
+    def on_device(self) -> bool:
+        """Whether the baseline lives on the trainer's device (else in host memory)."""
+        return self.baseline.on_device
+
+    @property
     def baseline_bytes(self) -> int:
         """Memory the baseline holds: its tensors, and the spares the next dense copies are written into."""
         self.settle()
-        return self._held_bytes() + self.spare_bytes
-
-    def _held_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors.values())
-
-    @property
-    def spare_bytes(self) -> int:
-        """Memory kept beside the baseline for the next dense deltas' copies (the tensors they replaced)."""
-        return sum(t.numel() * t.element_size() for t in self._spares.values())
+        return self.baseline.held_bytes + self.baseline.spare_bytes
 
     def decide(self, states: Sequence[Mapping[str, Any]]) -> tuple[bool, str]:
         """(whether this sync is a delta, why), from every receiver's report."""
@@ -181,8 +160,8 @@ class SenderDeltas:
         """
         self.settle()
         self.room.reset()  # the last sync's payloads are spent: settle() waited for the baseline to take them
-        self._release_successors()
-        self._owned, self._note = [0, 0.0], None
+        self.baseline.begin()
+        self._note = None
         self._count += 1
         self._next = f"{self._prefix}:{self._count}"
         self.active = self.active or delta
@@ -196,7 +175,7 @@ class SenderDeltas:
                                 "base": self.base_id if use else None}
         stats.notes["delta"] = self._note = note
         if not use:
-            self.base_id, self._digests = None, {}  # overwritten while this full sync streams
+            self.base_id, self.baseline.digests = None, {}  # overwritten while this full sync streams
             self._lost = "the last full sync did not complete, and the baseline was overwritten while it streamed"
             targets = dtypes.manifest(manifest)
             self._pending = Prepared(self._keep(pairs, dtypes), targets, targets,
@@ -205,7 +184,7 @@ class SenderDeltas:
             self._pending = self._encode(pairs, dtypes, manifest, note, streamed)
         note["baseline_bytes"] = self.baseline_bytes  # with the spares
         note["room_bytes"] = self.room.held_bytes
-        note["spare_bytes"] = self.spare_bytes
+        note["spare_bytes"] = self.baseline.spare_bytes
         return self._pending
 
     def _keep(self, pairs: Iterable[tuple[str, torch.Tensor]], dtypes: EngineDtypes
@@ -220,63 +199,9 @@ class SenderDeltas:
         for position, item in enumerate(pairs):
             name, tensor = named_tensor(position, item)
             dtype = dtypes.target(name, tensor.dtype)
-            kept = self._tensors.get(name)
-            if kept is None or kept.shape != tensor.shape or kept.dtype != dtype:
-                if kept is not None:
-                    self._forget(kept)
-                kept = self._tensors[name] = self._allocate(tuple(tensor.shape), dtype, tensor.device)
-            kept.copy_(tensor)  # before the next is taken: a source with stable_sources=False may refill it then
+            kept = self.baseline.keep(name, tensor, dtype)
             cast_here = dtype != tensor.dtype and kept.device == tensor.device
             yield name, kept if cast_here else dtypes.cast(name, tensor)
-
-    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype, source: torch.device) -> torch.Tensor:
-        """Room for one baseline tensor: on `source`'s device when kept there, else in (pinned) host memory."""
-        if self.on_device:
-            return torch.empty(shape, dtype=dtype, device=source)
-        kept = torch.empty(shape, dtype=dtype)
-        if source.type != "cpu" and self._device.pin_host_memory(kept):
-            self._pinned[kept.data_ptr()] = kept  # device-to-host copies into it at full speed
-        return kept
-
-    def _forget(self, kept: torch.Tensor) -> None:
-        """A baseline tensor or spare no longer kept: unpinned, so that its memory goes with it."""
-        if self._pinned.pop(kept.data_ptr(), None) is not None:
-            self._device.unpin_host_memory(kept)
-
-    def _successor(self, name: str, engine: torch.Tensor, fresh: bool) -> None:
-        """What the baseline of `name` becomes if this sync commits: `engine` (the tensor in the engine's dtype,
-        as the receivers will hold it) in memory this sender owns, where the baseline lives (an encode thread's
-        job). `fresh`: `engine` was made for this sync (a cast, a contiguous copy, a copy taken from an unstable
-        source), not the caller's own memory, so where it already is where the baseline lives it is kept as it is.
-        """
-        where = engine.device if self.on_device else torch.device("cpu")
-        if fresh and engine.device == where and engine.is_contiguous():
-            self._successors[name] = engine
-            return
-        t0 = time.perf_counter()
-        spare = self._spares.pop(name, None)
-        if spare is None or spare.shape != engine.shape or spare.dtype != engine.dtype:
-            if spare is not None:
-                self._forget(spare)
-            spare = self._allocate(tuple(engine.shape), engine.dtype, engine.device)
-        spare.copy_(engine)
-        self._successors[name] = spare
-        self._count_owned(spare, t0)
-
-    def _count_owned(self, copy: torch.Tensor, t0: float) -> None:
-        """A copy made so that this sync owns what the caller may change once send() returns (any thread)."""
-        with self._owned_lock:
-            self._owned[0] += copy.numel() * copy.element_size()
-            self._owned[1] += time.perf_counter() - t0
-
-    def _release_successors(self) -> None:
-        """The copies of a sync that did not commit go back to being spares (their memory is reused)."""
-        successors, self._successors = self._successors, {}
-        for name, successor in successors.items():
-            if name not in self._spares and successor is not self._tensors.get(name):
-                self._spares[name] = successor
-            else:
-                self._forget(successor)
 
     def _encode(self, pairs: NamedTensors, dtypes: EngineDtypes, manifest: list[TensorSpec] | None,
                 note: dict[str, Any], streamed: bool) -> Prepared:
@@ -320,11 +245,9 @@ class SenderDeltas:
                 tensor, fresh = tensor.full_tensor(), True
             if not self.stable_sources and not fresh:
                 # the source may refill this memory once it yields the next tensor, while the encodes still read it
-                t0 = time.perf_counter()
-                tensor, fresh = tensor.detach().clone(memory_format=torch.contiguous_format), True
-                self._count_owned(tensor, t0)
+                tensor, fresh = self.baseline.copy_of_source(tensor), True
             spec = self._target_spec(position, name, tensor, dtypes, targets)
-            base = self._tensors.get(name)
+            base = self.baseline.tensors.get(name)
             target_dtype = dtype_from_name(spec.dtype)
             if base is None or base.shape != tensor.shape or base.dtype != target_dtype:
                 # new to the baseline, or another shape or dtype than it holds: the whole tensor, no patch
@@ -364,17 +287,17 @@ class SenderDeltas:
     def _dense_job(self, name: str, tensor: torch.Tensor, dtype: torch.dtype, fresh: bool) -> Delta:
         """The whole tensor as a dense delta, and its copy that becomes the baseline (an encode thread's job)."""
         found = dense(tensor, dtype)
-        self._successor(name, found.payload.view(dtype).view(tensor.shape), fresh or dtype != tensor.dtype
-                        or not tensor.is_contiguous())
+        self.baseline.successor(name, found.payload.view(dtype).view(tensor.shape), fresh or dtype != tensor.dtype
+                                or not tensor.is_contiguous())
         return found
 
     def _encode_job(self, name: str, tensor: torch.Tensor, base: torch.Tensor, fresh: bool) -> Delta:
         """One tensor against its baseline; a dense result's copy becomes the baseline (an encode thread's job)."""
-        found = encode(tensor, base, base_digest=self._digests.get(name), name=name, helper=self._helper,
+        found = encode(tensor, base, base_digest=self.baseline.digests.get(name), name=name, helper=self._helper,
                        room=self.room)
         if found.header.code == DENSE:
-            self._successor(name, found.payload.view(base.dtype).view(base.shape), fresh
-                            or base.dtype != tensor.dtype or not tensor.is_contiguous())
+            self.baseline.successor(name, found.payload.view(base.dtype).view(base.shape), fresh
+                                    or base.dtype != tensor.dtype or not tensor.is_contiguous())
         return found
 
     def commit(self) -> None:
@@ -384,18 +307,14 @@ class SenderDeltas:
             return
         shapes = {spec.name: spec for spec in pending.targets or []}
         if self._note is not None:  # what owning the caller's bytes cost this sync (bench delta prints it)
-            self._note.update(owned_bytes=self._owned[0], owned_s=self._owned[1])
+            self._note["owned_bytes"], self._note["owned_s"] = self.baseline.owned
+        baseline = self.baseline
         moves, strays = [], []
-        successors, self._successors = self._successors, {}
         for name, found in pending.deltas.items():
-            spec, kept = shapes[name], self._tensors.get(name)
-            self._digests[name] = found.header.digest
-            successor = successors.pop(name, None)
-            if successor is not None:  # dense: its copy, taken before send() returned, is the baseline now
-                self._tensors[name] = successor
-                if kept is not None:
-                    self._retire(name, kept)
+            baseline.digests[name] = found.header.digest
+            if baseline.take_successor(name):  # dense: its copy, taken before send() returned, is the baseline now
                 continue
+            spec, kept = shapes[name], baseline.tensors.get(name)
             if kept is None or tuple(kept.shape) != spec.shape or dtype_name(kept.dtype) != spec.dtype:
                 strays.append(name)  # cannot happen (another spec always goes dense); if it does, start over
                 continue
@@ -406,20 +325,20 @@ class SenderDeltas:
             return
         # the changes are written, or after a full sync each tensor digested (the next delta's digests then follow
         # from its changes alone), after send() returns, while the trainer goes on; the next use waits for it
-        todo = [] if pending.deltas else [name for name in self._tensors if name not in self._digests]
+        todo = [] if pending.deltas else [name for name in baseline.tensors if name not in baseline.digests]
         if moves or todo:
             if self._advancer is None:
                 owner = DeviceOwner(self._device)
                 self._advancer = ThreadPoolExecutor(1, thread_name_prefix="hwsync-baseline", initializer=owner.enter)
-            reserve = 0 if pending.deltas or self.on_device else int(RESERVE_SHARE * self._held_bytes())
-            self._settling = self._advancer.submit(_advance_all, moves, self._tensors, todo, self._digests,
+            reserve = 0 if pending.deltas or self.on_device else int(RESERVE_SHARE * baseline.held_bytes)
+            self._settling = self._advancer.submit(_advance_all, moves, baseline.tensors, todo, baseline.digests,
                                                    self.room, reserve)
         first = self.base_id is None
         self.base_id = self._next
         if first:
             # the size without waiting for the writes just submitted (that would put them inside send())
             log.info("hwsync: delta baseline %s: %.1f MB of %s memory for %d tensors", self.base_id,
-                     self._held_bytes() / 1e6, "device" if self.on_device else "host", len(self._tensors))
+                     baseline.held_bytes / 1e6, "device" if self.on_device else "host", len(baseline.tensors))
 
     def settle(self) -> None:
         """Wait for the last commit's baseline writes; if they failed, drop the baseline (the next sync is full)."""
@@ -433,19 +352,12 @@ class SenderDeltas:
             self.drop(f"moving the baseline to the last sync failed: {type(error).__name__}: {error}")
             self.active = True  # still in delta mode: the next sync makes a new baseline
 
-    def _retire(self, name: str, kept: torch.Tensor) -> None:
-        """A baseline tensor its successor replaced: the room of the next dense copy of `name`."""
-        old = self._spares.pop(name, None)
-        if old is not None:
-            self._forget(old)
-        self._spares[name] = kept
-
     def abort(self) -> None:
         """The sync failed: a delta leaves the baseline as it was (a full sync already dropped it)."""
         pending, self._pending = self._pending, None
         if pending is not None and pending.encoded is not None:
             pending.encoded.close()  # its encoding threads end here
-        self._release_successors()
+        self.baseline.begin()  # its dense copies go back to being spares
 
     def close(self) -> None:
         """End the encode and baseline threads (the baseline's last writes finish first); the baseline stays."""
@@ -467,12 +379,9 @@ class SenderDeltas:
         if self._settling is not None:
             self._settling.exception()  # the writes in flight end before their memory goes
             self._settling = None
-        freed = self.baseline_bytes
         self.room.clear()  # the payloads' memory goes with it (a few percent of the baseline's)
-        for kept in self._pinned.values():
-            self._device.unpin_host_memory(kept)
-        self._pinned, self._tensors, self._digests, self.base_id, self._lost = {}, {}, {}, None, reason
-        self._spares, self._successors = {}, {}
+        freed = self.baseline.clear()
+        self.base_id, self._lost = None, reason
         self.active = False
         if freed:
             log.info("hwsync: delta baseline dropped: %.1f MB freed", freed / 1e6)
