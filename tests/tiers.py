@@ -107,6 +107,9 @@ UNIT = (
     "tests/test_source_errors.py::test_the_planner_names_a_bad_item_of_its_sources_alike",
     "tests/test_transfer.py::test_bad_arguments_name_the_fix",
     "tests/test_transfer.py::test_ipc_directory_is_private_and_removed",
+    "tests/test_vllm_ascend_nz.py",
+    "tests/test_vllm_ascend_extension.py::test_the_reload_runs_under_the_models_device",
+    "tests/test_vllm_ascend_extension.py::test_the_device_is_synchronized_once_after_the_finalize",
 )
 
 
