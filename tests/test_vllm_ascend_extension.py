@@ -82,7 +82,10 @@ class _RecordingWorkerSync:
 
 
 @pytest.mark.parametrize("fail", [False, True])
-def test_the_device_is_synchronized_once_after_the_finalize(fail: bool):
+def test_the_device_is_synchronized_once_after_the_finalize(fail: bool, monkeypatch: pytest.MonkeyPatch):
+    from hwsync.integrations.vllm import ascend
+
+    monkeypatch.setattr(ascend, "on_ascend", lambda: False)  # not vllm-ascend's platform (and vLLM not imported)
     events: list[str] = []
     worker = HwsyncWorkerExtension()
     worker._hwsync = _RecordingWorkerSync(events, fail)  # type: ignore[assignment]
