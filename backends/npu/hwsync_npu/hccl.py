@@ -306,7 +306,8 @@ def _data_type(tensor: torch.Tensor) -> int:
 
 def hccl_group(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> HcclGroup:
     """An HCCL communicator of hwsync's own `size` ranks (the factory ProcessGroupCommunicator calls): rank 0
-    draws the root info and publishes it through `store`; every rank joins on its current NPU."""
+    draws the root info and publishes it through `store`; every rank joins on its current NPU. The wait for rank
+    0's root info is the store's (`timeout`); joining is bounded by HCCL's own HCCL_CONNECT_TIMEOUT."""
     torch_npu = import_torch_npu()
     library = HcclLibrary.load()
     if rank == 0:
