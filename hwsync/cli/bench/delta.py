@@ -4,8 +4,9 @@ A Llama of about 300M parameters (random weights from a transformers config) tra
 AdamW on the trainer host; the engine host holds it in bf16 (it says so: the trainer casts to the
 engine's dtype, the loader's own cast), or with `--engine-dtype float32` in fp32: then nothing is cast,
 the deltas are dense, and what owning the caller's bytes costs (the copy of each dense tensor into the
-sender's next baseline, before send() returns: "owned" in the table) is what it costs most. For each learning rate and link rate, the trainer host
-syncs once (full: the baseline), then each step trains and sends a delta sync, as an RL loop does,
+sender's next baseline, before send() returns: "owned" in the table) is what it costs most. For each
+learning rate and link rate, the trainer host syncs once (full: the baseline), then each step trains
+and sends a delta sync, as an RL loop does,
 and at the end sends FULL_SYNCS full syncs of the last weights (a full sync's cost does not depend on
 the step), over the cross-node path (CrossNodeSender / CrossNodeReceiver, gloo) and the bed's
 rate-limited link. Printed per (LR, link): the density each step produced, bytes on the
