@@ -167,13 +167,25 @@ class HwsyncServerAdapter(ServerAdapter):
             await asyncio.wait_for(update, self.options.timeout_s + RPC_GRACE_S)
         except Exception as exc:  # noqa: BLE001 - Ray's error carrying the engine's message; settle() raises it
             rpc_exc = exc
-        if rpc_exc is None:  # vLLM's worker closed the update itself after a failed update_weights
-            await self._rpc("finish_weight_update")
+        await self._finish(failed=rpc_exc is not None)
         if failed_early or isinstance(send_exc, ClosedError):
             self._drop_session()  # closed under a running send: the next update opens a new one
             if rpc_exc is not None:
                 send_exc = None  # the sender stopped because the engine failed: the engine's error is the one
         return settle(stats, send_exc, None, rpc_exc)
+
+    async def _finish(self, *, failed: bool) -> None:
+        """End the update on every worker, after a failed one too: vLLM's worker (and vllm-ascend's main) closed it
+        itself and refuses a finish then, but vllm-ascend's NPUWorker up to 0.26.0rc1 did not, and only the finish
+        puts back the tensors its reload moved to meta and lets the next update start (as the vLLM integration)."""
+        try:
+            await self._rpc("finish_weight_update")
+        except Exception as exc:  # noqa: BLE001 - after a failed update the refusal is expected; else it is raised
+            if not failed:
+                raise
+            expected = "start_weight_update" in str(exc)  # vLLM's words for "no update to finish"
+            log.log(logging.DEBUG if expected else logging.WARNING, "hwsync: finish_weight_update after a failed "
+                    "update: %s: %s", type(exc).__name__, exc)
 
     def _drop_session(self) -> None:
         if self._sender is not None:
