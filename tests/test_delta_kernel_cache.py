@@ -8,6 +8,7 @@ kernels16) so that the cache serves them.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +23,16 @@ WARM_ALL = ("import torch\nfrom hwsync.delta.warm import warm_up\n"
             "warm_up([torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.bool])\n")
 
 
+HERE = Path(__file__).parent
+
+
+def _info(env: dict[str, str]) -> dict:
+    """`hwsync info --json`'s delta codec section, in `env`."""
+    shown = subprocess.run([sys.executable, "-m", "hwsync.cli", "info", "--json"], env=env, check=True, timeout=120,
+                           stdout=subprocess.PIPE, text=True)
+    return json.loads(shown.stdout)["delta_codec"]
+
+
 def _cache_files(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
 
@@ -30,6 +41,16 @@ def test_a_second_process_loads_every_kernel_from_numbas_cache(tmp_path):
     if native.kernel() is None:
         pytest.skip("numba is not installed here: the delta codec runs torch ops, nothing is compiled")
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    assert _info(env)["compiled"] is False  # `hwsync info` says so before any process compiled them
+    # the first delta syncs of a fresh environment wait for no compile: both sides compile on threads of their own
+    # (half a minute here) and the syncs, with a 5 s timeout, run torch ops meanwhile
+    cold = subprocess.run([sys.executable, str(HERE / "delta_cold_procs.py"), "5"], env=env, check=True, timeout=900,
+                          stdout=subprocess.PIPE, text=True)
+    report = json.loads(cold.stdout.strip().splitlines()[-1])
+    assert [s["mode"] for s in report["syncs"]] == ["full", "delta", "delta"], report
+    assert all(s["exact"] and s["seconds"] < 5 for s in report["syncs"]), report
+    assert report["loaded"] and not report["syncs"][1]["kernels_loaded"], report  # the deltas ran while they compiled
+    assert _info(env)["compiled"] is True
     for run in range(3):
         subprocess.run([sys.executable, "-c", WARM_ALL], env=env, check=True, timeout=300)
         files = _cache_files(tmp_path)

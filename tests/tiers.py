@@ -27,6 +27,7 @@ import pytest
 UNIT = (
     "tests/test_buffer_pool.py",
     "tests/test_conformance.py",
+    "tests/test_cross_node_units.py",
     "tests/test_delta_codec.py",
     "tests/test_delta_plan.py",
     "tests/test_devices.py",

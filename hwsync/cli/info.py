@@ -27,6 +27,7 @@ def collect_info() -> dict[str, Any]:
                             "default_bucket_bytes": transport.default_bucket_bytes,
                             "into_geometry": None if into is None else {"bucket_bytes": into[0], "buffers": into[1]}}
     return {
+        "delta_codec": delta_codec(),
         "selected": backend.name,
         "reason": selection.reason,
         "backends": [vars(s) for s in selection.statuses],
@@ -34,6 +35,25 @@ def collect_info() -> dict[str, Any]:
         "transports": transports,
         "pre_torch_notes": list(PRE_TORCH_NOTES),
     }
+
+
+def delta_codec() -> dict[str, Any]:
+    """What runs a delta's diff and apply on the host: numba's compiled kernels (whether they are compiled already,
+    in numba's disk cache) or torch ops."""
+    from hwsync.delta import native
+
+    cached = native.cached_on_disk()
+    if native.kernel() is None:
+        return {"engine": "torch", "compiled": None, "note": "numba is not installed (pip install numba, or the delta "
+                "extra): the codec runs torch ops, the same bytes, more slowly"}
+    if cached is None:
+        return {"engine": "numba", "compiled": None, "note": "numba's cache could not be read"}
+    compiled, folder = cached
+    note = f"compiled, in numba's disk cache ({folder}): each process loads them on a thread of its own, a few " \
+        "seconds" if compiled else f"not compiled yet (numba's cache: {folder}): the first process in delta mode " \
+        "compiles them on a thread of its own (about half a minute on a 2-core VM)"
+    return {"engine": "numba", "compiled": compiled, "note": note + "; until loaded, deltas run torch ops (the same "
+            "bytes): no sync waits for them"}
 
 
 def _gib(n: int) -> str:
@@ -56,6 +76,9 @@ def render(info: dict[str, Any]) -> str:
         extra = f"; {into['bucket_bytes'] >> 20} MiB x {into['buffers']} for into= receivers" if into else ""
         lines.append(f"  {name:10s} {state:11s} {t['reason']}  (default bucket {t['default_bucket_bytes'] >> 20} MiB"
                      f"{extra})")
+    codec = info.get("delta_codec")
+    if codec:
+        lines += ["", f"delta codec: {codec['engine']}: {codec['note']}"]
     if info.get("pre_torch_notes"):
         lines += ["", "set before torch was imported:"] + [f"  {note}" for note in info["pre_torch_notes"]]
     return "\n".join(lines)

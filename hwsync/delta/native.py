@@ -90,6 +90,18 @@ def cache_misses() -> int:
     return sum(sum(k.stats.cache_misses.values()) for k in _kernels.values() if hasattr(k, "stats"))
 
 
+def cached_on_disk() -> tuple[bool, str] | None:
+    """(whether numba's disk cache holds every kernel, the cache's folder), or None without numba or where its
+    cache cannot be read (no compile happens: numba's own index files are looked for)."""
+    if kernel() is None or _kernels is None:
+        return None
+    try:
+        files = [k._cache._cache_file._index_path for k in _kernels.values() if hasattr(k, "_cache")]
+    except AttributeError:  # another numba's internals: say nothing rather than guess
+        return None
+    return (bool(files) and all(os.path.exists(f) for f in files)), os.path.dirname(files[0]) if files else ""
+
+
 def kernel() -> Callable[..., tuple[int, int]] | None:
     """The compiled scan of 1-, 4- and 8-byte elements (2-byte: `scan16_cast`, `scan16_direct`), or None."""
     return _get("scan")
