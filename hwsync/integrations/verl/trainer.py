@@ -154,7 +154,11 @@ class TrainerSide:
                     place.endpoint, rank=place.rank, num_senders=place.num_senders,
                     num_receivers=place.num_receivers, group_host=self.options.host,
                     bucket_bytes=self.options.bucket_bytes(place.num_senders), num_buffers=self.options.num_buffers,
-                    timeout_s=self.options.timeout_s, secret_key=self._secret_for(place), delta=self.options.delta)
+                    timeout_s=self.options.timeout_s, secret_key=self._secret_for(place), delta=self.options.delta,
+                    # a delta's encodes read tensors after verl's generator moved on; some of its generators yield
+                    # memory they change then (a merged LoRA's weights are unmerged when the generator ends), so
+                    # each tensor is copied as it is taken (a full sync copies each into the buckets at once anyway)
+                    stable_sources=not self.options.delta)
             except Exception as exc:
                 raise RuntimeError(f"trainer sender {place.rank} could not open hwsync's control endpoint "
                                    f"{place.endpoint.split('#')[0]}: {exc}. If the port was taken meanwhile, the "
