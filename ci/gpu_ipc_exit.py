@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.multiprocessing as tmp
+from hwsync.sync.options import SenderOptions
 
 WARNING = "Producer process has been terminated before all shared CUDA tensors released"
 HEADER_WORDS = 64 // 8  # at::map_alloc_alignment
@@ -135,7 +136,7 @@ def hwsync_sync(mapped: bool, keep_model: bool, drop_sender: bool, syncs: int = 
     ctx = tmp.get_context("spawn")
     done = ctx.Queue()
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda().to(torch.bfloat16)
-    sender = WeightSender(bucket_bytes=8 << 20, timeout_s=60)
+    sender = WeightSender(options=SenderOptions(bucket_bytes=8 << 20, timeout_s=60))
     receiver_log = f"/tmp/hwsync-ipc-exit-{os.getpid()}-receiver.log"
     child = ctx.Process(target=_hwsync_receiver, args=(sender.endpoint, syncs, mapped, done, receiver_log, killed))
     child.start()

@@ -18,6 +18,7 @@ import threading
 
 import ray
 import torch
+from hwsync.sync.options import CrossNodeOptions
 
 
 def model_weights(step: int) -> list[tuple[str, torch.Tensor]]:
@@ -42,9 +43,7 @@ class Trainer:
         from hwsync.disaggregated import CrossNodeSender
 
         ip = node_ip()
-        self.sender = CrossNodeSender(endpoint or f"tcp://{ip}:0", rank=rank, num_senders=senders,
-                                       num_receivers=engines, group_host=ip, bucket_bytes=bucket_bytes,
-                                       timeout_s=60)
+        self.sender = CrossNodeSender(endpoint or f"tcp://{ip}:0", rank=rank, num_senders=senders, num_receivers=engines, group_host=ip, options=CrossNodeOptions(bucket_bytes=bucket_bytes, timeout_s=60))
 
     def endpoint(self) -> str:
         """Rank 0's control endpoint (with its token)."""

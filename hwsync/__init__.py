@@ -3,6 +3,7 @@
 What a user needs is here (one screen: `hwsync.__all__`):
 
 - the same-host path: `WeightSender` (trainer) and `WeightReceiver` (engine), through shared buffers;
+  both senders take their settings as one typed object, `SenderOptions` (`CrossNodeOptions` across nodes);
 - the cross-node path: `CrossNodeSender` (trainer ranks) and `CrossNodeReceiver` (engine ranks), over
   the backend's collective library; `LocalForwarder` hands a received sync on to the same-host path;
 - what a sync sends: (name, tensor) pairs, or a `TrainerModel` planned against the `EngineState` each
@@ -11,7 +12,7 @@ What a user needs is here (one screen: `hwsync.__all__`):
 - `SyncStats`, what every sync returns; errors: the common ones here, every one in `hwsync.errors`.
 
 Elsewhere, each for its own reader: backend authors `hwsync.backend`; the planner's internals
-`hwsync.planner`; per-rank memory reports and bucket sizing `hwsync.memory`; engines and trainers
+`hwsync.sync.planner`; per-rank memory reports and bucket sizing `hwsync.backend.memory`; engines and trainers
 `hwsync.integrations`.
 """
 
@@ -23,15 +24,17 @@ _run_pre_torch_hooks()
 from hwsync.colocated import WeightReceiver, WeightSender  # noqa: E402
 from hwsync.disaggregated import CrossNodeReceiver, CrossNodeSender, LocalForwarder  # noqa: E402
 from hwsync.errors import ClosedError, HwsyncError, ManifestError, SyncError, SyncTimeoutError  # noqa: E402
-from hwsync.manifest import TensorSpec, manifest_from_module  # noqa: E402
-from hwsync.planner import EngineState, SyncMode, TrainerModel  # noqa: E402
-from hwsync.shared_params import SharedParameters  # noqa: E402
-from hwsync.stats import SyncStats  # noqa: E402
+from hwsync.sync.options import CrossNodeOptions, SenderOptions  # noqa: E402
+from hwsync.sync.planner import EngineState, SyncMode, TrainerModel  # noqa: E402
+from hwsync.sync.shared_params import SharedParameters  # noqa: E402
+from hwsync.sync.spec import TensorSpec, manifest_from_module  # noqa: E402
+from hwsync.sync.stats import SyncStats  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "WeightSender", "WeightReceiver", "CrossNodeSender", "CrossNodeReceiver", "LocalForwarder", "SyncStats",
+    "WeightSender", "WeightReceiver", "CrossNodeSender", "CrossNodeReceiver", "LocalForwarder", "SenderOptions",
+    "CrossNodeOptions", "SyncStats",
     "TrainerModel", "EngineState", "SyncMode", "TensorSpec", "manifest_from_module", "SharedParameters",
     "HwsyncError", "SyncError", "SyncTimeoutError", "ClosedError", "ManifestError",
 ]

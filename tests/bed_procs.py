@@ -52,7 +52,7 @@ def whoami() -> dict:
 
 
 def nics(peer: str) -> dict:
-    """hwsync.nic's answers in this host (loaded by path: no torch): the interface towards `peer`, the one owning
+    """hwsync.control.nic's answers in this host (loaded by path: no torch): the interface towards `peer`, the one owning
     it, the default address; and this process's host name."""
     import importlib.util
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from hwsync.registry import installed_names, load_backend, reset_backend_cache
-from hwsync.shm import leftover_segments
+from hwsync.backend.registry import installed_names, load_backend, reset_backend_cache
+from hwsync.backend.shm import leftover_segments
 from tiers import guarded, mark_unit
 
 SIM_INSTALLED = importlib.util.find_spec("hwsync_sim") is not None

@@ -10,6 +10,7 @@ import time
 import torch
 
 from hwsync import CrossNodeReceiver, WeightReceiver, WeightSender
+from hwsync.sync.options import SenderOptions
 
 import transfer_procs as procs
 
@@ -87,7 +88,7 @@ def sender_then_idle(address: str, syncs: int) -> None:
 
     `address` is "ipc" (a private ipc:// socket) or a tcp:// address to bind.
     """
-    with WeightSender(None if address == "ipc" else address, timeout_s=30) as sender:
+    with WeightSender(None if address == "ipc" else address, options=SenderOptions(timeout_s=30)) as sender:
         print(json.dumps({"endpoint": sender.endpoint, "pid": os.getpid()}), flush=True)
         for v in range(1, syncs + 1):
             sender.send(procs.versioned(v).items(), version=v)

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from typing import Any
+from hwsync.sync.options import CrossNodeOptions
 
 LOG_KEYS = ("built its group", "joined sender")  # the one line per group build that names the interface
 
@@ -94,9 +95,7 @@ def sender(folder: str, rank: int, phases: list[dict], wait_s: float = 120.0) ->
         endpoint = phase["endpoint"]
         if rank == 0 and phase.get("hub_wildcard"):  # bound to every address; the others connect to the real one
             endpoint = "tcp://0.0.0.0:" + endpoint.partition("#")[0].rpartition(":")[2] + endpoint[endpoint.index("#"):]
-        tx = CrossNodeSender(endpoint, rank=rank, num_senders=phase["senders"],
-                             num_receivers=phase["receivers"], bucket_bytes=phase["bucket_bytes"],
-                             timeout_s=phase["timeout_s"], secret_key=phase.get("secret") if rank == 0 else None)
+        tx = CrossNodeSender(endpoint, rank=rank, num_senders=phase["senders"], num_receivers=phase["receivers"], options=CrossNodeOptions(bucket_bytes=phase["bucket_bytes"], timeout_s=phase["timeout_s"], secret_key=phase.get("secret") if rank == 0 else None))
         try:
             for i, v in enumerate(phase["versions"]):
                 _wait_file(os.path.join(folder, f"go-{p}-{v}"), wait_s)

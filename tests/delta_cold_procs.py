@@ -13,6 +13,7 @@ import torch
 
 from hwsync import WeightSender
 from hwsync.delta import native, warm
+from hwsync.sync.options import SenderOptions
 
 import delta_procs
 import transfer_procs as procs
@@ -22,7 +23,7 @@ def main(timeout_s: float) -> None:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     out = []
-    with WeightSender(delta=True, timeout_s=timeout_s) as sender:
+    with WeightSender(options=SenderOptions(delta=True, timeout_s=timeout_s)) as sender:
         proc, commands, results = delta_procs.start(sender.endpoint, "load", timeout_s=timeout_s)
         for step in (1, 2, 3):
             tensors = delta_procs.stepped(step)

@@ -19,6 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 import transfer_procs
+from hwsync.sync.options import SenderOptions
 
 CTX = mp.get_context("spawn")
 
@@ -45,7 +46,7 @@ def _error(exc: BaseException) -> dict[str, Any]:
 
 
 def _device() -> torch.device:
-    from hwsync.registry import get_backend
+    from hwsync.backend.registry import get_backend
 
     return get_backend().device().torch_device()
 
@@ -138,9 +139,7 @@ def sender_main(commands, results) -> None:
             if cmd == "open":
                 if sender is not None:
                     sender.close()
-                sender = WeightSender(delta=command["delta"], stable_sources=command["stable"],
-                                      bucket_bytes=command["bucket_bytes"], timeout_s=command["timeout_s"],
-                                      num_receivers=command["receivers"])
+                sender = WeightSender(num_receivers=command["receivers"], options=SenderOptions(delta=command["delta"], stable_sources=command["stable"], bucket_bytes=command["bucket_bytes"], timeout_s=command["timeout_s"]))
                 trainer = Trainer(command["specs"], command["seed"], device)
                 results.put({"ok": True, "endpoint": sender.endpoint})
             elif cmd == "change":

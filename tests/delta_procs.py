@@ -10,7 +10,8 @@ import torch
 import torch.multiprocessing as mp
 
 from hwsync import WeightReceiver
-from hwsync.registry import get_backend
+from hwsync.backend.registry import get_backend
+from hwsync.sync.options import SenderOptions
 
 import transfer_procs as procs
 
@@ -93,7 +94,7 @@ def delta_sender_main(q, steps: int) -> None:
     from hwsync import WeightSender
 
     torch.set_num_threads(1)
-    with WeightSender(bucket_bytes=1 << 14, delta=True, timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=1 << 14, delta=True, timeout_s=30)) as sender:
         q.put(sender.endpoint)
         for step in range(1, steps + 1):
             sender.send(stepped(step).items(), version=step)

@@ -13,7 +13,8 @@ import torch
 from transfer_procs import digest
 
 from hwsync import WeightReceiver, WeightSender
-from hwsync.registry import get_backend
+from hwsync.backend.registry import get_backend
+from hwsync.sync.options import SenderOptions
 
 
 def model(device: torch.device, seed: int = 0) -> torch.nn.Module:
@@ -94,7 +95,7 @@ def sender_main() -> None:
         print("stalling", flush=True)
         time.sleep(600)
 
-    with WeightSender(timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(timeout_s=30)) as sender:
         print(json.dumps({"endpoint": sender.endpoint, "pid": os.getpid()}), flush=True)
         sender.send(net.state_dict().items(), version=1)
         sender.send(source(), version=2)

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgpack
 import torch
+from hwsync.sync.options import SenderOptions
 
 CTX = mp.get_context("spawn")
 STATE: dict[str, Any] = {}  # what a process keeps between calls: transports, buffers, tensors
@@ -73,7 +74,7 @@ def pid() -> int:
 
 def _transport() -> Any:
     if "transport" not in STATE:
-        from hwsync.registry import get_backend
+        from hwsync.backend.registry import get_backend
 
         backend = STATE["backend"] = get_backend()
         STATE["transport"] = backend.transports()["npu_ipc"]
@@ -82,7 +83,7 @@ def _transport() -> Any:
 
 def backend_report() -> dict[str, Any]:
     """Which backend hwsync selected here and what its transports say."""
-    from hwsync.registry import get_backend
+    from hwsync.backend.registry import get_backend
 
     backend = get_backend()
     return {"backend": backend.name, "transports": {n: [t.available().usable, t.available().reason]
@@ -120,8 +121,8 @@ def close_receiver() -> None:
 
 
 def counters(packed: bytes) -> list[int | None]:
-    """The ref counters of the exports in a handles message, read from torch's files (hwsync.ipc_counters)."""
-    from hwsync.ipc_counters import counter
+    """The ref counters of the exports in a handles message, read from torch's files (hwsync.backend.ipc_counters)."""
+    from hwsync.backend.ipc_counters import counter
 
     handles = msgpack.unpackb(packed, raw=False)
     return [counter(r["ref_counter_handle"], r["ref_counter_offset"]) for r in handles["buffers"]]
@@ -162,7 +163,7 @@ def _place(tensor: torch.Tensor) -> Any:
     """Where the tensor lies, found as the core's locate finds it (AllocatorSegments._segment_of, from the allocator's
     snapshot) but on device 0: the stand-in's NPU tensors are CPU tensors, which carry no device index, so the
     core's own locate() returns None for them before it looks (on an NPU every tensor has its index)."""
-    from hwsync.interfaces import SegmentPlace
+    from hwsync.backend.interfaces import SegmentPlace
 
     segments = _transport().device_segments()
     found = segments._segment_of(0, tensor.data_ptr())
@@ -210,7 +211,7 @@ def reshare_mapped() -> str:
 
 def release_export(packed: bytes) -> int | None:
     """The sender releases one segment export no receiver mapped; its counter afterwards."""
-    from hwsync.ipc_counters import counter
+    from hwsync.backend.ipc_counters import counter
 
     record = msgpack.unpackb(packed, raw=False)
     _transport().device_segments().release_export(record)
@@ -227,7 +228,7 @@ def drop_mapped() -> None:
 
 def segment_counter(packed: bytes) -> int | None:
     """The counter of a segment export."""
-    from hwsync.ipc_counters import counter
+    from hwsync.backend.ipc_counters import counter
 
     record = msgpack.unpackb(packed, raw=False)
     return counter(record["ref_counter_handle"], record["ref_counter_offset"])
@@ -264,7 +265,7 @@ def sender_start(delta: bool, bucket_bytes: int) -> str:
     for name, shape in (("embed", (512, 64)), ("w1", (64, 256)), ("w2", (256, 64)), ("bias", (64,))):
         params[name] = arena.tensor(shape, torch.float32)
         params[name].copy_(torch.randn(shape))
-    sender = STATE["wsender"] = WeightSender(delta=delta, bucket_bytes=bucket_bytes, timeout_s=60.0)
+    sender = STATE["wsender"] = WeightSender(options=SenderOptions(delta=delta, bucket_bytes=bucket_bytes, timeout_s=60.0))
     return sender.endpoint
 
 

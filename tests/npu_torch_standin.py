@@ -48,7 +48,7 @@ import torch
 
 VERSION = "2.10.0.post4"
 REF_COUNTER_SLOTS = 10000  # NPU_IPC_REF_COUNTER_FILE_SIZE
-REF_HEADER = 64  # RefcountedMapAllocator's header before the slots (hwsync.ipc_counters.HEADER_BYTES)
+REF_HEADER = 64  # RefcountedMapAllocator's header before the slots (hwsync.backend.ipc_counters.HEADER_BYTES)
 EVENT_HANDLE_BYTES = 64  # ACL_IPC_EVENT_HANDLE_SIZE
 KEY_BYTES = 65  # kAclIpcHandleSize
 HANDLE_VERSION = 1  # SHAREABLE_HANDLE_VERSION

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from hwsync.interfaces import Backend
+from hwsync.backend.interfaces import Backend
 
 
 def need_devices(backend: Backend, ranks: int) -> None:
@@ -34,6 +34,6 @@ def place(name: str, index: int) -> None:
         if not initialized():
             return  # the main thread starts on HWSYNC_SIM_DEVICE when the sim starts
     if name != "cpu":
-        from hwsync.registry import load_backend
+        from hwsync.backend.registry import load_backend
 
         load_backend(name).device().set_index(index)

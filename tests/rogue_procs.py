@@ -50,11 +50,11 @@ def rogue(directory: str, case: str, victim: str, other_buffer: str, other_param
     import torch
 
     from hwsync.colocated.doorbell import Doorbell
-    from hwsync.owners import owner_prefix
+    from hwsync.backend.owners import owner_prefix
     from hwsync.protocol import PROTOCOL_VERSION, TO_SENDER, Done, Offer, Ref, Refs, SegmentSpec, Welcome, decode, \
         encode
-    from hwsync.shared_params import SharedTensors, live_segments
-    from hwsync.shm import SHM_DIR, ShmSendBuffers
+    from hwsync.sync.shared_params import SharedTensors, live_segments
+    from hwsync.backend.shm import SHM_DIR, ShmSendBuffers
 
     change = CASES[case]
     links = {"link": f"{owner_prefix()}{secrets.token_hex(8)}", "params_link": f"{owner_prefix()}params-"

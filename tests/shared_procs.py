@@ -10,7 +10,8 @@ import time
 import torch
 
 from hwsync import WeightReceiver, WeightSender
-from hwsync.registry import get_backend
+from hwsync.backend.registry import get_backend
+from hwsync.sync.options import SenderOptions
 from transfer_procs import digest
 
 
@@ -79,7 +80,7 @@ def sender_main() -> None:
         print("stalling", flush=True)
         time.sleep(600)
 
-    with WeightSender(timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(timeout_s=30)) as sender:
         print(json.dumps({"endpoint": sender.endpoint, "pid": os.getpid(), "segments": shared.shared.segment_names}),
               flush=True)
         sender.send(source(), version=1)

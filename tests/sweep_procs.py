@@ -8,7 +8,8 @@ import time
 import torch
 
 from hwsync import WeightSender
-from hwsync.shared_params import SharedTensors
+from hwsync.sync.shared_params import SharedTensors
+from hwsync.sync.options import SenderOptions
 
 import transfer_procs as procs
 
@@ -17,7 +18,7 @@ def sender_main(q, mode: str) -> None:
     """Serve one sync (shared parameter segments and packed tensors), then idle ("between") or sync slowly ("mid")."""
     torch.set_num_threads(1)
     shared = SharedTensors(procs.versioned(1).items())
-    sender = WeightSender(timeout_s=60)
+    sender = WeightSender(options=SenderOptions(timeout_s=60))
     q.put({"pid": os.getpid(), "endpoint": sender.endpoint, "params": shared.segment_names})
     sender.send([*shared.items(), ("packed", torch.arange(1000.0))], version=1)
     q.put({"synced": 1})

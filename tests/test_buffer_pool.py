@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-import hwsync.colocated.buffer_pool
-from hwsync.colocated.buffer_pool import COLD, HOT, RETRY_FIRST, RETRY_MOST, BufferPool
+import hwsync.colocated.stream
+from hwsync.colocated.stream import COLD, HOT, RETRY_FIRST, RETRY_MOST, BufferPool
 
 #: one window is 4 buckets of 250 MB: 1 GB, so a window of 1 s is 1 GB/s
 BUCKET = 250_000_000

@@ -19,7 +19,8 @@ from hwsync.disaggregated import CrossNodeReceiver, CrossNodeSender, assign_owne
 from hwsync.disaggregated.plan import CollectivePlan
 from hwsync.protocol import TO_RANK, decode, encode
 from hwsync.errors import ManifestError, SyncError
-from hwsync.manifest import TensorSpec, manifest_from_tensors
+from hwsync.sync.spec import TensorSpec, manifest_from_tensors
+from hwsync.sync.options import CrossNodeOptions
 from placement import need_devices, place
 
 BUCKET = 64 << 10
@@ -85,8 +86,7 @@ def _receiver(endpoint: str, out, where: tuple[str, int], rank: int, versions: l
 def _sender(endpoint: str, out, where: tuple[str, int], rank: int, senders: int, receivers: int,
             versions: list[int]) -> None:
     place(*where)
-    tx = CrossNodeSender(endpoint, rank=rank, num_senders=senders, num_receivers=receivers, group_host=HOST,
-                          timeout_s=TIMEOUT)
+    tx = CrossNodeSender(endpoint, rank=rank, num_senders=senders, num_receivers=receivers, group_host=HOST, options=CrossNodeOptions(timeout_s=TIMEOUT))
     out.put(("up", -rank))
     for v in versions:
         t0 = time.monotonic()
@@ -114,8 +114,7 @@ class Cluster:
         self.out = self.ctx.Queue()
         self.procs: list = []
         self.senders, self.receivers = senders, receivers
-        self.tx = CrossNodeSender(f"tcp://{HOST}:0", num_senders=senders, num_receivers=receivers, group_host=HOST,
-                                   bucket_bytes=BUCKET, timeout_s=TIMEOUT)
+        self.tx = CrossNodeSender(f"tcp://{HOST}:0", num_senders=senders, num_receivers=receivers, group_host=HOST, options=CrossNodeOptions(bucket_bytes=BUCKET, timeout_s=TIMEOUT))
 
     def receiver_at(self, rank: int) -> tuple[str, int]:
         """(backend, device) of receiver `rank`."""
@@ -230,7 +229,7 @@ def test_released_buffers_come_back_at_the_next_sync_on_the_same_group(backend):
         epoch = cluster.tx.group_epoch
         for v in (1, 2):
             cluster.tx.release_buffers()
-            assert not cluster.tx._group._buffers  # freed until the next send
+            assert not cluster.tx._carrier.group._buffers  # freed until the next send
             cluster.tx.send(_tensors(v), version=v)
         assert cluster.tx.group_epoch == epoch
         reports = cluster.reports(3 * 2)
@@ -313,8 +312,7 @@ def _stateful_receiver(endpoint: str, out, where: tuple[str, int], rank: int, ve
 def _callable_sender(endpoint: str, out, where: tuple[str, int], rank: int, senders: int, receivers: int,
                      versions: list[int]) -> None:
     place(*where)
-    tx = CrossNodeSender(endpoint, rank=rank, num_senders=senders, num_receivers=receivers, group_host=HOST,
-                          timeout_s=TIMEOUT)
+    tx = CrossNodeSender(endpoint, rank=rank, num_senders=senders, num_receivers=receivers, group_host=HOST, options=CrossNodeOptions(timeout_s=TIMEOUT))
     out.put(("up", -rank))
     for v in versions:
         seen: list = []

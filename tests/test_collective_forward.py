@@ -13,6 +13,7 @@ import multiprocessing as mp
 import torch
 
 from hwsync.disaggregated import CrossNodeSender
+from hwsync.sync.options import CrossNodeOptions, SenderOptions
 from placement import need_devices, place
 from test_collective import BUCKET, HOST, TIMEOUT, _exact, _tensors
 
@@ -35,7 +36,7 @@ def _agent(endpoint: str, out, where: tuple[str, int]) -> None:
     from hwsync.disaggregated import CrossNodeReceiver, LocalForwarder
     from hwsync.colocated.sender import WeightSender
 
-    with WeightSender(bucket_bytes=BUCKET // 2, timeout_s=TIMEOUT) as local, \
+    with WeightSender(options=SenderOptions(bucket_bytes=BUCKET // 2, timeout_s=TIMEOUT)) as local, \
             CrossNodeReceiver(endpoint, rank=0, timeout_s=TIMEOUT) as rx:
         engine = mp.get_context("spawn").Process(target=_engine, args=(local.endpoint, out, where))
         engine.start()
@@ -54,8 +55,7 @@ def test_engine_node_forwards_into_its_local_engine(backend):
         backend.device().set_index(0)  # sender 0, here
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    with CrossNodeSender(f"tcp://{HOST}:0", num_receivers=1, group_host=HOST, bucket_bytes=BUCKET,
-                          timeout_s=TIMEOUT) as tx:
+    with CrossNodeSender(f"tcp://{HOST}:0", num_receivers=1, group_host=HOST, options=CrossNodeOptions(bucket_bytes=BUCKET, timeout_s=TIMEOUT)) as tx:
         agent = ctx.Process(target=_agent, args=(tx.endpoint, out, (backend.name, 1)))
         agent.start()
         try:

@@ -20,7 +20,8 @@ import torch
 
 from hwsync.disaggregated import CrossNodeSender
 from hwsync.errors import SyncError
-from hwsync.registry import get_backend
+from hwsync.backend.registry import get_backend
+from hwsync.sync.options import CrossNodeOptions
 from test_collective import HOST, TIMEOUT, _receiver
 
 BUCKET = 64 << 10
@@ -43,7 +44,7 @@ def _gathered(comm, version: int):
 def _follower(endpoint: str, store: str, out) -> None:
     os.environ["HWSYNC_BACKEND"] = "cpu"
     comm = get_backend().communicator(store, 1, 2, 3 * TIMEOUT)
-    tx = CrossNodeSender(endpoint, rank=1, num_senders=2, num_receivers=2, group_host=HOST, timeout_s=TIMEOUT)
+    tx = CrossNodeSender(endpoint, rank=1, num_senders=2, num_receivers=2, group_host=HOST, options=CrossNodeOptions(timeout_s=TIMEOUT))
     out.put(("up", -1))
     for v in (0, 1):
         source = _gathered(comm, v)
@@ -76,8 +77,7 @@ def test_a_follower_whose_broadcast_failed_walks_on_so_sender_0_can_name_the_dea
     out = ctx.Queue()
     store = f"tcp://{HOST}:{_free_port()}"
     # sender 0 has a buffer for each of its buckets, so it never waits on one and walks straight on
-    tx = CrossNodeSender(f"tcp://{HOST}:0", num_senders=2, num_receivers=2, group_host=HOST, bucket_bytes=BUCKET,
-                          num_buffers=32, timeout_s=TIMEOUT)
+    tx = CrossNodeSender(f"tcp://{HOST}:0", num_senders=2, num_receivers=2, group_host=HOST, options=CrossNodeOptions(bucket_bytes=BUCKET, num_buffers=32, timeout_s=TIMEOUT))
     procs = [ctx.Process(target=_receiver, args=(tx.endpoint, out, ("cpu", 0), r, [0, 1], ("kill", 1, 1) if r else None),
                          daemon=True) for r in (0, 1)]
     procs.append(ctx.Process(target=_follower, args=(tx.endpoint, store, out), daemon=True))
@@ -115,6 +115,6 @@ def test_a_follower_whose_broadcast_failed_walks_on_so_sender_0_can_name_the_dea
 
 
 def _manifest():
-    from hwsync.manifest import manifest_from_tensors
+    from hwsync.sync.spec import manifest_from_tensors
 
     return manifest_from_tensors(_tensors(0))

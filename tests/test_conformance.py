@@ -4,8 +4,8 @@ import inspect
 
 import pytest
 
-from hwsync.interfaces import Backend, Device, ProbeResult, Transport
-from hwsync.registry import installed_names, load_backend
+from hwsync.backend.interfaces import Backend, Device, ProbeResult, Transport
+from hwsync.backend.registry import installed_names, load_backend
 
 
 def _abstract_methods(cls: type) -> set[str]:

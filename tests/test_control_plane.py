@@ -21,9 +21,10 @@ import pytest
 import torch.multiprocessing as mp
 
 from hwsync import WeightSender
-from hwsync.control import Endpoint
+from hwsync.control.endpoints import Endpoint
 from hwsync.protocol import Abort, Accept, Complete, Done, Error, Gone, Ready, Release, encode
-from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES
+from hwsync.protocol import MAX_PEER_FRAME_BYTES
+from hwsync.sync.options import SenderOptions
 
 import control_procs
 import transfer_procs as procs
@@ -43,7 +44,7 @@ class Session:
     """A sender in this process and a receiver process that serves syncs until the module ends."""
 
     def __init__(self, transport: str) -> None:
-        self.sender = WeightSender("tcp://127.0.0.1:0" if transport == "tcp" else None, timeout_s=20)
+        self.sender = WeightSender("tcp://127.0.0.1:0" if transport == "tcp" else None, options=SenderOptions(timeout_s=20))
         self.endpoint = Endpoint.parse(self.sender.endpoint)
         self.q = CTX.Queue()
         self.proc = CTX.Process(target=control_procs.serve, args=(self.sender.endpoint, self.q),
@@ -90,7 +91,7 @@ def log_every_drop(monkeypatch):
     """A test that looks for its own stranger in the log: no rate limit across tests (units test it).
 
     Not for the tests that send thousands of frames: the log records would weigh on the memory checks."""
-    monkeypatch.setattr("hwsync.sockets.DROP_LOG_INTERVAL_S", 0.0)
+    monkeypatch.setattr("hwsync.control.sockets.DROP_LOG_INTERVAL_S", 0.0)
 
 
 class Marker:

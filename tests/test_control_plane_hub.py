@@ -22,9 +22,10 @@ import torch.multiprocessing as mp
 
 from hwsync import CrossNodeSender
 from hwsync.errors import ProtocolError
-from hwsync.control import Endpoint
+from hwsync.control.endpoints import Endpoint
 from hwsync.protocol import PROTOCOL_VERSION, Error, Joined, PlanAccept, Pong, Progress, RankComplete, RankReady, Sent, encode
-from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES
+from hwsync.protocol import MAX_PEER_FRAME_BYTES
+from hwsync.sync.options import CrossNodeOptions
 
 import control_procs
 import transfer_procs as procs
@@ -39,8 +40,7 @@ class HubSession:
     """Sender rank 0 here, receiver 0 in a process that serves syncs until the module ends."""
 
     def __init__(self, num_receivers: int = 1, timeout_s: float = 20.0) -> None:
-        self.tx = CrossNodeSender(f"tcp://{HOST}:0", num_receivers=num_receivers, group_host=HOST,
-                                   bucket_bytes=64 << 10, timeout_s=timeout_s)
+        self.tx = CrossNodeSender(f"tcp://{HOST}:0", num_receivers=num_receivers, group_host=HOST, options=CrossNodeOptions(bucket_bytes=64 << 10, timeout_s=timeout_s))
         self.endpoint = Endpoint.parse(self.tx.endpoint)
         self.q = CTX.Queue()
         self.procs: list[mp.Process] = []
@@ -90,7 +90,7 @@ def hub():
 
 @pytest.fixture
 def log_every_drop(monkeypatch):
-    monkeypatch.setattr("hwsync.sockets.DROP_LOG_INTERVAL_S", 0.0)
+    monkeypatch.setattr("hwsync.control.sockets.DROP_LOG_INTERVAL_S", 0.0)
 
 
 @pytest.mark.parametrize("junk", list(JUNK))

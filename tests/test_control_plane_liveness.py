@@ -22,7 +22,8 @@ import torch.multiprocessing as mp
 
 from hwsync import ClosedError, WeightReceiver, WeightSender
 from hwsync.errors import ProtocolError, RemoteError
-from hwsync.shm import ShmTransport, leftover_segments
+from hwsync.backend.shm import ShmTransport, leftover_segments
+from hwsync.sync.options import SenderOptions
 
 import control_procs
 import transfer_procs as procs
@@ -66,7 +67,7 @@ def test_a_sender_killed_between_syncs_is_noticed_at_once(address, syncs):
 
 
 def test_close_during_a_sync_aborts_every_receiver_at_once():
-    sender = WeightSender(timeout_s=TIMEOUT_S, num_receivers=2)
+    sender = WeightSender(num_receivers=2, options=SenderOptions(timeout_s=TIMEOUT_S))
     receivers = [_start(control_procs.serve, sender.endpoint, timeout_s=TIMEOUT_S) for _ in range(2)]
     outcome: dict[str, BaseException] = {}
 
@@ -104,7 +105,7 @@ def test_close_from_inside_the_source_ends_the_sync_with_closed_error(delta):
     """close() called by send()'s own source, on the sending thread: the buffers stay until send() is done with
     them (no IndexError from a released buffer), send() raises ClosedError saying where close() came from, the
     receiver hears the abort, and nothing is left in /dev/shm."""
-    sender = WeightSender(timeout_s=TIMEOUT_S, bucket_bytes=1 << 16, delta=delta)
+    sender = WeightSender(options=SenderOptions(timeout_s=TIMEOUT_S, bucket_bytes=1 << 16, delta=delta))
     proc, q = _start(control_procs.serve, sender.endpoint, timeout_s=TIMEOUT_S)
 
     def closing_source():
@@ -125,7 +126,7 @@ def test_close_from_inside_the_source_ends_the_sync_with_closed_error(delta):
 
 
 def test_close_while_waiting_for_receivers_ends_the_wait():
-    sender = WeightSender(timeout_s=TIMEOUT_S)
+    sender = WeightSender(options=SenderOptions(timeout_s=TIMEOUT_S))
     outcome: dict[str, BaseException] = {}
     thread = threading.Thread(target=lambda: outcome.setdefault("send", _raises(sender.send, [("a", torch.ones(2))],
                                                                                  version=1)))
@@ -159,7 +160,7 @@ def test_every_call_after_close_says_it_is_closed():
 
 
 def test_a_receiver_closed_during_a_sync_tells_the_sender_at_once():
-    sender = WeightSender(timeout_s=TIMEOUT_S)
+    sender = WeightSender(options=SenderOptions(timeout_s=TIMEOUT_S))
     receiver = WeightReceiver(sender.endpoint, timeout_s=TIMEOUT_S)
     outcome: dict[str, BaseException | None] = {}
 
@@ -186,7 +187,7 @@ def test_a_receiver_closed_during_a_sync_tells_the_sender_at_once():
 
 
 def test_a_receiver_beyond_num_receivers_is_refused_at_once():
-    sender = WeightSender(timeout_s=TIMEOUT_S, num_receivers=1)
+    sender = WeightSender(num_receivers=1, options=SenderOptions(timeout_s=TIMEOUT_S))
     first, q = _start(control_procs.serve, sender.endpoint, timeout_s=TIMEOUT_S)
     sender.send(procs.versioned(1).items(), version=1)
     assert q.get(timeout=30)["version"] == 1
@@ -225,7 +226,7 @@ class FancyShm(ShmTransport):
 
 
 def test_a_receiver_lacking_the_senders_transport_is_refused_at_once():
-    sender = WeightSender(transport=FancyShm(), timeout_s=TIMEOUT_S)
+    sender = WeightSender(transport=FancyShm(), options=SenderOptions(timeout_s=TIMEOUT_S))
     proc, q = _start(control_procs.receive_once, sender.endpoint, timeout_s=TIMEOUT_S)
     with pytest.raises(ProtocolError, match="lack this sender's 'fancy_shm'"):
         sender.send(procs.versioned(1).items(), version=1)

@@ -11,10 +11,11 @@ import zmq
 
 from hwsync import HwsyncError, WeightReceiver, WeightSender
 from hwsync.errors import ProtocolError
-from hwsync.manifest import manifest_from_tensors
-from hwsync.control import Endpoint
-from hwsync.protocol.limits import MAX_MESSAGE_CHARS, MAX_PEER_FRAME_BYTES, cut
-from hwsync.sockets import DropLog, require_curve
+from hwsync.sync.spec import manifest_from_tensors
+from hwsync.control.endpoints import Endpoint
+from hwsync.protocol import MAX_MESSAGE_CHARS, MAX_PEER_FRAME_BYTES, cut
+from hwsync.control.sockets import DropLog, require_curve
+from hwsync.sync.options import CrossNodeOptions, SenderOptions
 
 KEY = "ab" * 32
 
@@ -73,7 +74,7 @@ def test_the_drop_log_names_the_peer_once_per_interval(caplog):
 
 
 def test_a_receivers_frames_are_held_to_the_limit_before_they_leave():
-    with WeightSender(timeout_s=2) as sender, WeightReceiver(sender.endpoint, timeout_s=2) as receiver:
+    with WeightSender(options=SenderOptions(timeout_s=2)) as sender, WeightReceiver(sender.endpoint, timeout_s=2) as receiver:
         with pytest.raises(ProtocolError, match=f"over the protocol's {MAX_PEER_FRAME_BYTES}-byte limit"):
             receiver.receive(lambda pairs: None, state={"blob": "x" * MAX_PEER_FRAME_BYTES})
 
@@ -85,9 +86,9 @@ def test_messages_are_cut_before_they_travel():
 
 
 def test_a_manifest_over_the_senders_limit_is_refused_before_it_is_sent(monkeypatch):
-    monkeypatch.setattr("hwsync.colocated.sender.MAX_SENDER_FRAME_BYTES", 1000)
+    monkeypatch.setattr("hwsync.colocated.carrier.MAX_SENDER_FRAME_BYTES", 1000)
     tensors = [(f"layer.{i}.weight", torch.ones(1)) for i in range(100)]
-    with WeightSender(timeout_s=10) as sender, WeightReceiver(sender.endpoint, timeout_s=10) as receiver:
+    with WeightSender(options=SenderOptions(timeout_s=10)) as sender, WeightReceiver(sender.endpoint, timeout_s=10) as receiver:
         errors: list[BaseException] = []
         thread = threading.Thread(target=lambda: _catch(errors, receiver.receive, lambda pairs: None))
         thread.start()
@@ -107,7 +108,7 @@ def _catch(errors: list, fn, *args) -> None:
 def test_an_endpoint_announced_before_its_bind_is_bound_with_its_own_key(monkeypatch):
     """verl's rank 0 announces its endpoint (with the CURVE public key) before it binds it."""
     from hwsync.disaggregated import CrossNodeSender
-    from hwsync.sockets import curve_key_pair
+    from hwsync.control.sockets import curve_key_pair
 
     monkeypatch.setenv("HWSYNC_BACKEND", "cpu")
     public, secret = curve_key_pair()
@@ -116,8 +117,8 @@ def test_an_endpoint_announced_before_its_bind_is_bound_with_its_own_key(monkeyp
     with pytest.raises(ValueError, match="pass secret_key="):
         CrossNodeSender(announced, group_host="127.0.0.1")
     with pytest.raises(ValueError, match="does not belong to the endpoint's CURVE key"):
-        CrossNodeSender(announced, group_host="127.0.0.1", secret_key=curve_key_pair()[1])
-    tx = CrossNodeSender(announced, group_host="127.0.0.1", secret_key=secret)
+        CrossNodeSender(announced, group_host="127.0.0.1", options=CrossNodeOptions(secret_key=curve_key_pair()[1]))
+    tx = CrossNodeSender(announced, group_host="127.0.0.1", options=CrossNodeOptions(secret_key=secret))
     try:
         assert tx.endpoint == announced
     finally:

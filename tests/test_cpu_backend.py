@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from hwsync.errors import HwsyncError
-from hwsync.shm import SharedSegment, leftover_segments
+from hwsync.backend.shm import SharedSegment, leftover_segments
 from hwsync_cpu import CpuBackend
 
 
@@ -123,7 +123,7 @@ def test_segment_is_removed_on_close():
 
 CREATE_AND_HANG = """
 import sys, time
-from hwsync.shm import ShmTransport
+from hwsync.backend.shm import ShmTransport
 buffers = ShmTransport().open_sender(1 << 20, 2)
 print(" ".join(buffers.handles()["names"]), flush=True)
 time.sleep(600)

@@ -18,8 +18,8 @@ import pytest
 import cross_node_procs
 from bed_procs import bed_or_skip
 from hwsync.bed import HostProcessError
-from hwsync.control import new_token
-from hwsync.sockets import curve_key_pair
+from hwsync.control.endpoints import new_token
+from hwsync.control.sockets import curve_key_pair
 
 PROCS = os.path.abspath(cross_node_procs.__file__)
 MiB = 1 << 20

@@ -19,6 +19,7 @@ import torch
 
 from hwsync.disaggregated import CrossNodeReceiver, CrossNodeSender
 from hwsync.errors import SyncTimeoutError
+from hwsync.sync.options import CrossNodeOptions
 
 HOST = "127.0.0.1"
 CTX = mp.get_context("spawn")
@@ -66,8 +67,7 @@ def _receiver(endpoint: str, out, rank: int, timeout_s: float, versions: list[in
 
 def _follower(endpoint: str, out, rank: int, senders: int, receivers: int, timeout_s: float, versions: list[int],
               retries: int, pause_s: float) -> None:
-    tx = CrossNodeSender(endpoint, rank=rank, num_senders=senders, num_receivers=receivers, group_host=HOST,
-                         timeout_s=timeout_s)
+    tx = CrossNodeSender(endpoint, rank=rank, num_senders=senders, num_receivers=receivers, group_host=HOST, options=CrossNodeOptions(timeout_s=timeout_s))
     out.put(("up", -rank))
     for v in versions:
         stats, failed = _retrying(lambda: tx.send(_tensors(v), version=v), retries, pause_s)
@@ -79,8 +79,7 @@ class Ranks:
     """Sender 0 here; the other ranks spawned; their reports collected."""
 
     def __init__(self, senders: int, receivers: int, timeout_s: float) -> None:
-        self.tx = CrossNodeSender(f"tcp://{HOST}:0", num_senders=senders, num_receivers=receivers, group_host=HOST,
-                                  bucket_bytes=64 << 10, timeout_s=timeout_s)
+        self.tx = CrossNodeSender(f"tcp://{HOST}:0", num_senders=senders, num_receivers=receivers, group_host=HOST, options=CrossNodeOptions(bucket_bytes=64 << 10, timeout_s=timeout_s))
         self.out = CTX.Queue()
         self.procs: list = []
 

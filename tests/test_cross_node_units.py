@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 
 from hwsync.disaggregated.roster import PeerInfo, Roster, restart_refusal, wanted
-from hwsync.nic import listening
+from hwsync.control.nic import listening
 from hwsync.protocol import TO_HUB, TO_RANK, Listening, RankReady, Start, Waiting, decode, encode
 
 

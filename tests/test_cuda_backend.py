@@ -18,10 +18,10 @@ import torch
 
 from hwsync.sizes import MiB
 from hwsync.errors import HwsyncError
-from hwsync.interfaces import ReceiveBuffers, SendBuffers
-from hwsync.registry import installed_names, load_backend
-from hwsync.shm import leftover_segments
-from hwsync.device_shm import DeviceShmReceiveBuffers, DeviceShmSendBuffers, DeviceShmTransport
+from hwsync.backend.interfaces import ReceiveBuffers, SendBuffers
+from hwsync.backend.registry import installed_names, load_backend
+from hwsync.backend.shm import leftover_segments
+from hwsync.backend.device_shm import DeviceShmReceiveBuffers, DeviceShmSendBuffers, DeviceShmTransport
 from hwsync_cuda import CudaBackend, CudaDevice
 from hwsync_cuda.ipc import CudaIpcReceiveBuffers, CudaIpcSendBuffers
 
@@ -61,7 +61,7 @@ def test_import_probe_and_availability_create_no_cuda_context() -> None:
 
 
 def test_a_shm_sender_of_host_tensors_never_initialises_cuda() -> None:
-    # hwsync.device_shm pins and waits only where CudaDevice.runtime_in_use(); a fresh interpreter, as above.
+    # hwsync.backend.device_shm pins and waits only where CudaDevice.runtime_in_use(); a fresh interpreter, as above.
     code = (
         "import torch, hwsync_cuda\n"
         "s = hwsync_cuda.CudaBackend().transports()['shm'].open_sender(1 << 16, 2)\n"

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from hwsync.errors import HwsyncError
-from hwsync.interfaces import ProbeResult
+from hwsync.backend.interfaces import ProbeResult
 from hwsync_cuda import device as cuda_device
 from hwsync_cuda import ipc as cuda_ipc
 from hwsync_cuda.device import expandable_segments, expandable_segments_reason

@@ -600,7 +600,7 @@ def test_the_simulated_accelerator_runs_the_device_paths():
     """Apply, digest and encode on a non-host device (the sim): torch ops only, the same bytes."""
     if importlib.util.find_spec("hwsync_sim") is None:
         pytest.skip("the sim backend is not installed: pip install -e tests/plugins/hwsync_sim")
-    from hwsync.registry import load_backend
+    from hwsync.backend.registry import load_backend
 
     device = load_backend("sim").device().torch_device()
     gen = torch.Generator().manual_seed(11)

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from hwsync import CrossNodeReceiver, CrossNodeSender
-from hwsync.casting import engine_dtypes
+from hwsync.sync.casting import engine_dtypes
 from hwsync.disaggregated.plan import DELTA_GROUP_BUCKETS
 from hwsync.errors import SyncError
+from hwsync.sync.options import CrossNodeOptions
 from placement import need_devices, place
 
 import delta_procs
@@ -39,7 +40,7 @@ def _engine(step: int) -> dict[str, torch.Tensor]:
 
 def _receiver(endpoint: str, out, where: tuple[str, int], rank: int, flip_before: int | None) -> None:
     place(*where)
-    from hwsync.registry import get_backend
+    from hwsync.backend.registry import get_backend
 
     device = get_backend().device().torch_device()
     held = {n: torch.empty(t.shape, dtype=torch.bfloat16, device=device) for n, t in _source(1).items()}
@@ -58,8 +59,7 @@ def _receiver(endpoint: str, out, where: tuple[str, int], rank: int, flip_before
 
 def _follower(endpoint: str, out, where: tuple[str, int]) -> None:
     place(*where)
-    with CrossNodeSender(endpoint, rank=1, num_senders=2, num_receivers=2, group_host=HOST, timeout_s=TIMEOUT,
-                         bucket_bytes=1 << 14) as tx:
+    with CrossNodeSender(endpoint, rank=1, num_senders=2, num_receivers=2, group_host=HOST, options=CrossNodeOptions(timeout_s=TIMEOUT, bucket_bytes=1 << 14)) as tx:
         out.put(("up", "sender"))
         for step in range(1, STEPS + 1):
             try:
@@ -78,8 +78,7 @@ def test_cross_node_deltas_stay_exact_and_a_bad_copy_is_caught(backend, flip, mo
     devices = [(backend.name, index) for index in range(4)]  # sender 0, receivers 0 and 1, sender 1
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    with CrossNodeSender(f"tcp://{HOST}:0", num_senders=2, num_receivers=2, group_host=HOST, timeout_s=TIMEOUT,
-                         bucket_bytes=1 << 14, delta=True) as tx:
+    with CrossNodeSender(f"tcp://{HOST}:0", num_senders=2, num_receivers=2, group_host=HOST, options=CrossNodeOptions(timeout_s=TIMEOUT, bucket_bytes=1 << 14, delta=True)) as tx:
         procs_ = [ctx.Process(target=_receiver, args=(tx.endpoint, out, devices[1 + r], r, flip if r == 1 else None))
                   for r in range(2)]
         procs_.append(ctx.Process(target=_follower, args=(tx.endpoint, out, devices[3])))
@@ -150,8 +149,7 @@ def test_a_receiver_killed_mid_streamed_delta_and_the_next_sync_is_full_and_exac
     need_devices(backend, 3)  # sender 0 and two receivers, a device each (NCCL refuses two ranks on one GPU)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    with CrossNodeSender(f"tcp://{HOST}:0", num_receivers=2, group_host=HOST, timeout_s=TIMEOUT,
-                         bucket_bytes=1 << 14, delta=True) as tx:
+    with CrossNodeSender(f"tcp://{HOST}:0", num_receivers=2, group_host=HOST, options=CrossNodeOptions(timeout_s=TIMEOUT, bucket_bytes=1 << 14, delta=True)) as tx:
         alive = ctx.Process(target=_dying_receiver, args=(tx.endpoint, out, 0, None, [1, 2, 3, 4, 5]))
         dying = ctx.Process(target=_dying_receiver, args=(tx.endpoint, out, 1, 3, [1, 2, 3]))
         for p in (alive, dying):

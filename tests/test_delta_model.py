@@ -266,7 +266,7 @@ class DeltaModel(RuleBasedStateMachine):
         self.changed, self.last_was_sync = [], True
         self.syncs_since_disturb += 1
         if killed and victim == "sender":  # a new trainer (from another checkpoint); the engines reconnect
-            from hwsync.owners import sweep_dead_owners
+            from hwsync.backend.owners import sweep_dead_owners
 
             sweep_dead_owners(force=True)  # its segments: its resource tracker was this process's
             self._open_sender(self.cfg.seed + version)
@@ -333,7 +333,7 @@ class DeltaModel(RuleBasedStateMachine):
 @pytest.fixture(scope="module")
 def fleet():
     """The processes, on HWSYNC_MODEL_BACKEND (default cpu), kept for the module's tests."""
-    from hwsync.registry import load_backend
+    from hwsync.backend.registry import load_backend
 
     name = os.environ.get("HWSYNC_MODEL_BACKEND", "cpu")
     try:

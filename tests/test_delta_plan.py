@@ -7,14 +7,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from hwsync.casting import EngineDtypes, engine_dtypes
-from hwsync.delta.receiver import ApplyDelta, ReceiverDeltas
-from hwsync.delta.sender import SenderDeltas
+from hwsync.sync.casting import EngineDtypes, engine_dtypes
+from hwsync.sync.delta_receiver import ApplyDelta, ReceiverDeltas
+from hwsync.sync.delta_sender import SenderDeltas
 from hwsync.errors import ManifestError, ProtocolError
-from hwsync.manifest import TensorSpec
-from hwsync.planner import EngineState
-from hwsync.registry import load_backend
-from hwsync.stats import SyncStats
+from hwsync.sync.spec import TensorSpec
+from hwsync.sync.planner import EngineState
+from hwsync.backend.registry import load_backend
+from hwsync.sync.stats import SyncStats
 
 PAIRS = [("w", torch.arange(12, dtype=torch.float32).reshape(3, 4)), ("b", torch.ones(4))]
 
@@ -256,7 +256,7 @@ def test_a_receiver_checks_changed_elements_and_digests_every_tensor_whole_at_ev
 
 
 def test_the_full_check_period_must_be_a_whole_number_of_syncs(monkeypatch):
-    from hwsync.delta.receiver import full_check_every
+    from hwsync.sync.delta_receiver import full_check_every
 
     monkeypatch.setenv("HWSYNC_DELTA_FULL_CHECK_EVERY", "0")
     with pytest.raises(ValueError, match="HWSYNC_DELTA_FULL_CHECK_EVERY='0': a whole number of delta syncs"):

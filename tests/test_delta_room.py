@@ -9,13 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from hwsync.casting import EngineDtypes
-from hwsync.delta.ahead import EncodeAhead
+from hwsync.sync.casting import EngineDtypes
+from hwsync.sync.encode_ahead import EncodeAhead
 from hwsync.delta.room import FIRST_SLAB, MIN_RESERVE, RESERVE_SHARE, PayloadRoom
-from hwsync.delta.sender import SenderDeltas
-from hwsync.manifest import TensorSpec
-from hwsync.registry import load_backend
-from hwsync.stats import SyncStats
+from hwsync.sync.delta_sender import SenderDeltas
+from hwsync.sync.spec import TensorSpec
+from hwsync.backend.registry import load_backend
+from hwsync.sync.stats import SyncStats
 
 
 def _within(t: torch.Tensor, slabs: list[torch.Tensor]) -> bool:

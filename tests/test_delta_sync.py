@@ -21,7 +21,8 @@ import torch
 
 from hwsync import WeightSender
 from hwsync.errors import RemoteError, SyncError
-from hwsync.owners import sweep_dead_owners
+from hwsync.backend.owners import sweep_dead_owners
+from hwsync.sync.options import SenderOptions
 
 import delta_procs
 import transfer_procs as procs
@@ -52,7 +53,7 @@ def _model() -> torch.nn.Module:
 def test_delta_syncs_stay_exact_across_optimizer_steps_and_carry_the_engines_dtype(backend, mode):
     net = _model()
     opt = torch.optim.AdamW(net.parameters(), lr=2e-5)  # RL-like: a few % of the bf16 elements move a step
-    with WeightSender(delta=True, timeout_s=60) as sender:
+    with WeightSender(options=SenderOptions(delta=True, timeout_s=60)) as sender:
         proc, commands, results = delta_procs.start(sender.endpoint, mode, dtypes=BF16)
         full_bytes = None
         for step in range(1, 7):
@@ -80,7 +81,7 @@ def test_special_values_and_mixed_codes_and_a_payload_larger_than_a_bucket(backe
     tensors = {"special32": specials.repeat(512).clone(), "special16": specials.repeat(512).to(torch.bfloat16),
                "big": torch.randn(1 << 16), "same": torch.randn(300), "sparse": torch.randn(4096)}
     odd_nan = torch.tensor([0x7FC0_0001, 0x7F80_0002], dtype=torch.int32).view(torch.float32)  # NaN payloads
-    with WeightSender(bucket_bytes=1 << 14, delta=True, timeout_s=60) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=1 << 14, delta=True, timeout_s=60)) as sender:
         proc, commands, results = delta_procs.start(sender.endpoint, "into")
         _, got = _sync(sender, commands, results, tensors, 1)
         assert got["digests"] == procs.digests(tensors)
@@ -100,7 +101,7 @@ def test_special_values_and_mixed_codes_and_a_payload_larger_than_a_bucket(backe
 
 @pytest.mark.cpu_is_enough("which sync is full is planning, the same on every backend")
 def test_a_dropped_baseline_frees_its_memory_and_the_next_delta_asked_for_is_full(backend):
-    with WeightSender(delta=True, timeout_s=60) as sender:
+    with WeightSender(options=SenderOptions(delta=True, timeout_s=60)) as sender:
         proc, commands, results = delta_procs.start(sender.endpoint, "load")
         modes = []
         for step, delta in ((1, None), (2, None), ("drop", None), (3, False), (4, None), (5, None)):
@@ -125,7 +126,7 @@ def test_a_dropped_baseline_frees_its_memory_and_the_next_delta_asked_for_is_ful
 
 @pytest.mark.cpu_is_enough("which sync is full is planning, the same on every backend")
 def test_a_restarted_receiver_gets_a_full_sync_with_the_reason(backend):
-    with WeightSender(delta=True, timeout_s=60, num_receivers=2) as sender:
+    with WeightSender(num_receivers=2, options=SenderOptions(delta=True, timeout_s=60)) as sender:
         first, second = (delta_procs.start(sender.endpoint, "load") for _ in range(2))
         for step in (1, 2):
             for _, commands, _ in (first, second):
@@ -151,7 +152,7 @@ def test_a_restarted_receiver_gets_a_full_sync_with_the_reason(backend):
 def test_a_byte_changed_behind_hwsyncs_back_fails_the_check_and_the_next_sync_heals_it(backend, monkeypatch):
     # where no delta writes, only a whole-tensor check sees it: at every delta here (the default: every 8th)
     monkeypatch.setenv("HWSYNC_DELTA_FULL_CHECK_EVERY", "1")
-    with WeightSender(delta=True, timeout_s=60) as sender:
+    with WeightSender(options=SenderOptions(delta=True, timeout_s=60)) as sender:
         proc, commands, results = delta_procs.start(sender.endpoint, "into")
         for step in (1, 2):
             _, got = _sync(sender, commands, results, delta_procs.stepped(step), step)
@@ -171,7 +172,7 @@ def test_a_byte_changed_behind_hwsyncs_back_fails_the_check_and_the_next_sync_he
 @pytest.mark.cpu_is_enough("a killed peer mid-sync is process and socket logic")
 def test_a_receiver_killed_mid_delta_and_the_next_sync_is_full_and_exact(backend):
     q = delta_procs.CTX.Queue()
-    with WeightSender(bucket_bytes=1 << 14, delta=True, timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=1 << 14, delta=True, timeout_s=30)) as sender:
         slow = delta_procs.CTX.Process(target=delta_procs.slow_load_receiver, args=(sender.endpoint, q, 600.0))
         slow.start()
         assert q.get(timeout=90) == "up"
@@ -227,13 +228,13 @@ def test_an_in_place_step_right_after_send_returns_never_reaches_the_next_delta(
     change what the baseline holds. Uncast dense deltas streamed views of the caller's tensors, copied into the
     baseline after send() returned: 7 of 8 tensors went stale at version 3, with matching digests. The baseline's
     background writes are held back here (as a loaded machine would), so that the step always comes first."""
-    import hwsync.delta.sender as delta_sender
+    import hwsync.sync.delta_sender as delta_sender
 
     advance_all = delta_sender._advance_all
     monkeypatch.setattr(delta_sender, "_advance_all", lambda *a: (time.sleep(0.3), advance_all(*a)))
     torch.manual_seed(3)
     tensors = {f"t{i}": torch.randn(64, 128).to(dtype) for i in range(8)}
-    with WeightSender(delta=True, timeout_s=60) as sender:
+    with WeightSender(options=SenderOptions(delta=True, timeout_s=60)) as sender:
         proc, commands, results = delta_procs.start(sender.endpoint, "load", dtypes=engine)
         for version in range(1, 6):
             expected = procs.digests(_engine(tensors, None if engine is None else torch.bfloat16))
@@ -262,7 +263,7 @@ def test_a_source_that_reuses_one_staging_buffer_stays_exact_in_delta_mode(backe
                 yield name, staging.view(t.shape)
         return pairs()
 
-    with WeightSender(delta=True, timeout_s=60, stable_sources=False) as sender:
+    with WeightSender(options=SenderOptions(delta=True, timeout_s=60, stable_sources=False)) as sender:
         proc, commands, results = delta_procs.start(sender.endpoint, "into")
         for step in range(1, 5):
             tensors = delta_procs.stepped(step, n=12)
@@ -282,7 +283,7 @@ def test_a_tensor_reshaped_retyped_or_resized_between_syncs_goes_whole(backend, 
     tensors = delta_procs.stepped(1)
     changes = {3: ("w1", lambda t: t.reshape(64, 128).clone()), 4: ("w2", lambda t: t.double()),
                5: ("w3", lambda t: t[:100].clone())}
-    with WeightSender(delta=True, timeout_s=60) as sender:
+    with WeightSender(options=SenderOptions(delta=True, timeout_s=60)) as sender:
         proc, commands, results = delta_procs.start(sender.endpoint, mode)
         for version in range(1, 7):
             tensors["w4"].view(-1)[version * 10] += 1.0  # a sparse change in every sync
@@ -303,7 +304,7 @@ def test_an_into_destination_of_the_wrong_shape_is_refused_on_the_delta_path_as_
     bytes into it and reported success; now it is refused with a DestinationError naming the tensor and both specs,
     before any byte of it is written, and the sync after (the sender's old shapes again) is exact."""
     original = delta_procs.stepped(1)
-    with WeightSender(delta=True, timeout_s=60) as sender:
+    with WeightSender(options=SenderOptions(delta=True, timeout_s=60)) as sender:
         proc, commands, results = delta_procs.start(sender.endpoint, "into-rigid")
         for version in (1, 2):
             _, got = _sync(sender, commands, results, delta_procs.stepped(version), version)

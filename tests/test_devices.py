@@ -14,10 +14,10 @@ import torch
 
 pytest.importorskip("hwsync_sim", reason="the sim backend is not installed: pip install -e tests/plugins/hwsync_sim")
 
-from hwsync.devices import start_on_this_device, synchronize_for  # noqa: E402
+from hwsync.backend.devices import start_on_this_device, synchronize_for  # noqa: E402
 from hwsync.disaggregated import LocalForwarder  # noqa: E402
 from hwsync.disaggregated.worker import CollectiveWorker  # noqa: E402
-from hwsync.registry import load_backend  # noqa: E402
+from hwsync.backend.registry import load_backend  # noqa: E402
 
 
 @pytest.fixture

@@ -22,9 +22,10 @@ import pytest
 import torch
 
 from hwsync import SyncTimeoutError, WeightSender
-from hwsync.bucket import align_up
+from hwsync.sync.bucket import align_up
 from hwsync.colocated.doorbell import DESCRIPTOR_BYTES, Doorbell, doorbell_supported, spin_wait
-from hwsync.shm import SHM_DIR, leftover_segments
+from hwsync.backend.shm import SHM_DIR, leftover_segments
+from hwsync.sync.options import SenderOptions
 
 import transfer_procs as procs
 from into_procs import into_set, long_names, start_receiver
@@ -52,7 +53,7 @@ def segment_exists(name: str) -> bool:
 def test_frames_on_the_socket_are_read_as_they_come_not_at_the_next_liveness_check():
     """Done (and Refs) come on the socket while the receiver watches the doorbell. With its liveness checks an hour
     apart, a receiver that took frames only when it checks (every 2-5 ms before) waits out its timeout instead."""
-    with WeightSender(bucket_bytes=1 << 16, timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=1 << 16, timeout_s=30)) as sender:
         p, q = procs.start_receiver(procs.receive_with_slow_checks, sender.endpoint, syncs=3)
         try:
             for version in (1, 2, 3):
@@ -84,7 +85,7 @@ def test_round_trip_on_both_paths_is_bit_exact(backend, monkeypatch, sender_bell
     specs = [{}, {}, {"set": "into2", "bucket": bucket, "into": True}]  # load, load, into
     assert any(t.numel() * t.element_size() > bucket for t in syncs[0].values())
     assert any(t.numel() == 0 for t in syncs[0].values())
-    with WeightSender(bucket_bytes=bucket, timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=bucket, timeout_s=30)) as sender:
         set_doorbell(monkeypatch, receiver_bell)
         with start_receiver(sender.endpoint, specs) as q:
             set_doorbell(monkeypatch, sender_bell)
@@ -101,17 +102,17 @@ def test_round_trip_on_both_paths_is_bit_exact(backend, monkeypatch, sender_bell
                 assert result["doorbell_seen"] and set(result["doorbell_seen"]) == {both}, result["doorbell_seen"]
                 total_buckets += stats.buckets
                 if sender_bell:
-                    assert isinstance(sender._doorbell, Doorbell)
-                    segment = segment or sender._doorbell.segment.name
-                    assert sender._doorbell.segment.name == segment, "one doorbell serves every sync of a session"
+                    assert isinstance(sender._carrier._doorbell, Doorbell)
+                    segment = segment or sender._carrier._doorbell.segment.name
+                    assert sender._carrier._doorbell.segment.name == segment, "one doorbell serves every sync of a session"
                     assert segment in leftover_segments(os.getpid())
                 else:
-                    assert sender._doorbell is None
+                    assert sender._carrier._doorbell is None
             if both:  # every bucket went through the doorbell's counters, numbered across the syncs
-                assert sender._doorbell.posted == total_buckets
-                assert sender._doorbell.min_released(1) == total_buckets
+                assert sender._carrier._doorbell.posted == total_buckets
+                assert sender._carrier._doorbell.min_released(1) == total_buckets
             elif sender_bell:
-                assert sender._doorbell.posted == 0, "a receiver without the doorbell gets frames only"
+                assert sender._carrier._doorbell.posted == 0, "a receiver without the doorbell gets frames only"
     if segment is not None:
         assert not segment_exists(segment), "closing the sender unlinks its doorbell"
     assert not leftover_segments(os.getpid())
@@ -122,7 +123,7 @@ def test_round_trip_on_both_paths_is_bit_exact(backend, monkeypatch, sender_bell
 @needs_doorbell
 def test_receiver_killed_while_sender_waits_on_the_doorbell(backend, monkeypatch):
     set_doorbell(monkeypatch, True)
-    with WeightSender(bucket_bytes=1 << 16, timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=1 << 16, timeout_s=30)) as sender:
         slow = subprocess.Popen([sys.executable, str(HERE / "transfer_procs.py"), "slow_receiver", sender.endpoint],
                                 stdout=subprocess.PIPE, text=True)
         seen: dict = {}
@@ -130,7 +131,7 @@ def test_receiver_killed_while_sender_waits_on_the_doorbell(backend, monkeypatch
         def kill_when_loading() -> None:
             if slow.stdout.readline().strip() == "loading":
                 time.sleep(1.0)  # the sender has been spinning (and checking on the receiver) for a while
-                bell = sender._doorbell
+                bell = sender._carrier._doorbell
                 seen["posted"] = bell.posted if bell is not None else None
                 seen["segment"] = bell.segment.name if bell is not None else None
                 seen["killed_at"] = time.monotonic()
@@ -149,7 +150,7 @@ def test_receiver_killed_while_sender_waits_on_the_doorbell(backend, monkeypatch
             slow.wait()
         assert seen["posted"] and seen["posted"] >= 1, "the receiver was loading a bucket posted on the doorbell"
         assert noticed < 5, f"the dead receiver was noticed after {noticed:.1f}s; timeout_s=30 must not end it"
-        assert sender._doorbell is None and not segment_exists(seen["segment"])
+        assert sender._carrier._doorbell is None and not segment_exists(seen["segment"])
         assert not leftover_segments(os.getpid()), "buffers and doorbell are unlinked after the failure"
         # a new receiver works with the same sender, on a new doorbell
         with start_receiver(sender.endpoint, [{}]) as q:
@@ -157,8 +158,8 @@ def test_receiver_killed_while_sender_waits_on_the_doorbell(backend, monkeypatch
             result = q.get(timeout=60)
         assert result["loaded"] == procs.digests(procs.versioned(2)) and result["version"] == 2
         assert set(result["doorbell_seen"]) == {True}
-        assert sender._doorbell is not None and sender._doorbell.segment.name != seen["segment"]
-        assert sender._doorbell.posted == stats.buckets
+        assert sender._carrier._doorbell is not None and sender._carrier._doorbell.segment.name != seen["segment"]
+        assert sender._carrier._doorbell.posted == stats.buckets
     assert not leftover_segments(os.getpid())
 
 
@@ -206,7 +207,7 @@ def test_many_long_names_need_several_buckets_and_too_long_a_name_is_refused(bac
         "the bytes alone fit one bucket"
     # every name has to travel in some descriptor slot: at least this many buckets
     least = sum(len(n) for n in tensors) // DESCRIPTOR_BYTES + 1
-    with WeightSender(bucket_bytes=bucket, timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=bucket, timeout_s=30)) as sender:
         with start_receiver(sender.endpoint, [{}, {}, {}]) as q:
             stats = sender.send(tensors.items(), version=1)
             result = q.get(timeout=60)
@@ -214,7 +215,7 @@ def test_many_long_names_need_several_buckets_and_too_long_a_name_is_refused(bac
             assert result["loaded"] == procs.digests(tensors)
             assert stats.tensors == 10_000 and stats.buckets == result["stats"]["buckets"]
             assert stats.buckets > 1 and stats.buckets >= least, (stats.buckets, least)
-            assert sender._doorbell.posted == stats.buckets
+            assert sender._carrier._doorbell.posted == stats.buckets
 
             with pytest.raises(ValueError, match="shorten the name"):
                 sender.send([("short", torch.ones(2)), ("n" * 40_000, torch.ones(2))], version=2)
@@ -235,7 +236,7 @@ def test_too_long_a_name_is_refused_wherever_it_falls(backend, monkeypatch):
         "70k first in the sync": [("n" * 70_000, torch.ones(2))],
     }
     outcomes = {}
-    with WeightSender(bucket_bytes=1 << 16, timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=1 << 16, timeout_s=30)) as sender:
         with start_receiver(sender.endpoint, [{}] * len(cases)) as q:
             for version, (case, items) in enumerate(cases.items(), 1):
                 try:
@@ -364,7 +365,7 @@ def test_a_bucket_posted_before_done_was_sent_comes_before_done():
     receiver takes Done off the socket, and must look at the doorbell again before handing Done on."""
     from hwsync.colocated.receiver import WeightReceiver
     from hwsync.protocol import Bucket, Done, encode
-    from hwsync.stats import SyncStats
+    from hwsync.sync.stats import SyncStats
 
     bucket = Bucket(sync=3, index=0, seq=0, buf=0, nbytes=0, entries=[])
     receiver = WeightReceiver.__new__(WeightReceiver)  # only _ring_next's parts: the control and a timeout

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("hwsync_sim", reason="the sim backend is not installed: pip install -e tests/plugins/hwsync_sim")
 
 from hwsync.errors import HwsyncError  # noqa: E402
-from hwsync.registry import load_backend  # noqa: E402
+from hwsync.backend.registry import load_backend  # noqa: E402
 from hwsync_sim.peers import Peer  # noqa: E402
 
 #: how long a call that must block is watched, and how long one that must end may take (no speed measured)

@@ -16,7 +16,8 @@ import torch
 
 from hwsync import WeightReceiver, WeightSender
 from hwsync.errors import RemoteError
-from hwsync.shm import leftover_segments
+from hwsync.backend.shm import leftover_segments
+from hwsync.sync.options import SenderOptions
 
 import transfer_procs as procs
 from into_procs import into_set, start_receiver
@@ -55,7 +56,7 @@ def test_into_preallocated_tensors_is_bit_exact_and_never_loads(backend, monkeyp
     assert len(split) >= 3  # tensors larger than a bucket: at least this many buckets each
     specs = [{"set": "into", "bucket": BUCKET, "into": True, "layout": layout},
              {"set": "into2", "bucket": BUCKET, "into": True, "layout": layout}]
-    with WeightSender(bucket_bytes=BUCKET, timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=BUCKET, timeout_s=30)) as sender:
         with start_receiver(sender.endpoint, specs) as q:
             for version, tensors in enumerate((first, second), 1):
                 stats = sender.send(tensors.items(), version=version)
@@ -82,7 +83,7 @@ def test_declined_tensors_and_only_those_go_through_load(backend):
     declined = ["split.f32", "bool.scalar", "int8.empty3d", "float16.matrix", "bfloat16.transposed", "tail.scalar"]
     assert set(declined) <= set(tensors)
     spec = {"set": "into", "bucket": BUCKET, "into": True, "decline": declined}
-    with WeightSender(bucket_bytes=BUCKET, timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=BUCKET, timeout_s=30)) as sender:
         with start_receiver(sender.endpoint, [spec, spec]) as q:
             for version in (1, 2):
                 stats = sender.send(tensors.items(), version=version)
@@ -116,7 +117,7 @@ def test_wrong_destinations_are_refused_naming_the_tensor_and_the_next_sync_work
     specs = []
     for _, spec, _ in cases:
         specs += [spec, good]
-    with WeightSender(bucket_bytes=BUCKET, timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=BUCKET, timeout_s=30)) as sender:
         with start_receiver(sender.endpoint, specs) as q:
             for i, (case, _, message) in enumerate(cases):
                 # a destination that does not match is a DestinationError (a ValueError and a ManifestError)
@@ -133,7 +134,7 @@ def test_wrong_destinations_are_refused_naming_the_tensor_and_the_next_sync_work
 
 
 def test_receive_needs_load_or_into():
-    with WeightSender(timeout_s=5) as sender:
+    with WeightSender(options=SenderOptions(timeout_s=5)) as sender:
         with WeightReceiver(sender.endpoint, timeout_s=5) as receiver:
             with pytest.raises(ValueError, match="receive\\(\\) needs load .* into .* or both"):
                 receiver.receive()
@@ -146,10 +147,10 @@ def test_default_geometry_follows_how_receivers_take_tensors(backend):
     core shm's: 4 MiB x 16 buffers; a device backend's shm may have none), else its default bucket x 2."""
     tensors = procs.versioned(1)
     senders = {
-        "default, into": WeightSender(transport="shm", timeout_s=30),
-        "default, load": WeightSender(transport="shm", timeout_s=30),
-        "bucket_bytes given, into": WeightSender(transport="shm", bucket_bytes=BUCKET, timeout_s=30),
-        "num_buffers given, into": WeightSender(transport="shm", num_buffers=4, timeout_s=30),
+        "default, into": WeightSender(transport="shm", options=SenderOptions(timeout_s=30)),
+        "default, load": WeightSender(transport="shm", options=SenderOptions(timeout_s=30)),
+        "bucket_bytes given, into": WeightSender(transport="shm", options=SenderOptions(bucket_bytes=BUCKET, timeout_s=30)),
+        "num_buffers given, into": WeightSender(transport="shm", options=SenderOptions(num_buffers=4, timeout_s=30)),
     }
     shm = senders["default, into"].transport
     if backend.name == "cpu":

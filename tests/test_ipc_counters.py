@@ -1,8 +1,8 @@
 """Every IPC export taken down exactly once (the H200's exit warning: docs/cuda.md), in units.
 
 torch reads an export's ref counter as unsigned, so one released by both its consumer and the
-sender holds its block until exit. hwsync.ipc_counters reads torch's counter files and releases
-only while a counter is above 0; hwsync.exports keeps a live receiver's failed attempt's exports
+sender holds its block until exit. hwsync.backend.ipc_counters reads torch's counter files and releases
+only while a counter is above 0; hwsync.backend.exports keeps a live receiver's failed attempt's exports
 as orphans until that attempt is surely over. The whole-path tests are the sim's (its counters
 are torch's rules: tests/test_ipc_exports.py, tests/test_mapped_sources.py) and the GPU's
 (ci/gpu_ipc_exit.py).
@@ -24,8 +24,8 @@ import torch.multiprocessing
 
 from hwsync.colocated.mapped_reader import MappedReader
 from hwsync.errors import ProtocolError
-from hwsync.exports import ORPHANS, ReceiverExports, SegmentExports
-from hwsync.ipc_counters import counter, release_if_held
+from hwsync.backend.exports import ORPHANS, ReceiverExports, SegmentExports
+from hwsync.backend.ipc_counters import counter, release_if_held
 from hwsync.protocol.layout import DeviceSegment
 
 HOST = socket.gethostname()

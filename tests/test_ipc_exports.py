@@ -22,6 +22,7 @@ import hwsync.colocated.receiver  # noqa: E402
 from hwsync import HwsyncError, SyncError, WeightReceiver, WeightSender  # noqa: E402
 from hwsync.errors import ProtocolError, RemoteError  # noqa: E402
 from hwsync_sim.peers import Peer  # noqa: E402
+from hwsync.sync.options import SenderOptions
 
 import transfer_procs as procs  # noqa: E402
 
@@ -88,7 +89,7 @@ def _dying_receiver(endpoint: str) -> None:
 def test_retries_after_failed_receivers_leave_no_buffers_behind(sim):
     device = sim.device()
     before = device.memory_allocated()
-    with WeightSender(bucket_bytes=1 << 16, timeout_s=30, transport="sim_ipc") as sender:
+    with WeightSender(transport="sim_ipc", options=SenderOptions(bucket_bytes=1 << 16, timeout_s=30)) as sender:
         q = CTX.Queue()
         refusing = CTX.Process(target=_refusing_receiver, args=(sender.endpoint, q))
         refusing.start()

@@ -15,7 +15,8 @@ import torch.multiprocessing as mp
 pytest.importorskip("hwsync_sim", reason="the sim backend is not installed: pip install -e tests/plugins/hwsync_sim")
 
 from hwsync import WeightReceiver, WeightSender  # noqa: E402
-from hwsync.registry import get_backend  # noqa: E402
+from hwsync.backend.registry import get_backend  # noqa: E402
+from hwsync.sync.options import SenderOptions
 
 import transfer_procs as procs  # noqa: E402
 
@@ -46,7 +47,7 @@ def _receive_and_measure(endpoint: str, q) -> None:
 
 
 def _sync_to_a_receiver(tensors: dict, transport: str) -> dict:
-    with WeightSender(bucket_bytes=BUCKET, timeout_s=60, transport=transport) as sender:
+    with WeightSender(transport=transport, options=SenderOptions(bucket_bytes=BUCKET, timeout_s=60)) as sender:
         q = CTX.Queue()
         p = CTX.Process(target=_receive_and_measure, args=(sender.endpoint, q))
         p.start()
@@ -89,7 +90,7 @@ def test_split_tensors_are_reassembled_on_the_receivers_device_and_the_scratch_i
 def test_the_reader_reassembles_on_the_device_it_was_begun_on_not_the_views(sim):
     """Bug 10, the reader's contract: a split tensor read from a buffer elsewhere (here host memory, as a
     staged or peer-mapped buffer may be) is reassembled on the receiver's device that begin() names."""
-    from hwsync.bucket import BucketReader
+    from hwsync.sync.bucket import BucketReader
     from hwsync.protocol.layout import Entry
 
     here = sim.device().torch_device()

@@ -18,6 +18,7 @@ import mapped_procs as procs
 from transfer_procs import digests, start_receiver
 
 from hwsync import WeightSender
+from hwsync.sync.options import SenderOptions
 
 
 def _sync(sender: WeightSender, device, source: dict, version: int, q) -> tuple:
@@ -36,7 +37,7 @@ def test_send_returns_only_after_every_receivers_copies_from_the_trainers_memory
     device = sim.device()
     net = procs.model(device.torch_device())
     stepped = mp.get_context("spawn").Event()
-    with WeightSender(timeout_s=60) as sender:
+    with WeightSender(options=SenderOptions(timeout_s=60)) as sender:
         # the receiver's device runs a copy nobody waits for only after 30 s: it cannot slip in before the step
         p, q = start_receiver(procs.receive, sender.endpoint, env={"HWSYNC_SIM_STREAM_DELAY_S": "30"}, hold=stepped)
         want = digests(net.state_dict())
@@ -62,7 +63,7 @@ def test_packed_copy_launches_do_not_grow_with_the_number_of_tensors_and_no_buck
     for count in (8, 128):
         source = {f"t{i}": torch.full(((512 << 10) // 4 // count,), float(i), device=where) for i in range(count)}
         device.synchronize()  # the fills have run (queued work holds its tensors, as a kernel's arguments)
-        with WeightSender(bucket_bytes=64 << 10, num_buffers=2, timeout_s=60) as sender:
+        with WeightSender(options=SenderOptions(bucket_bytes=64 << 10, num_buffers=2, timeout_s=60)) as sender:
             p, q = start_receiver(procs.receive, sender.endpoint)
             stats, sent, result = _sync(sender, device, source, 1, q)
             p.join(30)
@@ -79,7 +80,7 @@ def test_packed_copy_launches_do_not_grow_with_the_number_of_tensors_and_no_buck
 def test_a_mapped_sync_waits_by_events_and_launches_once(sim):
     device = sim.device()
     net = procs.model(device.torch_device())
-    with WeightSender(timeout_s=60) as sender:
+    with WeightSender(options=SenderOptions(timeout_s=60)) as sender:
         p, q = start_receiver(procs.receive, sender.endpoint, syncs=2)
         for version in range(2):
             procs.step(net, version)
@@ -92,7 +93,7 @@ def test_a_mapped_sync_waits_by_events_and_launches_once(sim):
 
 def _staged(where: torch.device, values: dict, lent: bool):
     """A source that refills one staging tensor for each item (as LocalForwarder's receive buffers are refilled)."""
-    from hwsync.bucket import lend
+    from hwsync.sync.bucket import lend
 
     staging = torch.empty(4096, device=where)
     for name, value in values.items():
@@ -108,7 +109,7 @@ def test_a_source_that_refills_its_memory_after_each_item_is_copied_at_once(sim,
     device = sim.device()
     where = device.torch_device()
     values = {f"w{i}": torch.full((4096,), float(i)).to(where) for i in range(6)}
-    with WeightSender(bucket_bytes=1 << 16, timeout_s=60, stable_sources=how == "lent") as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=1 << 16, timeout_s=60, stable_sources=how == "lent")) as sender:
         p, q = start_receiver(procs.receive, sender.endpoint)
         stats = sender.send(_staged(where, values, lent=how == "lent"), version=1)
         result = q.get(timeout=90)

@@ -17,6 +17,7 @@ import torch
 from transfer_procs import digests, start_receiver as spawn_receiver
 
 from hwsync import WeightSender
+from hwsync.sync.options import SenderOptions
 
 
 def _start(endpoint: str, **kwargs):
@@ -56,7 +57,7 @@ def test_mapped_device_tensors_sync_bit_exact_across_steps_copying_each_byte_onc
     where = _device(backend)
     counts = backend.device().counters() is not None  # the sim counts its device work; real hardware does not
     net = procs.model(where)
-    with WeightSender(bucket_bytes=1 << 16, timeout_s=60) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=1 << 16, timeout_s=60)) as sender:
         p, q = _start(sender.endpoint, syncs=3)
         for version in range(3):
             procs.step(net, version)
@@ -96,7 +97,7 @@ def test_mapped_and_packed_tensors_mix_in_one_sync(backend, mode):
     where = _device(backend)
     net = procs.model(where)
     sd = net.state_dict()
-    with WeightSender(bucket_bytes=1 << 14, timeout_s=60) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=1 << 14, timeout_s=60)) as sender:
         source = {"cast": sd["0.weight"].to(torch.bfloat16),  # made for the sync: freed after it, packed
                   **dict(list(sd.items())[:3]),
                   "transposed": sd["2.weight"].t(),  # lies in a segment, but strided: packed
@@ -116,7 +117,7 @@ def test_mapped_and_packed_tensors_mix_in_one_sync(backend, mode):
 def test_a_parameter_replaced_between_syncs_is_exported_anew_and_the_old_segment_dropped(monkeypatch):
     """`param.data = ...` frees the old block, which the receiver still maps: it waits in IPC limbo until the next
     sync, whose offer leaves it out, so the receiver unmaps it and the sender frees it; the new one is exported."""
-    from hwsync.registry import load_backend
+    from hwsync.backend.registry import load_backend
 
     monkeypatch.setenv("HWSYNC_BACKEND", "sim")
     backend = load_backend("sim")
@@ -124,7 +125,7 @@ def test_a_parameter_replaced_between_syncs_is_exported_anew_and_the_old_segment
     parked = _limbo()
     net = procs.model(where)
     n = len(net.state_dict())
-    with WeightSender(timeout_s=60) as sender:
+    with WeightSender(options=SenderOptions(timeout_s=60)) as sender:
         p, q = _start(sender.endpoint, syncs=2)
         sender.send(net.state_dict().items(), version=1)
         assert _result(q)["mapped"] == n
@@ -144,7 +145,7 @@ def test_a_parameter_replaced_between_syncs_is_exported_anew_and_the_old_segment
 
 def _sim(monkeypatch):
     """The sim backend, selected for this process and its children; this thread on device 0."""
-    from hwsync.registry import load_backend
+    from hwsync.backend.registry import load_backend
 
     monkeypatch.setenv("HWSYNC_BACKEND", "sim")
     backend = load_backend("sim")
@@ -163,7 +164,7 @@ def test_two_receivers_get_an_export_each_and_a_flat_buffer_is_one_segment(monke
     for name, t in net.state_dict().items():
         views[name] = flat[start: start + t.numel()].view(t.shape)
         start += t.numel()
-    with WeightSender(timeout_s=60, num_receivers=2) as sender:
+    with WeightSender(num_receivers=2, options=SenderOptions(timeout_s=60)) as sender:
         started = [_start(sender.endpoint, syncs=2) for _ in range(2)]
         for version in range(2):
             stats = sender.send(list(views.items()), version=version)
@@ -183,7 +184,7 @@ def test_a_receiver_killed_mid_sync_leaves_no_export_behind(monkeypatch):
     backend = _sim(monkeypatch)
     parked = _limbo()
     net = procs.model(_device(backend))
-    with WeightSender(timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(timeout_s=30)) as sender:
         p, _q = _start(sender.endpoint, die_in_sync=0)
         with pytest.raises(Exception):  # noqa: B017 - which error depends on when the death is seen
             sender.send(net.state_dict().items(), version=1)
@@ -201,7 +202,7 @@ def test_a_receiver_killed_between_syncs_has_its_exports_released_at_the_next(mo
     backend = _sim(monkeypatch)
     parked = _limbo()
     net = procs.model(_device(backend))
-    with WeightSender(timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(timeout_s=30)) as sender:
         p, q = _start(sender.endpoint, syncs=1)
         sender.send(net.state_dict().items(), version=1)
         _result(q)
@@ -210,7 +211,7 @@ def test_a_receiver_killed_between_syncs_has_its_exports_released_at_the_next(mo
         p, q = _start(sender.endpoint)
         sender.send(net.state_dict().items(), version=2)
         assert _result(q)["digests"] == digests(net.state_dict())
-        assert sender._mapped.exports_alive() == len(net.state_dict()), "the dead receiver's exports are still held"
+        assert sender._carrier._mapped.exports_alive() == len(net.state_dict()), "the dead receiver's exports are still held"
         p.join(30)
     del net
     gc.collect()

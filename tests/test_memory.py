@@ -10,7 +10,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from hwsync.errors import HwsyncError
-from hwsync.memory import (
+from hwsync.backend.memory import (
     GiB,
     MiB,
     MemoryImbalanceError,
@@ -30,7 +30,7 @@ def _rank_main(rank: int, port: int, out: str) -> None:
     """One rank: report, let HEAVY_RANK allocate and touch 2 GiB, report again, check balance."""
     import torch
 
-    from hwsync.registry import load_backend
+    from hwsync.backend.registry import load_backend
 
     backend = load_backend("cpu")
     device = backend.device()
@@ -122,7 +122,7 @@ def _sim_rank_main(rank: int, port: int, out: str) -> None:
     import torch
 
     os.environ["HWSYNC_SIM_DEVICE"] = str(rank)  # before the sim starts here: the launcher's set_device(rank)
-    from hwsync.registry import load_backend
+    from hwsync.backend.registry import load_backend
 
     backend = load_backend("sim")
     device = backend.device()
@@ -166,7 +166,7 @@ def test_report_over_four_ranks_on_their_own_simulated_devices(tmp_path):
 
 def test_single_process_report_without_a_communicator(monkeypatch):
     monkeypatch.setenv("HWSYNC_BACKEND", "cpu")
-    from hwsync.registry import reset_backend_cache
+    from hwsync.backend.registry import reset_backend_cache
 
     reset_backend_cache()
     report = memory_report(None)

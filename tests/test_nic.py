@@ -1,4 +1,4 @@
-"""Which interface a rank uses (hwsync.nic) and how each library is told (gloo per group; NCCL/HCCL variables,
+"""Which interface a rank uses (hwsync.control.nic) and how each library is told (gloo per group; NCCL/HCCL variables,
 set only where the user did not); on this host, and inside bed hosts where the answer is known exactly."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 
 import bed_procs
 from bed_procs import bed_or_skip
-from hwsync import communicator, nic
+from hwsync.backend import communicator
+from hwsync.control.endpoints import nic
 from hwsync.disaggregated.sender import choose_group_host, endpoint_host
 
 PROCS = os.path.abspath(bed_procs.__file__)

@@ -209,4 +209,4 @@ def test_pre_import_hook_leaves_a_cann_machine_alone(tmp_path, monkeypatch: pyte
     assert env["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "0" and preimport.NOTE_ENV in env
 
 
-# The shm transport (the core's hwsync.device_shm over NpuDevice) is tested in test_npu_host_register.py.
+# The shm transport (the core's hwsync.backend.device_shm over NpuDevice) is tested in test_npu_host_register.py.

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hwsync.communicator import ProcessGroupCommunicator
+from hwsync.backend.communicator import ProcessGroupCommunicator
 from hwsync_npu import hccl
 
 

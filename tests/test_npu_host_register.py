@@ -8,7 +8,7 @@ names are checked against the real wheels by test_npu_api_conformance): these te
 (which route, which memory, which flag, unregistered before it is unmapped and only after the device was
 synchronized, a kernel on which CANN forbids it, what a refusal or a missing route leads to, what
 `hwsync info` says), not the driver's. The shm transport
-(the core's hwsync.device_shm over NpuDevice) runs with "cpu" standing in for the NPU's memory,
+(the core's hwsync.backend.device_shm over NpuDevice) runs with "cpu" standing in for the NPU's memory,
 over real POSIX shared memory. Why one design fits the NPU as it fits CUDA is read from the real
 wheel below (test_torch_npu_copies_asynchronously_only_into_registered_host_memory).
 """
@@ -25,8 +25,8 @@ import pytest
 import torch
 from npu_wheel import CACHE, VERSION, wheel_path
 
-from hwsync.device_shm import DeviceShmTransport
-from hwsync.shm import SHM_DIR
+from hwsync.backend.device_shm import DeviceShmTransport
+from hwsync.backend.shm import SHM_DIR
 from hwsync_npu import host_register
 from hwsync_npu.backend import NpuBackend, NpuShmTransport
 from hwsync_npu.device import NpuDevice

@@ -4,7 +4,7 @@ No NPU here, so torch_npu is tests/npu_torch_standin.py in each process: the CPU
 memory (shared-memory files as the allocator's segments), and its sharing calls apply the checks of
 torch_npu's StorageSharing.cpp (the 8-tuple, bytes/int/bool types, refusal of non-base formats and of
 re-sharing a received storage, the 64-byte event handle) over torch's own ref-counter files, which
-hwsync.ipc_counters reads. Each process runs hwsync's NpuBackend unchanged (HWSYNC_BACKEND=npu). What
+hwsync.backend.ipc_counters reads. Each process runs hwsync's NpuBackend unchanged (HWSYNC_BACKEND=npu). What
 this cannot show: the runtime's mapping across chips, asynchrony, speed (docs/ascend.md).
 """
 

@@ -7,11 +7,11 @@ import types
 import pytest
 import torch
 
-import hwsync.offload as offload_mod
+import hwsync.sync.offload as offload_mod
 from hwsync.errors import HwsyncError
-from hwsync.interfaces import Device, ProbeResult
-from hwsync.offload import onload
-from hwsync.registry import backend_statuses, load_backend, reset_backend_cache
+from hwsync.backend.interfaces import Device, ProbeResult
+from hwsync.sync.offload import onload
+from hwsync.backend.registry import backend_statuses, load_backend, reset_backend_cache
 
 
 class StubDevice(Device):

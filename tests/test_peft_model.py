@@ -15,7 +15,7 @@ from hwsync.cli.toy_model import ToyModel  # noqa: E402
 from hwsync.integrations.hf import checkpoint_tensors  # noqa: E402
 from hwsync.integrations.lora import LoraAdapter, LoraTrainerModel  # noqa: E402
 from hwsync.errors import PlanError  # noqa: E402
-from hwsync.planner import SyncMode, TrainerModel  # noqa: E402
+from hwsync.sync.planner import SyncMode, TrainerModel  # noqa: E402
 
 TOY = ToyModel(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128, vocab=128)
 

@@ -6,7 +6,8 @@ import torch
 import torch.multiprocessing as mp
 
 from hwsync import WeightSender
-from hwsync.planner import EngineState, SyncMode, TrainerModel
+from hwsync.sync.planner import EngineState, SyncMode, TrainerModel
+from hwsync.sync.options import SenderOptions
 
 import transfer_procs as procs
 
@@ -29,7 +30,7 @@ def test_lora_sends_adapters_only_while_the_engine_keeps_its_base(backend):
     kept = EngineState(sleep_level=1, weights_freed=False, has_base=True, version=1).to_dict()
     freed = EngineState(sleep_level=2, weights_freed=True, has_base=True, version=2).to_dict()
     never = EngineState(sleep_level=0, weights_freed=False, has_base=False).to_dict()
-    with WeightSender(bucket_bytes=1 << 16, timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=1 << 16, timeout_s=30)) as sender:
         q = CTX.Queue()
         p = CTX.Process(target=procs.receive_with_states, args=(sender.endpoint, [never, kept, freed], q))
         p.start()
@@ -53,7 +54,7 @@ def test_lora_sends_adapters_only_while_the_engine_keeps_its_base(backend):
 
 
 def test_a_planned_sync_announces_exactly_what_its_plan_sends(backend):
-    from hwsync.manifest import manifest_from_tensors
+    from hwsync.sync.spec import manifest_from_tensors
 
     model, base, adapters = _lora_model()
     model.base_manifest = manifest_from_tensors(list(base.items()))
@@ -61,7 +62,7 @@ def test_a_planned_sync_announces_exactly_what_its_plan_sends(backend):
     never = EngineState(sleep_level=0, weights_freed=False, has_base=False).to_dict()
     checked = EngineState(sleep_level=0, weights_freed=False, has_base=True, base_intact=True).to_dict()
     changed = dict(checked, base_intact=False)
-    with WeightSender(bucket_bytes=1 << 16, timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=1 << 16, timeout_s=30)) as sender:
         q = CTX.Queue()
         p = CTX.Process(target=procs.receive_with_states, args=(sender.endpoint, [never, checked, changed], q))
         p.start()
@@ -78,7 +79,7 @@ def test_auto_bucket_and_onload_with_nothing_offloaded(backend):
     device = backend.device().torch_device()
     module.to(device)
     before = {n: t.data_ptr() for n, t in module.state_dict().items()}
-    with WeightSender(bucket_bytes="auto", timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes="auto", timeout_s=30)) as sender:
         q = CTX.Queue()
         p = CTX.Process(target=procs.receive_with_states, args=(sender.endpoint, [{}], q))
         p.start()

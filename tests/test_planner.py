@@ -8,7 +8,7 @@ import msgpack
 import pytest
 import torch
 
-from hwsync.planner import (
+from hwsync.sync.planner import (
     DuplicateTensorError,
     EngineState,
     PlanError,
@@ -224,7 +224,7 @@ def test_engine_state_ignores_unknown_keys():
 
 
 def test_several_engines_get_the_base_if_any_lacks_it():
-    from hwsync.planner import plan_for_engines
+    from hwsync.sync.planner import plan_for_engines
 
     model, _, _ = make_model(SyncMode.LORA_UNMERGED)
     kept, freed = EngineState(0, False, True), EngineState(2, True, True)
@@ -253,7 +253,7 @@ def test_base_changed_behind_the_engines_back_is_resent():
 
 
 def test_plan_manifest_is_exactly_what_it_sends():
-    from hwsync.manifest import TensorSpec
+    from hwsync.sync.spec import TensorSpec
 
     base_specs = [TensorSpec(n, "float32", (2,)) for n in BASE_NAMES]
     adapter_specs = [TensorSpec(n, "float32", (2,)) for n in ADAPTER_NAMES]

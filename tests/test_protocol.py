@@ -7,7 +7,7 @@ import dataclasses
 import msgpack
 import pytest
 
-from hwsync.manifest import TensorSpec
+from hwsync.sync.spec import TensorSpec
 from hwsync.protocol import (
     TO_HUB,
     TO_RANK,

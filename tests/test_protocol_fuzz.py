@@ -28,7 +28,7 @@ import msgpack
 import pytest
 
 from hwsync.errors import ProtocolError
-from hwsync.gate import Gate
+from hwsync.control.sockets import Gate
 from hwsync.protocol import TO_HUB, TO_RANK, TO_RECEIVER, TO_SENDER, BadFrame, Count, Frame, Ready, RankReady, decode, \
     encode, peek, refused_reason
 from hwsync.protocol.fields import INT_MAX, INT_MIN

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hwsync.errors import BackendError
-from hwsync.registry import installed_names, select_backend
+from hwsync.backend.registry import installed_names, select_backend
 
 PLUGIN_SRC = Path(__file__).parent / "plugins" / "hwsync_toy"
 

@@ -23,8 +23,8 @@ import pytest
 import torch.multiprocessing as mp
 
 import rogue_procs
-from hwsync.shared_params import SharedTensors
-from hwsync.shm import SHM_DIR, SharedSegment
+from hwsync.sync.shared_params import SharedTensors
+from hwsync.backend.shm import SHM_DIR, SharedSegment
 
 HERE = Path(__file__).parent
 CTX = mp.get_context("spawn")

@@ -24,8 +24,9 @@ import torch
 import torch.multiprocessing as mp
 
 from hwsync import SyncTimeoutError, WeightReceiver, WeightSender
-from hwsync.control import Endpoint
+from hwsync.control.endpoints import Endpoint
 from hwsync.errors import HwsyncError, ProtocolError
+from hwsync.sync.options import SenderOptions
 
 import control_procs
 import transfer_procs as procs
@@ -66,13 +67,13 @@ def test_no_sender_error_log_or_repr_carries_the_token_or_key(where, caplog):
     caplog.set_level(logging.DEBUG, logger="hwsync")
     texts: list[str] = []
     secrets: list[str] = []
-    with WeightSender(ADDRESSES[where], timeout_s=1.0) as sender:  # no receiver ever comes
+    with WeightSender(ADDRESSES[where], options=SenderOptions(timeout_s=1.0)) as sender:  # no receiver ever comes
         secrets += _secrets(sender)
         with pytest.raises(SyncTimeoutError) as nobody:
             sender.send([("a", torch.ones(4))], version=1)
         texts += [str(nobody.value), repr(nobody.value), repr(Endpoint.parse(sender.endpoint))]
         assert sender.address in str(nobody.value)
-    with WeightSender(ADDRESSES[where], bucket_bytes=1 << 16, timeout_s=20.0) as sender:  # a receiver dies mid-sync
+    with WeightSender(ADDRESSES[where], options=SenderOptions(bucket_bytes=1 << 16, timeout_s=20.0)) as sender:  # a receiver dies mid-sync
         secrets += _secrets(sender)
         stalled, q = _start(_stall_in_load, sender.endpoint)
         killer = threading.Thread(target=lambda: q.get(timeout=60) and os.kill(stalled.pid, signal.SIGKILL))
@@ -92,7 +93,7 @@ def test_no_sender_error_log_or_repr_carries_the_token_or_key(where, caplog):
 
 
 def test_a_ready_receiver_killed_before_the_sync_is_named_at_once():
-    with WeightSender(timeout_s=TIMEOUT_S, num_receivers=2) as sender:
+    with WeightSender(num_receivers=2, options=SenderOptions(timeout_s=TIMEOUT_S)) as sender:
         first, _ = _start(control_procs.serve, sender.endpoint, timeout_s=TIMEOUT_S)
         time.sleep(1.0)  # its Ready is in: the sender waits for the second receiver
         first.kill()
@@ -104,7 +105,7 @@ def test_a_ready_receiver_killed_before_the_sync_is_named_at_once():
 
 
 def test_a_process_that_connected_and_died_without_the_token_is_named_when_the_wait_ends():
-    with WeightSender(timeout_s=4.0) as sender:
+    with WeightSender(options=SenderOptions(timeout_s=4.0)) as sender:
         outcome: dict[str, BaseException] = {}
 
         def send() -> None:
@@ -135,7 +136,7 @@ def _other_protocol(endpoint: str, q) -> None:
 
 
 def test_a_receiver_of_another_protocol_ends_the_wait_for_every_receiver_at_once():
-    with WeightSender(timeout_s=TIMEOUT_S, num_receivers=2) as sender:
+    with WeightSender(num_receivers=2, options=SenderOptions(timeout_s=TIMEOUT_S)) as sender:
         good, good_q = _start(control_procs.serve, sender.endpoint, timeout_s=TIMEOUT_S)
         time.sleep(1.0)  # the good receiver waits for the offer
         misfit, misfit_q = _start(_other_protocol, sender.endpoint)

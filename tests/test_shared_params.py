@@ -23,8 +23,9 @@ import torch
 from hwsync import SharedParameters, SyncTimeoutError, WeightSender
 from hwsync.colocated.sender import WeightSender as _Sender
 from hwsync.protocol import Done
-from hwsync.shared_params import find_shared, live_segments
-from hwsync.shm import leftover_segments
+from hwsync.sync.shared_params import find_shared, live_segments
+from hwsync.backend.shm import leftover_segments
+from hwsync.sync.options import SenderOptions
 
 import shared_procs as procs
 from transfer_procs import digests, start_receiver as spawn_receiver
@@ -47,7 +48,7 @@ def _step(net: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
 @pytest.mark.parametrize("mode", ["into", "load"])
 def test_a_module_trained_in_shared_memory_syncs_bit_exact_by_reference(backend, mode):
     net = procs.model()
-    with SharedParameters(net) as shared, WeightSender(timeout_s=60) as sender:
+    with SharedParameters(net) as shared, WeightSender(options=SenderOptions(timeout_s=60)) as sender:
         opt = torch.optim.AdamW(net.parameters(), lr=0.05)
         ptrs = [p.data_ptr() for p in net.parameters()]
         p, q = start_receiver(sender.endpoint, syncs=3, mode=mode)
@@ -71,7 +72,7 @@ def test_a_module_trained_in_shared_memory_syncs_bit_exact_by_reference(backend,
 @pytest.mark.cpu_is_enough("which tensors go packed is host logic; the sim covers both paths in the test above")
 def test_shared_and_ordinary_tensors_mix_in_one_sync(backend):
     net = procs.model()
-    with SharedParameters(net), WeightSender(bucket_bytes=1 << 14, timeout_s=60) as sender:
+    with SharedParameters(net), WeightSender(options=SenderOptions(bucket_bytes=1 << 14, timeout_s=60)) as sender:
         weight = net[0].weight.data
         source = {"ordinary.a": torch.randn(3000), **dict(list(net.state_dict().items())[:3]),
                   "transposed": weight.t(),  # lies in shared memory but is not contiguous: goes packed
@@ -108,7 +109,7 @@ def test_the_trainer_cannot_change_what_a_receiver_still_reads(backend, mode):
     if mode == "into" and backend.name == "cpu":
         pytest.skip("on the CPU an into copy is done when it returns: the load case covers the CPU")
     net = procs.model()
-    with SharedParameters(net), WeightSender(timeout_s=60) as sender:
+    with SharedParameters(net), WeightSender(options=SenderOptions(timeout_s=60)) as sender:
         p, q = start_receiver(sender.endpoint, syncs=2, mode=mode, slow_s=0.3 if mode == "load" else 0.0)
         results = _stepping_trainer(sender, net, 2, q)
         p.join(30)
@@ -122,7 +123,7 @@ def test_the_tear_check_can_fail_when_send_does_not_wait(backend, monkeypatch):
 
     monkeypatch.setattr(_Sender, "_finish", finish_without_waiting)
     net = procs.model()
-    with SharedParameters(net), WeightSender(timeout_s=60) as sender:
+    with SharedParameters(net), WeightSender(options=SenderOptions(timeout_s=60)) as sender:
         p, q = start_receiver(sender.endpoint, syncs=1, mode="load", slow_s=0.3)
         results = _stepping_trainer(sender, net, 1, q)
         p.join(30)
@@ -131,7 +132,7 @@ def test_the_tear_check_can_fail_when_send_does_not_wait(backend, monkeypatch):
 
 def test_a_receiver_killed_while_reading_references(backend):
     net = procs.model()
-    with SharedParameters(net), WeightSender(timeout_s=20) as sender:
+    with SharedParameters(net), WeightSender(options=SenderOptions(timeout_s=20)) as sender:
         slow = subprocess.Popen([sys.executable, str(HERE / "shared_procs.py"), "slow_receiver", sender.endpoint],
                                 stdout=subprocess.PIPE, text=True)
         killer = threading.Thread(target=lambda: slow.stdout.readline().strip() == "loading" and slow.kill())

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("hwsync_sim", reason="the sim backend is not installed: pip install -e tests/plugins/hwsync_sim")
 
-from hwsync.registry import load_backend  # noqa: E402
+from hwsync.backend.registry import load_backend  # noqa: E402
 from hwsync_sim import sharing  # noqa: E402
 from hwsync_sim.runtime import POISON, UNINITIALIZED, SimDeviceError, SimLeakWarning, SimOutOfMemoryError, \
     runtime  # noqa: E402
@@ -182,7 +182,7 @@ def test_a_read_still_queued_when_its_buffer_is_released_and_refilled_sees_poiso
 
 
 def test_shm_release_waits_for_the_staging_copy_that_still_reads_the_segment(sim):
-    """The shm transport (hwsync.device_shm) stages a bucket with a host-to-device copy from its pinned
+    """The shm transport (hwsync.backend.device_shm) stages a bucket with a host-to-device copy from its pinned
     segment, queued on the stream and reading the segment when it runs: release() must wait for it,
     since the sender refills (the sim poisons) the segment once the receiver released it."""
     transport = sim.transports()["shm"]
@@ -230,7 +230,7 @@ def _open_sender(sim):
 def test_an_export_never_mapped_stays_parked_and_is_reported_when_asked(sim):
     sender = _open_sender(sim)
     sender.handles()  # exported for a receiver that never maps it
-    sender.close()  # not reported yet: an exporter may still release it (hwsync.exports' orphans)
+    sender.close()  # not reported yet: an exporter may still release it (hwsync.backend.exports' orphans)
     assert sharing.limbo_bytes() >= 4096
     with pytest.warns(SimLeakWarning, match="export .* was never mapped"):
         sharing.report_parked(runtime())

@@ -1,4 +1,4 @@
-"""Bad items of a sync's source are named, with the fix, on both paths (hwsync.source checks them all).
+"""Bad items of a sync's source are named, with the fix, on both paths (hwsync.sync.spec checks them all).
 
 Each bad source goes through a real sync: the sender raises SourceError naming the item (its
 position, and its name where it has one) and what to do; the receiver hears the abort; the
@@ -14,7 +14,7 @@ import torch
 
 from hwsync.errors import SourceError
 from hwsync.errors import PlanError
-from hwsync.planner import SyncMode, TrainerModel, plan_sync
+from hwsync.sync.planner import SyncMode, TrainerModel, plan_sync
 
 from test_control_plane import Session
 from test_control_plane_hub import HubSession

@@ -3,7 +3,7 @@
 Issue 32, item 4: a sender started by multiprocessing (spawn) registers its segments with its
 parent's resource tracker, so SIGKILLed, its segments stay for as long as the parent lives, and its
 private ipc:// directory for good. Names carry their owner (hwsync-<pid>-<start>-<pidns>-,
-hwsync.owners), and every hwsync process sweeps once what provably dead owners left: a pid that is
+hwsync.backend.owners), and every hwsync process sweeps once what provably dead owners left: a pid that is
 gone, or reused (another start time). This pytest process is the long-lived parent.
 """
 
@@ -23,8 +23,8 @@ import torch.multiprocessing as mp
 
 import sweep_procs
 import transfer_procs as procs
-from hwsync.owners import _pid_namespace, owner_prefix, sweep_dead_owners
-from hwsync.shm import SHM_DIR, SharedSegment, leftover_segments
+from hwsync.backend.owners import _pid_namespace, owner_prefix, sweep_dead_owners
+from hwsync.backend.shm import SHM_DIR, SharedSegment, leftover_segments
 
 CTX = mp.get_context("spawn")
 #: a new hwsync process: making a sender makes its ipc directory, which sweeps first
@@ -162,7 +162,7 @@ def test_a_dead_pid_and_a_zombie_are_swept_and_links_are_not_followed(tmp_path):
 def test_a_forked_child_neither_names_nor_removes_its_parents_segments():
     """A forked child inherits the parent's segment objects, not their ownership: it offers none of them (its offer
     would name another pid's segment) and closing them, or exiting, leaves them to the parent."""
-    from hwsync.shared_params import SharedTensors, live_segments
+    from hwsync.sync.shared_params import SharedTensors, live_segments
 
     shared = SharedTensors([("w", __import__("torch").ones(8))])
     name = shared.segment_names[0]

@@ -21,8 +21,9 @@ import hwsync.colocated.receiver
 from hwsync.protocol import PROTOCOL_VERSION
 from hwsync import ManifestError, SyncTimeoutError, WeightSender
 from hwsync.errors import ProtocolError, RemoteError
-from hwsync.manifest import manifest_from_tensors
-from hwsync.shm import leftover_segments
+from hwsync.sync.spec import manifest_from_tensors
+from hwsync.backend.shm import leftover_segments
+from hwsync.sync.options import SenderOptions
 
 import transfer_procs as procs
 
@@ -45,7 +46,7 @@ SIM_COVERS = "the 4 KiB-bucket matrix (every dtype) and the big split tensor run
 ])
 def test_round_trip_is_bit_exact(backend, set_name, bucket_bytes):
     tensors = procs.SETS[set_name](bucket_bytes)
-    with WeightSender(bucket_bytes=bucket_bytes, timeout_s=60) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=bucket_bytes, timeout_s=60)) as sender:
         p, q = start_receiver(sender.endpoint)
         stats = sender.send(iter(tensors.items()), version=1)
         result = q.get(timeout=120)
@@ -60,7 +61,7 @@ def test_round_trip_is_bit_exact(backend, set_name, bucket_bytes):
 
 
 def test_several_syncs_on_one_session_carry_versions(backend):
-    with WeightSender(bucket_bytes=1 << 16, timeout_s=60) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=1 << 16, timeout_s=60)) as sender:
         p, q = start_receiver(sender.endpoint, syncs=3)
         segments = set(leftover_segments(os.getpid()))
         for v in (1, 2, 3):
@@ -77,7 +78,7 @@ def test_several_syncs_on_one_session_carry_versions(backend):
 def test_receiver_follows_the_senders_geometry(backend):
     """Nothing is configured on the receiver; two senders with different buckets both work."""
     for bucket_bytes, buffers in ((4096, 2), (1 << 20, 4)):
-        with WeightSender(bucket_bytes=bucket_bytes, num_buffers=buffers, timeout_s=60) as sender:
+        with WeightSender(options=SenderOptions(bucket_bytes=bucket_bytes, num_buffers=buffers, timeout_s=60)) as sender:
             p, q = start_receiver(sender.endpoint)
             sender.send(procs.versioned(1).items(), version=1)
             assert q.get(timeout=60)["digests"] == procs.digests(procs.versioned(1))
@@ -98,7 +99,7 @@ def test_source_is_consumed_lazily(backend):
             yield f"t{i}", t
             del t
 
-    with WeightSender(bucket_bytes=1 << 20, timeout_s=60) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=1 << 20, timeout_s=60)) as sender:
         p, q = start_receiver(sender.endpoint)
         sender.send(source(), version=1)
         assert "error" not in q.get(timeout=60)
@@ -106,7 +107,7 @@ def test_source_is_consumed_lazily(backend):
 
 
 def test_exception_in_load_reaches_the_sender_and_next_sync_works(backend):
-    with WeightSender(bucket_bytes=1 << 16, timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=1 << 16, timeout_s=30)) as sender:
         p, q = start_receiver(sender.endpoint, syncs=2, fail_in_load="w3")
         with pytest.raises(RemoteError, match="engine cannot load w3: out of memory"):
             sender.send(procs.versioned(1).items(), version=1)
@@ -123,7 +124,7 @@ def test_exception_in_load_reaches_the_sender_and_next_sync_works(backend):
 
 def test_one_receivers_late_failure_does_not_poison_the_others_next_sync(backend):
     """B completes sync 1, then A fails on the last bucket: the abort B gets is stale by then."""
-    with WeightSender(bucket_bytes=1 << 16, timeout_s=30, num_receivers=2) as sender:
+    with WeightSender(num_receivers=2, options=SenderOptions(bucket_bytes=1 << 16, timeout_s=30)) as sender:
         a, qa = start_receiver(sender.endpoint, syncs=2, fail_in_load="w7", fail_delay_s=1.0)
         b, qb = start_receiver(sender.endpoint, syncs=2)
         with pytest.raises(RemoteError, match="engine cannot load w7"):
@@ -140,7 +141,7 @@ def test_one_receivers_late_failure_does_not_poison_the_others_next_sync(backend
 def test_receiver_killed_mid_sync(backend):
     import threading
 
-    with WeightSender(bucket_bytes=1 << 16, timeout_s=20) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=1 << 16, timeout_s=20)) as sender:
         slow = subprocess.Popen([sys.executable, str(HERE / "transfer_procs.py"), "slow_receiver", sender.endpoint],
                                 stdout=subprocess.PIPE, text=True)
 
@@ -190,7 +191,7 @@ def test_sender_killed_mid_sync(backend):
 
 @pytest.mark.cpu_is_enough("control-plane logic only: nothing an accelerator changes")
 def test_silent_peer_times_out_naming_phase_and_endpoint(backend):
-    with WeightSender(timeout_s=1.0) as sender:
+    with WeightSender(options=SenderOptions(timeout_s=1.0)) as sender:
         with pytest.raises(SyncTimeoutError, match=r"timed out after 1.0s waiting for receivers to call receive\(\)"):
             sender.send([("a", torch.ones(3))], version=1)
     from hwsync import WeightReceiver
@@ -208,7 +209,7 @@ def _mismatched_receiver(endpoint: str, q) -> None:
 
 
 def test_protocol_version_mismatch_is_refused(backend):
-    with WeightSender(timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(timeout_s=30)) as sender:
         q = CTX.Queue()
         p = CTX.Process(target=_mismatched_receiver, args=(sender.endpoint, q))
         p.start()
@@ -221,7 +222,7 @@ def test_protocol_version_mismatch_is_refused(backend):
 def test_manifest_is_enforced_on_the_sender(backend):
     tensors = procs.versioned(1)
     manifest = manifest_from_tensors(tensors.items())
-    with WeightSender(timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(timeout_s=30)) as sender:
         p, q = start_receiver(sender.endpoint, syncs=2)
         strayed = dict(tensors, w2=torch.zeros(3))
         with pytest.raises(ManifestError, match="tensor #2 strays from the announced manifest"):
@@ -234,7 +235,7 @@ def test_manifest_is_enforced_on_the_sender(backend):
 
 @pytest.mark.cpu_is_enough("control-plane logic only: nothing an accelerator changes")
 def test_wrong_token_is_ignored(backend):
-    with WeightSender(timeout_s=1.5) as sender:
+    with WeightSender(options=SenderOptions(timeout_s=1.5)) as sender:
         address = sender.endpoint.split("#")[0]
         from hwsync import WeightReceiver
 
@@ -247,7 +248,7 @@ def test_wrong_token_is_ignored(backend):
 
 @pytest.mark.cpu_is_enough("control-plane logic only: nothing an accelerator changes")
 def test_tcp_endpoint_with_token(backend, free_port):
-    with WeightSender(f"tcp://127.0.0.1:{free_port}", timeout_s=30) as sender:
+    with WeightSender(f"tcp://127.0.0.1:{free_port}", options=SenderOptions(timeout_s=30)) as sender:
         assert sender.endpoint.startswith(f"tcp://127.0.0.1:{free_port}#")
         p, q = start_receiver(sender.endpoint)
         sender.send(procs.versioned(3).items(), version=3)
@@ -274,7 +275,7 @@ def test_ipc_directory_is_private_and_removed():
 
 def test_bad_arguments_name_the_fix():
     with pytest.raises(ValueError, match="at least 2"):
-        WeightSender(num_buffers=1)
+        WeightSender(options=SenderOptions(num_buffers=1))
     with pytest.raises(ValueError, match="has no transport 'nvlink'"):
         WeightSender(transport="nvlink")
     from hwsync import WeightReceiver

@@ -22,7 +22,7 @@ pytest.importorskip("verl", reason="verl is not installed in this environment: c
 from hwsync.cli.bench.transfer import model_spec  # noqa: E402
 from hwsync.cli.bench.verl_peer import sweep
 from hwsync.sizes import MiB  # noqa: E402
-from hwsync.manifest import dtype_from_name  # noqa: E402
+from hwsync.sync.spec import dtype_from_name  # noqa: E402
 
 
 def test_the_sweep_spans_verls_default_down_to_below_the_largest_tensor():

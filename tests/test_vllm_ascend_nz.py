@@ -24,7 +24,8 @@ from hwsync.colocated import WeightSender
 from hwsync.errors import HwsyncError
 from hwsync.integrations.vllm import ascend
 from hwsync.integrations.vllm.worker import HwsyncWorkerExtension
-from hwsync.manifest import manifest_from_tensors
+from hwsync.sync.spec import manifest_from_tensors
+from hwsync.sync.options import SenderOptions
 
 
 @pytest.fixture
@@ -101,7 +102,7 @@ def test_a_refused_sync_tells_the_sender_at_once_and_touches_nothing(npu_platfor
         except BaseException as exc:  # noqa: BLE001 - kept for the assertion
             outcome["rpc"] = exc
 
-    with WeightSender(timeout_s=10.0) as sender:
+    with WeightSender(options=SenderOptions(timeout_s=10.0)) as sender:
         thread = threading.Thread(target=rpc, args=(sender.endpoint,))
         thread.start()
         with pytest.raises(Exception, match="FRACTAL_NZ") as sent:

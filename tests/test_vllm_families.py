@@ -27,7 +27,7 @@ from hwsync.integrations.vllm import LLMClient, VllmWeightSync  # noqa: E402
 from hwsync.integrations.vllm.checkpoint import checkpoint_manifest  # noqa: E402
 from hwsync.integrations.vllm.loader_check import check_announced  # noqa: E402
 from hwsync.integrations.vllm.loading import LayerwiseReload, Target  # noqa: E402
-from hwsync.manifest import manifest_from_tensors  # noqa: E402
+from hwsync.sync.spec import manifest_from_tensors  # noqa: E402
 from vllm_families import FAMILIES, build, save, with_wrong_shape  # noqa: E402
 from vllm_helpers import checkpoint_tensors, in_process_engine, reference_outputs  # noqa: E402
 

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from hwsync.cli.toy_model import ToyModel, engine_kwargs, engine_outputs, model_prompt_logprobs  # noqa: E402
 from hwsync.errors import HwsyncError  # noqa: E402
-from hwsync.planner import SendSet, plan_sync  # noqa: E402
+from hwsync.sync.planner import SendSet, plan_sync  # noqa: E402
 from vllm_helpers import LONG_PROMPT, LoraReference, greedy_tokens, in_process_engine  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -229,7 +229,7 @@ def test_a_linear_layer_rewritten_behind_hwsyncs_back_is_seen_through_its_kernel
 
 def test_a_sync_broken_midway_marks_the_base_mixed_and_the_next_plan_sends_it(llm, reference, trainer, base_dir):
     from hwsync.integrations.vllm import VllmWeightSync
-    from hwsync.manifest import manifest_from_tensors
+    from hwsync.sync.spec import manifest_from_tensors
     from vllm_helpers import checkpoint_tensors
 
     # the receiver's record says so first; the changed values would also show in the fingerprint

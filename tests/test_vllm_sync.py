@@ -17,6 +17,7 @@ from hwsync import ManifestError, WeightSender  # noqa: E402
 from hwsync.integrations.vllm import VllmWeightSync  # noqa: E402
 from hwsync.cli.toy_model import ToyModel, cpu_engine_env, engine_kwargs, engine_outputs, \
     shutdown_engine  # noqa: E402
+from hwsync.sync.options import SenderOptions  # noqa: E402
 from vllm_helpers import TrainerProcess, checkpoint_tensors, reference_outputs  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -150,7 +151,7 @@ def test_bad_tensor_is_refused_before_any_weight_changes(llm, weight_sync, check
 
 def test_sync_without_manifest_is_refused(llm, checkpoints):
     before = engine_outputs(llm)
-    with WeightSender(timeout_s=30.0) as sender:
+    with WeightSender(options=SenderOptions(timeout_s=30.0)) as sender:
         result: dict = {}
         thread = threading.Thread(target=lambda: result.update(
             r=_catch(lambda: llm.collective_rpc("hwsync_receive", args=(sender.endpoint, 30.0)))))

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import torch
 
 from hwsync import WeightReceiver, WeightSender
+from hwsync.sync.options import SenderOptions
 
 
 def dtype_matrix() -> dict[str, torch.Tensor]:
@@ -132,7 +133,7 @@ def sender_main(set_name: str, bucket_bytes: int, stall_after: int) -> None:
                 time.sleep(600)
             yield item
 
-    with WeightSender(bucket_bytes=bucket_bytes, timeout_s=30) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=bucket_bytes, timeout_s=30)) as sender:
         print(json.dumps({"endpoint": sender.endpoint, "pid": os.getpid()}), flush=True)
         sender.send(source(), version=7)
 

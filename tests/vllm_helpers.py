@@ -14,6 +14,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+from hwsync.sync.options import SenderOptions
 
 SPAWN = mp.get_context("spawn")
 
@@ -61,10 +62,10 @@ def reference_outputs(model_dirs: list[str], timeout_s: float = 600.0) -> list[A
 def _trainer_main(model_dir: str, version: int, conn: Connection) -> None:
     torch.set_num_threads(1)
     from hwsync import WeightSender
-    from hwsync.manifest import manifest_from_tensors
+    from hwsync.sync.spec import manifest_from_tensors
 
     tensors = checkpoint_tensors(model_dir)
-    with WeightSender(timeout_s=60.0) as sender:
+    with WeightSender(options=SenderOptions(timeout_s=60.0)) as sender:
         conn.send(sender.endpoint)
         try:
             stats = sender.send(tensors, version=version, manifest=manifest_from_tensors(tensors))

@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_roundtrip(args.megabytes, args.json)
     # Select the backend once, before any child process starts: the resolved name is written to
     # HWSYNC_BACKEND, so engines and workers agree and a cpu fallback is reported only here.
+    from hwsync.backend.registry import get_backend
     from hwsync.errors import BackendError
-    from hwsync.registry import get_backend
 
     try:
         get_backend()

@@ -6,8 +6,8 @@ import json
 from typing import Any
 
 from hwsync._pretorch import PRE_TORCH_NOTES
+from hwsync.backend.registry import backend_statuses, select_backend
 from hwsync.errors import BackendError
-from hwsync.registry import backend_statuses, select_backend
 
 
 def collect_info() -> dict[str, Any]:

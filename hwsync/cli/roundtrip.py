@@ -8,9 +8,10 @@ import multiprocessing as mp
 
 import torch
 
+from hwsync.backend.registry import get_backend
 from hwsync.colocated.receiver import WeightReceiver
 from hwsync.colocated.sender import WeightSender
-from hwsync.registry import get_backend
+from hwsync.sync.options import SenderOptions
 
 
 def _sample(megabytes: float) -> dict[str, torch.Tensor]:
@@ -37,7 +38,7 @@ def run_roundtrip(megabytes: float, as_json: bool) -> int:
     tensors = _sample(megabytes)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    with WeightSender(bucket_bytes=8 << 20, timeout_s=60) as sender:
+    with WeightSender(options=SenderOptions(bucket_bytes=8 << 20, timeout_s=60)) as sender:
         proc = ctx.Process(target=_receive, args=(sender.endpoint, q))
         proc.start()
         try:

@@ -1,4 +1,4 @@
-"""Colocated weight sync: trainer and engine processes on the same host, through shared buffers.
+"""Colocated weight sync: trainer and engine processes on the same host, through shared buffers (a carrier).
 
     # trainer process
     sender = WeightSender()                                   # binds ipc://... in a private 0700 dir
@@ -8,11 +8,13 @@
     receiver = WeightReceiver(sender.endpoint)
     receiver.receive(load)                                    # or into=... to copy straight into your tensors
 
-The path of a bucket, top to bottom: sender.py (the session: handshake, geometry, failures) ->
-stream.py (pack tensors into buckets by bucket.BucketPacker's rule) -> buffer_pool.py (which
-buffer next) -> links.py and doorbell.py (tell receivers a bucket is ready, learn it was
-released) -> receiver.py (views, reassembly or into=, release). The buffers themselves are the
-backend's Transport (shared memory, CUDA IPC, NPU IPC); the frames are hwsync.protocol's.
+The path of a bucket, top to bottom: sender.py (WeightSender: the topology; the sync's steps are
+hwsync.sync.sender's pipeline) -> carrier.py (the carrier: handshake, geometry, offer, completion,
+failures) -> sender_control.py (the bound socket and its receivers) -> stream.py (pack tensors into
+buckets by sync.bucket.BucketPacker's rule, the buffer pool, the links) -> doorbell.py (tell receivers
+a bucket is ready, learn it was released) -> receiver.py (views, reassembly or into=, release).
+The buffers themselves are the backend's Transport (shared memory, CUDA IPC, NPU IPC); the frames
+are hwsync.protocol's.
 """
 
 from __future__ import annotations

@@ -26,11 +26,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hwsync.bucket import align_up
-from hwsync.control import timeout_error
+from hwsync.backend.shm import SharedSegment
+from hwsync.control.endpoints import timeout_error
 from hwsync.errors import ProtocolError
 from hwsync.protocol.layout import check_doorbell_handle
-from hwsync.shm import SharedSegment
+from hwsync.sync.bucket import align_up
 from hwsync.timing import DOORBELL_CHECK_S, DOORBELL_FIRST_CHECK_S, DOORBELL_MAX_SLEEP_S
 
 #: bytes of one descriptor slot; a bucket whose entries would not fit is flushed early

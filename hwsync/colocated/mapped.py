@@ -1,10 +1,10 @@
 """Mapped sources, the sender's side: device tensors read in place by receivers, from the trainer's own memory.
 
-The host one-copy path (refs.py, hwsync.shared_params) taken onto the device. A trainer's parameters
+The host one-copy path (refs.py, hwsync.sync.shared_params) taken onto the device. A trainer's parameters
 stay where its allocator put them across steps (optimizer steps update them in place), and the
 allocator hands memory out in segments; so a segment that holds tensors of a sync is exported once
-per receiver process (the backend's IPC: hwsync.interfaces.DeviceSegments; counted as torch counts
-IPC consumers: hwsync.exports.SegmentExports), each receiver maps it once and keeps the mapping
+per receiver process (the backend's IPC: hwsync.backend.interfaces.DeviceSegments; counted as torch counts
+IPC consumers: hwsync.backend.exports.SegmentExports), each receiver maps it once and keeps the mapping
 across syncs, and every tensor in it travels as a reference (segment id, offset, dtype, shape) that
 the receiver copies once, straight into its destination. What is decided here:
 
@@ -44,10 +44,10 @@ from typing import Any
 
 import torch
 
-from hwsync.colocated.peers import Peer
-from hwsync.devices import wait_for_queued
-from hwsync.exports import SegmentExports
-from hwsync.interfaces import Device, DeviceSegments, SegmentPlace, Transport
+from hwsync.backend.devices import wait_for_queued
+from hwsync.backend.exports import SegmentExports
+from hwsync.backend.interfaces import Device, DeviceSegments, SegmentPlace, Transport
+from hwsync.colocated.sender_control import Peer
 from hwsync.protocol.layout import DeviceSegment
 
 

@@ -17,12 +17,12 @@ import logging
 
 import torch
 
-from hwsync.bucket import CopyBatch, IntoFn, checked_destination, lend
-from hwsync.devices import wait_for_queued
+from hwsync.backend.devices import wait_for_queued
+from hwsync.backend.interfaces import Device, DeviceSegments, Transport
 from hwsync.errors import ProtocolError
-from hwsync.interfaces import Device, DeviceSegments, Transport
-from hwsync.manifest import dtype_from_name
 from hwsync.protocol.layout import DeviceRef, DeviceSegment
+from hwsync.sync.bucket import CopyBatch, IntoFn, checked_destination, lend
+from hwsync.sync.spec import dtype_from_name
 
 log = logging.getLogger("hwsync")
 
@@ -69,7 +69,7 @@ class MappedReader:
                 self._mapped[segment.id] = mapping
             except BaseException:
                 # this export and every later one are never mapped here; releases skip a counter already taken
-                # down (hwsync.ipc_counters: torch holds a block whose counter went below 0 until exit)
+                # down (hwsync.backend.ipc_counters: torch holds a block whose counter went below 0 until exit)
                 self._release(exports[position:])
                 raise
 

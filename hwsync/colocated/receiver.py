@@ -29,21 +29,21 @@ from typing import Any
 import torch
 import zmq
 
-from hwsync.bucket import BucketReader, IntoFn, LoadFn, StartFn
+from hwsync.backend.devices import wait_for_queued
+from hwsync.backend.interfaces import Backend, Handles, ReceiveBuffers
+from hwsync.backend.memory import local_memory
+from hwsync.backend.owners import sweep_dead_owners
+from hwsync.backend.registry import get_backend
 from hwsync.colocated.doorbell import Doorbell, doorbell_supported, spin_wait
 from hwsync.colocated.receiver_control import ReceiverControl
 from hwsync.colocated.refs import SharedReader
-from hwsync.control import Endpoint, Lifetime, peer_alive, remove_ipc_dir
-from hwsync.delta.receiver import ReceiverDeltas
-from hwsync.devices import wait_for_queued
+from hwsync.control.endpoints import Endpoint, Lifetime, peer_alive, remove_ipc_dir
 from hwsync.errors import ProtocolError, SyncError
-from hwsync.interfaces import Backend, Handles, ReceiveBuffers
-from hwsync.manifest import TensorSpec
-from hwsync.memory import local_memory
-from hwsync.owners import sweep_dead_owners
 from hwsync.protocol import PROTOCOL_VERSION, Accept, Bucket, Complete, Done, Frame, Offer, Ready, Refs, Release, decode
-from hwsync.registry import get_backend
-from hwsync.stats import SyncStats
+from hwsync.sync.bucket import BucketReader, IntoFn, LoadFn, StartFn
+from hwsync.sync.delta_receiver import ReceiverDeltas
+from hwsync.sync.spec import TensorSpec
+from hwsync.sync.stats import SyncStats
 from hwsync.timing import CLOSE_LINGER_S, DEFAULT_TIMEOUT_S, ERROR_LINGER_S
 
 log = logging.getLogger("hwsync")

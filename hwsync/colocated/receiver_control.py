@@ -12,9 +12,11 @@ import time
 
 import zmq
 
-from hwsync.control import CloseSignal, Endpoint, raise_if_exited, receive_frame
+from hwsync.control.endpoints import CloseSignal, Endpoint, raise_if_exited, receive_frame
+from hwsync.control.sockets import ConnectionWatch, connect_control
 from hwsync.errors import ProtocolError, RemoteError
 from hwsync.protocol import (
+    MAX_PEER_FRAME_BYTES,
     TO_RECEIVER,
     Abort,
     BadFrame,
@@ -25,13 +27,13 @@ from hwsync.protocol import (
     Refs,
     Refused,
     Welcome,
+    check_size,
+    cut,
     decode,
     encode,
     refused_reason,
 )
-from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES, check_size, cut
-from hwsync.sockets import ConnectionWatch, connect_control
-from hwsync.stats import SyncStats
+from hwsync.sync.stats import SyncStats
 
 
 class ReceiverControl:

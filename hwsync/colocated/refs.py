@@ -1,7 +1,7 @@
 """The receiver's side of a one-copy sync: tensors read in place from the sender's shared parameter segments.
 
 A Refs frame names whole tensors by (segment, offset, dtype, shape). Each segment is mapped
-read-only (only ever a parameter segment of the sender's own pid, by name in /dev/shm: hwsync.shm's
+read-only (only ever a parameter segment of the sender's own pid, by name in /dev/shm: hwsync.backend.shm's
 SharedSegment.open), once, and kept across syncs (pinned for device copies where the backend can), and unmapped
 when the sender's offer no longer lists it, when the receiver fails, and at close. Tensors go
 straight `into` the caller's destinations (one memmove on the host, one host-to-device copy on
@@ -29,16 +29,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from hwsync.bucket import IntoFn, LoadFn, checked_destination, copy_bytes
+from hwsync.backend.devices import wait_for_queued
+from hwsync.backend.interfaces import Device, Transport
+from hwsync.backend.shm import SHM_DIR, SharedSegment
 from hwsync.colocated.mapped_reader import MappedReader
-from hwsync.devices import wait_for_queued
 from hwsync.errors import ProtocolError
-from hwsync.interfaces import Device, Transport
-from hwsync.manifest import dtype_from_name
 from hwsync.protocol import Refs, SegmentSpec
 from hwsync.protocol.layout import SHARED_SEGMENT_NAME
-from hwsync.shm import SHM_DIR, SharedSegment
-from hwsync.stats import SyncStats
+from hwsync.sync.bucket import IntoFn, LoadFn, checked_destination, copy_bytes
+from hwsync.sync.spec import dtype_from_name
+from hwsync.sync.stats import SyncStats
 
 log = logging.getLogger("hwsync")
 

@@ -1,11 +1,11 @@
 """Packing one sync's tensors into buckets and posting them: the sender's inner loop.
 
-Where each byte goes is BucketPacker's rule (hwsync.bucket): whole tensors stay whole and
+Where each byte goes is BucketPacker's rule (hwsync.sync.bucket): whole tensors stay whole and
 split tensors' tails end their bucket, or, when every receiver copies straight into its own
 tensors (receive(into=...)), buckets are packed dense. A buffer is taken only when the first
 byte goes into it, and only once the bucket it held before has been released.
 
-Tensors that lie whole in this process's shared parameter segments (hwsync.shared_params), and
+Tensors that lie whole in this process's shared parameter segments (hwsync.sync.shared_params), and
 device tensors that lie in the trainer's own allocator segments (mapped.py: a model's parameters),
 are not packed at all: they are sent as references, batched into Refs frames, which receivers read
 in place (one copy per byte). A batch goes out before the next packed tensor, when it holds
@@ -23,22 +23,21 @@ sender built with stable_sources=False.
 from __future__ import annotations
 
 import time
+from collections import deque
+from typing import Any, Protocol
 
 import torch
 
-from hwsync.bucket import BucketPacker, Closed, CopyBatch, as_bytes, entry_wire_bytes, lent
-from hwsync.colocated.buffer_pool import BufferPool
-from hwsync.colocated.doorbell import DESCRIPTOR_BYTES
-from hwsync.colocated.links import BucketLink, timed_wait
+from hwsync.backend.interfaces import SendBuffers
+from hwsync.colocated.doorbell import DESCRIPTOR_BYTES, Doorbell, spin_wait
 from hwsync.colocated.mapped import MappedSources
 from hwsync.colocated.sender_control import SyncReceivers
-from hwsync.interfaces import SendBuffers
-from hwsync.manifest import TensorSpec, dtype_name
-from hwsync.protocol import Bucket, Ref, Refs, SegmentSpec, encode
+from hwsync.protocol import Bucket, Frame, Ref, Refs, Release, SegmentSpec, encode
 from hwsync.protocol.layout import DeviceRef
-from hwsync.shared_params import find_shared
-from hwsync.source import NamedTensors, checked_items
-from hwsync.stats import SyncStats
+from hwsync.sync.bucket import BucketPacker, Closed, CopyBatch, as_bytes, entry_wire_bytes, lent
+from hwsync.sync.shared_params import LIVE, find_shared
+from hwsync.sync.spec import NamedTensors, TensorSpec, checked_items, dtype_name
+from hwsync.sync.stats import SyncStats
 from hwsync.timing import PACKING_CHECK_S
 
 #: room kept in a descriptor for the frame's own fields besides the entries
@@ -116,7 +115,7 @@ class BucketStream:
 
     def _add_ref(self, name: str, tensor: torch.Tensor, nbytes: int, volatile: bool) -> bool:
         """Batch a reference to `tensor` if receivers can read it in place; else send the batch (it goes packed)."""
-        found = find_shared(tensor)
+        found = find_shared(tensor) if LIVE else None
         placed = None if found is not None or self.mapped is None or volatile else self.mapped.place(tensor)
         if found is None and placed is None:
             self._flush_refs()  # receivers copy the batch while this tensor is packed
@@ -187,3 +186,176 @@ class BucketStream:
         self.seq += 1
         stats.buckets += 1
         self.current = None
+
+
+# -- links: how a sender tells receivers a bucket is ready, and learns they released it ---------------------
+class BucketLink(Protocol):
+    """What the sender's stream needs from either way of signalling."""
+
+    def post(self, seq: int, frame: Bucket) -> None:
+        """Make bucket `seq` (described by `frame`) available to every receiver."""
+
+    def wait_released(self, seq: int, what: str) -> None:
+        """Return once every receiver has released bucket `seq`."""
+
+    def check(self, what: str) -> None:
+        """Raise if a receiver failed or went away, or close() was called (cheap: called while packing too)."""
+
+
+class FrameLink:
+    """One ZeroMQ frame per bucket out, one release frame per bucket back."""
+
+    def __init__(self, receivers: SyncReceivers, first: int) -> None:
+        self._receivers = receivers
+        self._released = {identity: first for identity in receivers.identities}
+
+    def post(self, seq: int, frame: Bucket) -> None:
+        """Send the bucket frame to every receiver."""
+        self._receivers.broadcast(frame)
+
+    def wait_released(self, seq: int, what: str) -> None:
+        """Read release frames until every receiver is past `seq`."""
+        while min(self._released.values()) <= seq:
+            self._note(*self._receivers.recv(what))
+
+    def _note(self, identity: bytes, frame: Frame) -> None:
+        """Count a receiver's release."""
+        if isinstance(frame, Release) and identity in self._released:
+            self._released[identity] = max(self._released[identity], frame.seq + 1)
+
+    def check(self, what: str) -> None:
+        """Read what is queued without waiting (releases are counted), raising on failures."""
+        for identity, frame in self._receivers.poll(what):
+            self._note(identity, frame)
+
+
+class DoorbellLink:
+    """Descriptors and counters in the doorbell segment; ZeroMQ is only polled for failures."""
+
+    def __init__(self, doorbell: Doorbell, receivers: SyncReceivers) -> None:
+        self._bell = doorbell
+        self._receivers = receivers
+        self._ranks = len(receivers.peers)
+
+    def post(self, seq: int, frame: Bucket) -> None:
+        """Write the descriptor and ring."""
+        self._bell.post(seq, encode(frame))
+
+    def wait_released(self, seq: int, what: str) -> None:
+        """Spin on the receivers' counters until all are past `seq`."""
+        control = self._receivers.control
+        spin_wait(lambda: self._bell.min_released(self._ranks) > seq, lambda: self.check(what),
+                  timeout_s=control.timeout_s, what=what, endpoint=control.address)
+
+    def check(self, what: str) -> None:
+        """Poll ZeroMQ for failures (the counters need no reading until a buffer is wanted)."""
+        self._receivers.poll(what)
+
+
+def timed_wait(link: BucketLink, seq: int, what: str) -> float:
+    """wait_released, returning the seconds it took."""
+    t0 = time.perf_counter()
+    link.wait_released(seq, what)
+    return time.perf_counter() - t0
+
+
+# -- the buffer pool: which buffer the next bucket takes, and when the receivers released it ------------------
+#: windows in the preferred mode before the other one is tried again: doubles from the first
+#: figure each time the other loses again, back to the first when a mode is left for being slow
+RETRY_FIRST, RETRY_MOST = 4, 32
+HOT, COLD = "hot", "cold"
+#: a try ends early once its cost per byte exceeds the other mode's by this factor
+LOSING = 1.5
+
+
+class BufferPool:
+    """Chooses buffers for consecutive buckets; a buffer's previous bucket must be released first."""
+
+    def __init__(self, num_buffers: int, bucket_bytes: int, hot_buffers: int = 2, window_buckets: int = 16) -> None:
+        self.num_buffers = num_buffers
+        self.hot_buffers = min(hot_buffers, num_buffers)
+        self.adaptive = num_buffers > self.hot_buffers
+        self._lru: deque[int] = deque(range(num_buffers))  # least recently used first
+        #: the sequence number of the bucket each buffer last held (-1: never used)
+        self.holder = [-1] * num_buffers
+        self.mode = HOT if self.adaptive else COLD
+        #: measured seconds per byte of each mode (None: not measured yet)
+        self.cost: dict[str, float | None] = {HOT: None, COLD: None}
+        self._window_bytes = window_buckets * bucket_bytes
+        self._probe_bytes = max(2, window_buckets // 4) * bucket_bytes
+        #: windows scored so far (tries included)
+        self.windows = 0
+        self._window_start = 0.0
+        self._window_filled = 0
+        self._windows_in_mode = 0
+        self._retry_every = RETRY_FIRST
+        self._trying = False
+        self._try_buckets = 0
+
+    def begin_sync(self) -> None:
+        """Start timing afresh: the gap between syncs is not transfer time."""
+        self._window_start = time.perf_counter()
+        self._window_filled = 0
+
+    def take(self, seq: int) -> tuple[int, int]:
+        """(buffer for bucket `seq`, the bucket it held before, which must be released first; -1: none)."""
+        if self.mode == HOT:
+            # the least recently used of the `hot_buffers` most recently used
+            index = self._lru[self.num_buffers - self.hot_buffers]
+        else:
+            index = self._lru[0]
+        self._lru.remove(index)
+        self._lru.append(index)
+        previous = self.holder[index]
+        self.holder[index] = seq
+        return index, previous
+
+    def filled(self, nbytes: int) -> None:
+        """Account a posted bucket; at the end of a window, score the mode and maybe switch."""
+        if not self.adaptive:
+            return
+        self._window_filled += nbytes
+        if not self._trying:
+            if self._window_filled < self._window_bytes:
+                return
+            now = time.perf_counter()
+        else:
+            now = time.perf_counter()
+            self._try_buckets += 1
+            if self._try_buckets == 1:  # the switch's own bucket: time the try from here
+                self._window_start, self._window_filled = now, 0
+                return
+            rival = self.cost[COLD if self.mode == HOT else HOT]
+            losing = rival is not None and (now - self._window_start) / self._window_filled > LOSING * rival
+            if self._window_filled < self._probe_bytes and not losing:
+                return
+        cost = (now - self._window_start) / self._window_filled
+        self._window_start, self._window_filled = now, 0
+        self.windows += 1
+        self.cost[self.mode] = cost
+        self._windows_in_mode += 1
+        other = COLD if self.mode == HOT else HOT
+        other_cost = self.cost[other]
+        if self._trying:  # this window was a try of this mode: keep it only if it won
+            self._trying = False
+            if other_cost is not None and other_cost < cost:
+                self._retry_every = min(self._retry_every * 2, RETRY_MOST)
+                self._switch(other)
+            else:
+                self._retry_every = RETRY_FIRST
+        elif other_cost is None or self._windows_in_mode >= self._retry_every:
+            self._switch(other)
+            self._trying = True
+            self._try_buckets = 0
+        elif other_cost < cost:  # this mode got slower: the machine changed, and may change back soon
+            self._switch(other)
+            self._retry_every = RETRY_FIRST
+
+    def _switch(self, mode: str) -> None:
+        self.mode = mode
+        self._windows_in_mode = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The current choice and what each mode measured, in GB/s."""
+        rate = {m: (round(1e-9 / c, 2) if c else None) for m, c in self.cost.items()}
+        return {"mode": self.mode, "hot_buffers": self.hot_buffers, "buffers": self.num_buffers, "gbps": rate}

@@ -36,7 +36,7 @@ from hwsync.delta.host import concat_host, concat_into, keep
 from hwsync.delta.room import PayloadRoom
 from hwsync.delta.scan import Scan, block_code_from_steps, join, trim_fillers
 from hwsync.delta.scratch import Scratch
-from hwsync.manifest import dtype_name
+from hwsync.sync.spec import dtype_name
 
 #: elements per chunk of the diff (a multiple of 65536): 2 Mi bf16 elements, 4 MiB per operand, stay in cache
 CHUNK_ELEMS = 1 << 21

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from hwsync.manifest import WIRE_DTYPES
+from hwsync.sync.spec import WIRE_DTYPES
 
 #: elements per block of the block code: a changed element's offset in its block fits a uint16
 BLOCK = 1 << 16

@@ -16,7 +16,7 @@ import torch
 
 from hwsync.delta import bits, digest as dg, native, steps
 from hwsync.delta.header import BLOCK, BLOCKS, DENSE, SAME, STEPS, DeltaHeader, blocks, int_view, pad8
-from hwsync.manifest import dtype_name
+from hwsync.sync.spec import dtype_name
 
 _APPLY_BLOCKS = 64  # blocks (4 Mi elements) per scatter: bounds the index temporaries
 _APPLY_WORDS = 1 << 16  # bitmap words (4 Mi elements) per scatter

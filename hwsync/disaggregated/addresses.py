@@ -15,15 +15,15 @@ import ipaddress
 import logging
 import socket
 
+from hwsync.control.nic import describe_addresses, local_addresses, nic_owning, pick_local_host, source_address
 from hwsync.disaggregated.roster import PeerInfo, describe
 from hwsync.errors import SyncError
-from hwsync.nic import describe_addresses, local_addresses, nic_owning, pick_local_host, source_address
 
 log = logging.getLogger("hwsync")
 
 
 def default_host() -> str:
-    """This host's address when nothing names one (hwsync.nic.pick_local_host); pass group_host where it is not
+    """This host's address when nothing names one (hwsync.control.nic.pick_local_host); pass group_host where it is not
     the right NIC."""
     return pick_local_host()
 

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from hwsync.devices import start_on_this_device
+from hwsync.backend.devices import start_on_this_device
+from hwsync.backend.interfaces import Device
 from hwsync.errors import SyncError, SyncTimeoutError
-from hwsync.interfaces import Device
-from hwsync.manifest import TensorSpec
+from hwsync.sync.spec import TensorSpec
 from hwsync.timing import DEFAULT_TIMEOUT_S, FORWARD_SLICE_S
 
 #: runs one local sync from (source, version, manifest), e.g. a WeightSender.send or VllmWeightSync.sync

@@ -15,8 +15,9 @@ from collections.abc import Iterator
 
 import torch
 
-from hwsync.bucket import as_bytes
-from hwsync.communicator import open_communicator, parse_rendezvous
+from hwsync.backend.communicator import open_communicator, parse_rendezvous
+from hwsync.backend.interfaces import Backend, Communicator
+from hwsync.control.nic import Nic, listening, nic_owning
 from hwsync.delta.diff import Delta
 from hwsync.delta.header import headers_to_words, pad8
 from hwsync.delta.host import copy_into
@@ -25,11 +26,9 @@ from hwsync.disaggregated.link import Link
 from hwsync.disaggregated.plan import CollectivePlan
 from hwsync.disaggregated.worker import CollectiveWorker
 from hwsync.errors import ManifestError
-from hwsync.interfaces import Backend, Communicator
-from hwsync.manifest import TensorSpec
-from hwsync.nic import Nic, listening, nic_owning
-from hwsync.source import NamedTensors, checked_items
-from hwsync.stats import SyncStats
+from hwsync.sync.bucket import as_bytes
+from hwsync.sync.spec import NamedTensors, TensorSpec, checked_items
+from hwsync.sync.stats import SyncStats
 from hwsync.timing import FAILED_JOIN_S, WORKER_JOIN_S
 
 #: how long a rank looks for its new group's store to listen before it also pumps its control plane meanwhile (the

@@ -20,7 +20,7 @@ still fits (roster.restart_refusal), the hub starts it again in this sync and re
 frames so far to it; otherwise the sync ends, naming it, and its new ready waits for the next
 sync. Either way the next sync completes with every live rank.
 
-Who may talk to the hub is its Gate's (hwsync.gate): a rank presents the token in its
+Who may talk to the hub is its Gate's (hwsync.control.sockets): a rank presents the token in its
 RankReady, which binds its connection; the hub answers Welcome, or Refused with the reason (a
 role or rank this sync has no place for, another protocol version, another backend). A Link
 notices at once when the hub's connection goes (its monitor), and the hub's pid from Welcome.
@@ -35,14 +35,15 @@ from typing import Any
 
 import zmq
 
-from hwsync.control import Endpoint, peer_alive
+from hwsync.control.endpoints import CloseSignal, Endpoint, peer_alive
+from hwsync.control.nic import Nic
+from hwsync.control.sockets import ConnectionLog, Gate, bind_control, peer_address, reply_on
 from hwsync.disaggregated.progress import SyncProgress
 from hwsync.disaggregated.roster import Key, PeerInfo, Roster, describe, restart_refusal, this_process, wanted
 from hwsync.disaggregated.worker import CollectiveWorker, Result
 from hwsync.errors import ProtocolError, RemoteError, SyncError, SyncTimeoutError
-from hwsync.gate import Gate, reply_on
-from hwsync.nic import Nic
 from hwsync.protocol import (
+    MAX_SENDER_FRAME_BYTES,
     TO_HUB,
     Abort,
     Alive,
@@ -55,10 +56,10 @@ from hwsync.protocol import (
     Setup,
     Start,
     Waiting,
+    check_size,
+    cut,
     encode,
 )
-from hwsync.protocol.limits import MAX_SENDER_FRAME_BYTES, check_size, cut
-from hwsync.sockets import ConnectionLog, bind_control, peer_address
 from hwsync.timing import CONTROL_SLICE_S, ERROR_LINGER_S
 
 log = logging.getLogger("hwsync")
@@ -86,8 +87,10 @@ class Hub:
     """Sender rank 0's ROUTER socket: gathers the other ranks, collects their replies, names failures."""
 
     def __init__(self, address: str, token: str, timeout_s: float, *, num_senders: int = 1, num_receivers: int = 1,
-                 backend: str = "", secret_key: str | None = None) -> None:
+                 backend: str = "", secret_key: str | None = None, closing: CloseSignal | None = None) -> None:
         self.token = token
+        #: set by close() from another thread: every wait here wakes and ends the sync with ClosedError
+        self.closing = closing
         self.timeout_s = timeout_s
         self.num_senders, self.num_receivers, self.backend = num_senders, num_receivers, backend
         self._ctx = zmq.Context()
@@ -153,6 +156,8 @@ class Hub:
                     self._to(peer, Waiting(attempt=peer.attempt, missing=text))
                 told = now
             self._poll_once(None)
+            if self.closing is not None:
+                self.closing.check("waiting for every rank to call send()/receive()")
         self.sync += 1
         self.peers = self.roster.take(keys)
         self._by_identity = {p.identity: p for p in self.peers}
@@ -215,6 +220,8 @@ class Hub:
     def pump(self, what: str, worker: CollectiveWorker | None = None) -> list[Result]:
         """One slice: process frames and `worker`'s results (returned); raise SyncError naming any failed rank."""
         results = self._poll_once(worker)
+        if self.closing is not None:
+            self.closing.check(what)
         self._check(what)
         return results
 
@@ -224,6 +231,8 @@ class Hub:
         poller.register(self._connections.fileno_or_socket(), zmq.POLLIN)
         if worker is not None:
             poller.register(worker, zmq.POLLIN)
+        if self.closing is not None:
+            poller.register(self.closing.fileno_or_socket(), zmq.POLLIN)
         ready = dict(poller.poll(int(CONTROL_SLICE_S * 1000)))
         self._connections.check()
         if self._sock in ready:

@@ -23,11 +23,13 @@ from typing import Any
 
 import zmq
 
-from hwsync.control import Endpoint, peer_alive
+from hwsync.control.endpoints import CloseSignal, Endpoint, peer_alive
+from hwsync.control.sockets import connect_control
 from hwsync.disaggregated.hub import COLLECTIVE, close_socket
 from hwsync.disaggregated.worker import CollectiveWorker, Result
 from hwsync.errors import ProtocolError, RemoteError, SyncError, SyncTimeoutError
 from hwsync.protocol import (
+    MAX_PEER_FRAME_BYTES,
     PROTOCOL_VERSION,
     TO_RANK,
     Abort,
@@ -44,12 +46,12 @@ from hwsync.protocol import (
     Start,
     Waiting,
     Welcome,
+    check_size,
+    cut,
     decode,
     encode,
     refused_reason,
 )
-from hwsync.protocol.limits import MAX_PEER_FRAME_BYTES, check_size, cut
-from hwsync.sockets import connect_control
 from hwsync.timing import CONTROL_SLICE_S
 
 log = logging.getLogger("hwsync")
@@ -58,8 +60,10 @@ log = logging.getLogger("hwsync")
 class Link:
     """A non-hub rank's DEALER socket to the hub: replies to pings, notices aborts and hub silence."""
 
-    def __init__(self, endpoint: str, timeout_s: float, backend: str = "") -> None:
+    def __init__(self, endpoint: str, timeout_s: float, backend: str = "", closing: CloseSignal | None = None) -> None:
         self.endpoint = Endpoint.parse(endpoint)
+        #: set by close() from another thread: every wait here wakes and ends the sync with ClosedError
+        self.closing = closing
         self.timeout_s = timeout_s
         self.backend = backend
         self._ctx = zmq.Context()
@@ -117,7 +121,11 @@ class Link:
         poller.register(self._watch.fileno_or_socket(), zmq.POLLIN)
         if worker is not None:
             poller.register(worker, zmq.POLLIN)
+        if self.closing is not None:
+            poller.register(self.closing.fileno_or_socket(), zmq.POLLIN)
         ready = dict(poller.poll(int(CONTROL_SLICE_S * 1000)))
+        if self.closing is not None:
+            self.closing.check(what)
         results = [] if worker is None else worker.results()
         for result in results:
             if result[2] is None:  # a collective that completed: the sync moves. A failed one is no sign of the hub,

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hwsync.bucket import BucketPacker, Closed
 from hwsync.errors import ManifestError
-from hwsync.manifest import TensorSpec
 from hwsync.protocol import BucketSpec, Entry, PlanFrame
+from hwsync.sync.bucket import BucketPacker, Closed
+from hwsync.sync.spec import TensorSpec
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from hwsync.nic import Nic, interface_bytes
+from hwsync.control.nic import Nic, interface_bytes
 
 
 def size(nbytes: float) -> str:

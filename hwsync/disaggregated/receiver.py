@@ -24,23 +24,23 @@ from typing import Any
 
 import torch
 
-from hwsync.bucket import BucketReader, IntoFn, LoadFn, StartFn
-from hwsync.communicator import open_communicator, parse_rendezvous
+from hwsync.backend.communicator import open_communicator, parse_rendezvous
+from hwsync.backend.interfaces import Backend, Communicator
+from hwsync.backend.owners import sweep_dead_owners
+from hwsync.backend.registry import get_backend
+from hwsync.control.nic import Nic, nic_towards
 from hwsync.delta.header import WORDS_PER_HEADER, pad8
-from hwsync.delta.receiver import ApplyDelta, Applying, ReceiverDeltas
 from hwsync.disaggregated.link import Link
 from hwsync.disaggregated.plan import CollectivePlan
 from hwsync.disaggregated.progress import rate, size
 from hwsync.disaggregated.worker import CollectiveWorker
 from hwsync.errors import SyncError, SyncTimeoutError
-from hwsync.interfaces import Backend, Communicator
-from hwsync.manifest import TensorSpec
-from hwsync.nic import Nic, nic_towards
-from hwsync.owners import sweep_dead_owners
 from hwsync.protocol import Commit, Go, Joined, PlanAccept, PlanFrame, Progress, RankComplete, Setup
-from hwsync.registry import get_backend
 from hwsync.sizes import DEFAULT_NUM_BUFFERS, MIN_NUM_BUFFERS
-from hwsync.stats import SyncStats
+from hwsync.sync.bucket import BucketReader, IntoFn, LoadFn, StartFn
+from hwsync.sync.delta_receiver import ApplyDelta, Applying, ReceiverDeltas
+from hwsync.sync.spec import TensorSpec
+from hwsync.sync.stats import SyncStats
 from hwsync.timing import DEFAULT_TIMEOUT_S, FAILED_JOIN_S, WORKER_JOIN_S
 
 log = logging.getLogger("hwsync")

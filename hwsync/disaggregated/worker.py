@@ -16,8 +16,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from hwsync.devices import DeviceOwner
-from hwsync.interfaces import Device
+from hwsync.backend.devices import DeviceOwner
+from hwsync.backend.interfaces import Device
 from hwsync.timing import WORKER_JOIN_S
 
 Result = tuple[Any, Any, str | None]  # (tag, value, error message or None)

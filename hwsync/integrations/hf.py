@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hwsync.manifest import TensorSpec, dtype_name
+from hwsync.sync.spec import TensorSpec, dtype_name
 
 
 def is_hf_model(module: Any) -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hwsync.errors import PlanError
-from hwsync.planner import SyncMode, TrainerModel
+from hwsync.sync.planner import SyncMode, TrainerModel
 
 #: the path of every adapter hwsync delivers (vLLM's LoRARequest needs one; it is never read)
 ADAPTER_SCHEME = "hwsync://"

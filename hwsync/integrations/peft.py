@@ -23,8 +23,8 @@ import torch
 
 from hwsync.integrations.hf import checkpoint_manifest_of, checkpoint_tensors, full_tensor
 from hwsync.integrations.lora import LoraAdapter, LoraTrainerModel, plain_config
-from hwsync.manifest import TensorSpec, dtype_name
-from hwsync.planner import SyncMode, Version
+from hwsync.sync.planner import SyncMode, Version
+from hwsync.sync.spec import TensorSpec, dtype_name
 
 
 def _tuner_layers(model: torch.nn.Module) -> set[str]:

@@ -22,7 +22,7 @@ colocated.py (same host: Ready, Welcome or Refused, Offer, Accept, Bucket and Re
 Complete; Error and Abort end a sync early) and disaggregated.py (across nodes: RankReady to sender
 0's hub, Welcome or Refused, Setup, PlanFrame, Go, Commit; Ping, Pong and Alive meanwhile). A peer
 proves the token in its Ready (RankReady), which binds its connection's identity; every frame of an
-identity that never presented it is dropped (hwsync.gate).
+identity that never presented it is dropped (hwsync.control.sockets).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any
 
 import msgpack
 
+from hwsync.errors import ProtocolError
 from hwsync.protocol.colocated import (
     Abort,
     Accept,
@@ -159,3 +160,30 @@ def decode(data: bytes | memoryview, expected: dict[str, type[Frame]]) -> Frame:
         exc.sync = sync if type(sync) is int and 0 <= sync < 1 << 63 else None
         raise
     return frame
+
+
+# -- frame limits: how large a frame may be, by who sends it (every socket refuses more: ZMQ_MAXMSGSIZE) ---
+#: the largest frame a receiver or collective rank may send (the sender's and hub's ZMQ_MAXMSGSIZE)
+MAX_PEER_FRAME_BYTES = 256 << 10
+#: the largest frame a sender or hub may send: an Offer or PlanFrame with its manifest (receivers' ZMQ_MAXMSGSIZE)
+MAX_SENDER_FRAME_BYTES = 64 << 20
+#: an error or refusal message is cut to this many characters before it travels
+MAX_MESSAGE_CHARS = 8 << 10
+#: messages a bound socket queues per connected peer before it stops reading from that peer (ZMQ_RCVHWM): a
+#: stranger can park at most this many frames; a receiver that reaches it only waits (nothing is lost)
+PEER_QUEUE_FRAMES = 64
+
+
+def cut(message: str) -> str:
+    """A message short enough for an Error, Abort or Refused frame."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return message[: MAX_MESSAGE_CHARS - 20] + f" ... ({len(message)} chars)"
+
+
+def check_size(data: bytes, limit: int, what: str) -> bytes:
+    """`data` if it fits `limit`, else ProtocolError naming the frame, its size and the limit."""
+    if len(data) > limit:
+        raise ProtocolError(f"{what} takes {len(data)} bytes on the wire, over the protocol's {limit}-byte limit "
+                            "(hwsync.protocol); send fewer or shorter-named tensors per sync, or less state")
+    return data

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import field
 
-from hwsync.manifest import TensorSpec
 from hwsync.protocol.delta import check_delta
 from hwsync.protocol.fields import BadFrame, Count, Frame, Map, frame
 from hwsync.protocol.layout import (
@@ -34,6 +33,7 @@ from hwsync.protocol.layout import (
     entries_within,
     refs_within,
 )
+from hwsync.sync.spec import TensorSpec
 
 
 @frame("ready")

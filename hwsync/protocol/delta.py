@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 from hwsync.delta.header import DeltaHeader
-from hwsync.manifest import TensorSpec
 from hwsync.protocol.fields import BadFrame, short
+from hwsync.sync.spec import TensorSpec
 
 #: the longest baseline id a sender makes or a receiver takes
 MAX_ID = 64

@@ -29,10 +29,10 @@ leaves the two counting different syncs.
 
 from __future__ import annotations
 
-from hwsync.manifest import TensorSpec
 from hwsync.protocol.delta import check_plan_delta
 from hwsync.protocol.fields import BadFrame, Count, Frame, Map, frame
 from hwsync.protocol.layout import BucketSpec
+from hwsync.sync.spec import TensorSpec
 
 
 @frame("ready")

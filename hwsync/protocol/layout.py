@@ -10,9 +10,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from hwsync.manifest import WIRE_DTYPES, dtype_from_name
-from hwsync.owners import OWNER
+from hwsync.backend.owners import OWNER
 from hwsync.protocol.fields import INT_MAX, BadFrame, short, wire_count, wire_shape
+from hwsync.sync.spec import WIRE_DTYPES, dtype_from_name
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def entries_within(entries: Iterable[Entry], nbytes: int) -> None:
                            f"{nbytes} bytes")
 
 
-# Names begin with their owner, hwsync-<pid>-<start>-<pidns>- (hwsync.owners.OWNER: the creating process, its
+# Names begin with their owner, hwsync-<pid>-<start>-<pidns>- (hwsync.backend.owners.OWNER: the creating process, its
 # start time and pid namespace), so that what a dead process left is told apart from what a live one holds.
 #: names of transport buffers and doorbells: <owner>-<16 hex>
 BUFFER_SEGMENT_NAME = re.compile(OWNER + r"[0-9a-f]{16}")

@@ -24,7 +24,7 @@ if _PATH:
 
     def _recorded_token_hex(nbytes=None):
         value = _token_hex(nbytes)
-        if nbytes == 16:  # an endpoint token (hwsync.control.new_token); other ids are shorter
+        if nbytes == 16:  # an endpoint token (hwsync.control.endpoints.new_token); other ids are shorter
             _append("token", value)
         return value
 

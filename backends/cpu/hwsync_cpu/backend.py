@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from hwsync.communicator import ProcessGroupCommunicator
-from hwsync.interfaces import Backend, Communicator, Device, Transport
-from hwsync.nic import Nic
-from hwsync.shm import ShmTransport
+from hwsync.backend.communicator import ProcessGroupCommunicator
+from hwsync.backend.interfaces import Backend, Communicator, Device, Transport
+from hwsync.backend.shm import ShmTransport
+from hwsync.control.nic import Nic
 from hwsync.timing import GROUP_TIMEOUT_S
 from hwsync_cpu.device import CpuDevice
 from hwsync_cpu.gloo import GLOO_REDUCE_DTYPES, gloo_factory

@@ -9,8 +9,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from hwsync.communicator import GroupFactory
-from hwsync.nic import Nic
+from hwsync.backend.communicator import GroupFactory
+from hwsync.control.nic import Nic
 
 log = logging.getLogger("hwsync")
 

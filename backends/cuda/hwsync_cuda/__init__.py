@@ -1,5 +1,5 @@
 """hwsync's CUDA backend: NVIDIA GPUs through torch.cuda, NCCL collectives, CUDA IPC, and the
-core's device shared memory (hwsync.device_shm) over CudaDevice.
+core's device shared memory (hwsync.backend.device_shm) over CudaDevice.
 
 Importing this package imports nothing else, torch included: the names below load on first
 use (`hwsync_cuda.CudaBackend`). The entry point names `hwsync_cuda.backend:CudaBackend`

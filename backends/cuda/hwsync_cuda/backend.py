@@ -1,4 +1,4 @@
-"""CudaBackend: NVIDIA GPUs as the Device, NCCL Communicators, CUDA IPC or shared memory (hwsync.device_shm).
+"""CudaBackend: NVIDIA GPUs as the Device, NCCL Communicators, CUDA IPC or shared memory (hwsync.backend.device_shm).
 
 Instantiating it never touches CUDA; only `communicator()` and the transports' buffers do.
 """
@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from hwsync.communicator import ProcessGroupCommunicator
-from hwsync.device_shm import DeviceShmTransport
+from hwsync.backend.communicator import ProcessGroupCommunicator
+from hwsync.backend.device_shm import DeviceShmTransport
+from hwsync.backend.interfaces import Backend, Communicator, Device, Transport
+from hwsync.control.nic import Nic
 from hwsync.errors import HwsyncError
-from hwsync.interfaces import Backend, Communicator, Device, Transport
-from hwsync.nic import Nic
 from hwsync.timing import GROUP_TIMEOUT_S
 from hwsync_cuda.device import CudaDevice
 from hwsync_cuda.ipc import CudaIpcTransport

@@ -17,11 +17,11 @@ How it works, and the rules it keeps:
   and the engine's other streams (NCCL, prefetches) at every bucket;
 - the trainer's own memory is shared the same way for mapped sources: device_segments() exports
   the caching allocator's segments that hold its tensors (hwsync_cuda.segments);
-- torch counts one consumer per export (hwsync.exports): each receiver process gets exports of
+- torch counts one consumer per export (hwsync.backend.exports): each receiver process gets exports of
   its own, made when it is first offered the buffers; a receiver in the sender's process gets
   none; the exports of a receiver that failed before accepting, or died, are released by the
   sender (torch's _release_ipc_counter, only while the counter shows the receiver did not
-  unmap them: hwsync.ipc_counters), so no block waits in torch's IPC limbo for a consumer
+  unmap them: hwsync.backend.ipc_counters), so no block waits in torch's IPC limbo for a consumer
   that will never come, nor for a counter released twice. close() and the next open collect
   (`torch.cuda.ipc_collect()`) what receivers have let go.
 """
@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
+from hwsync.backend.exports import ReceiverExports
+from hwsync.backend.interfaces import DeviceSegments, Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
+from hwsync.backend.ipc_counters import release_if_held
 from hwsync.errors import HwsyncError
-from hwsync.exports import ReceiverExports
-from hwsync.interfaces import DeviceSegments, Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
-from hwsync.ipc_counters import release_if_held
 from hwsync_cuda.device import CudaDevice, device_uuid, expandable_segments_reason
 from hwsync_cuda.segments import CudaDeviceSegments
 
@@ -220,7 +220,7 @@ class CudaIpcSendBuffers(SendBuffers):
 
 def _release_export(fields: dict[str, Any]) -> None:
     # what torch's rebuild_cuda_tensor does for an export it does not map (storage_cls._release_ipc_counter), only
-    # while the receiver has not unmapped it: released twice, torch holds the buffer until exit (hwsync.ipc_counters)
+    # while the receiver has not unmapped it: released twice, torch holds the buffer until exit (backend.ipc_counters)
     handle = _as_bytes(fields["ref_counter_handle"], "the ref-counter handle")
     if handle is not None:
         release_if_held(handle, int(fields["ref_counter_offset"]), torch.UntypedStorage._release_ipc_counter_cuda)

@@ -6,7 +6,7 @@ and what is built on it here:
   holds a storage: the IPC handle is the segment base's, with the storage's offset in it, plus a fresh
   ref-counter slot (one consumer) and, while torch has IPC events left, an event the consumer's stream
   waits for once. The segment's size comes from the allocator's snapshot (torch.cuda.memory_snapshot:
-  its segments' `address` and `total_size`; hwsync.colocated.allocator_segments says when it is taken);
+  its segments' `address` and `total_size`; hwsync.backend.segments says when it is taken);
 - the receiver calls `UntypedStorage._new_shared_cuda(device, handle, segment size, 0, ...)`: one
   storage over the whole segment, mapped on its own current GPU (cudaIpcOpenMemHandle, cached per
   handle inside torch, so a second export of a segment it maps opens nothing), whose deleter waits for
@@ -29,10 +29,10 @@ from typing import Any, cast
 
 import torch
 
-from hwsync.colocated.allocator_segments import AllocatorSegments
+from hwsync.backend.interfaces import Record, SegmentPlace
+from hwsync.backend.ipc_counters import release_if_held
+from hwsync.backend.segments import AllocatorSegments
 from hwsync.errors import HwsyncError
-from hwsync.interfaces import Record, SegmentPlace
-from hwsync.ipc_counters import release_if_held
 
 KIND = "cuda_segment"
 _BYTES_FIELDS = ("handle", "ref_counter_handle")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from hwsync.communicator import ProcessGroupCommunicator
-from hwsync.device_shm import DeviceShmTransport
-from hwsync.interfaces import Backend, Communicator, Device, ProbeResult, Transport
-from hwsync.nic import Nic
+from hwsync.backend.communicator import ProcessGroupCommunicator
+from hwsync.backend.device_shm import DeviceShmTransport
+from hwsync.backend.interfaces import Backend, Communicator, Device, ProbeResult, Transport
+from hwsync.control.nic import Nic
 from hwsync.timing import GROUP_TIMEOUT_S
 from hwsync_npu.device import NpuDevice, npu_device
 from hwsync_npu.hccl import hccl_group, hccl_interface, hccl_reduce_dtypes
@@ -15,7 +15,7 @@ from hwsync_npu.ipc import NpuIpcTransport
 
 
 class NpuShmTransport(DeviceShmTransport):
-    """The core's shared memory with NPU copies (hwsync.device_shm); available() also says whether those copies
+    """The core's shared memory with NPU copies (hwsync.backend.device_shm); available() also says whether those copies
     are pinned, and how (what `hwsync info` shows)."""
 
     device: NpuDevice
@@ -59,5 +59,5 @@ class NpuBackend(Backend):
         )
 
     def transports(self) -> dict[str, Transport]:
-        """npu_ipc (where supported), then shm with device copies (hwsync.device_shm)."""
+        """npu_ipc (where supported), then shm with device copies (hwsync.backend.device_shm)."""
         return dict(self._transports)

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
+from hwsync.backend.exports import ReceiverExports
+from hwsync.backend.interfaces import DeviceSegments, Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
+from hwsync.backend.ipc_counters import release_if_held
 from hwsync.errors import HwsyncError
-from hwsync.exports import ReceiverExports
-from hwsync.interfaces import DeviceSegments, Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
-from hwsync.ipc_counters import release_if_held
 from hwsync_npu.api import import_torch_npu, torch_npu_installed
 from hwsync_npu.device import current_visible_value, expandable_segments_reason, npu_device, physical_index
 from hwsync_npu.segments import NpuDeviceSegments
@@ -99,7 +99,7 @@ def current_versions() -> tuple[str | None, str | None]:
 class NpuIpcSendBuffers(SendBuffers):
     """Device buffers whose memory receivers map, exported for each receiver process when first offered.
 
-    torch_npu counts IPC consumers as torch counts CUDA's (one per export): see hwsync.exports.
+    torch_npu counts IPC consumers as torch counts CUDA's (one per export): see hwsync.backend.exports.
     """
 
     def __init__(self, device: torch.device, bucket_bytes: int, num_buffers: int) -> None:
@@ -157,7 +157,7 @@ def _wait_stream(torch_npu: Any) -> None:
 
 def _release_export(record: dict[str, Any]) -> None:
     # what torch_npu's rebuild_npu_tensor does for an export it does not map, only while the receiver has not unmapped
-    # it (torch_npu's counters are torch's: hwsync.ipc_counters)
+    # it (torch_npu's counters are torch's: hwsync.backend.ipc_counters)
     release_if_held(record["ref_counter_handle"], record["ref_counter_offset"],
                     torch.UntypedStorage._release_ipc_counter_npu)  # type: ignore[attr-defined]  # torch_npu's
 

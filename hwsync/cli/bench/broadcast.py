@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from hwsync.cli.bench.broadcast_model import state_dict as _model
+from hwsync.sync.options import CrossNodeOptions
 
 
 def _receiver(endpoint: str, rank: int, buffers: int, runs: int, timeout_s: float, backend: str) -> None:
@@ -51,7 +52,7 @@ def _sender(endpoint: str, rank: int, senders: int, receivers: int, size: int, b
 
     model = _model(size)
     with CrossNodeSender(endpoint, rank=rank, num_senders=senders, num_receivers=receivers, group_host="127.0.0.1",
-                          bucket_bytes=bucket, num_buffers=buffers, timeout_s=timeout_s) as tx:
+                         options=CrossNodeOptions(bucket_bytes=bucket, num_buffers=buffers, timeout_s=timeout_s)) as tx:
         for v in range(runs):
             tx.send(model, version=v)
 
@@ -65,9 +66,8 @@ def measure(senders: int, receivers: int, size: int, bucket: int, buffers: int, 
     runs = repeat + 1
     ctx = mp.get_context("spawn")
     model = _model(size)
-    with CrossNodeSender("tcp://127.0.0.1:0", num_senders=senders, num_receivers=receivers,
-                          group_host="127.0.0.1", bucket_bytes=bucket, num_buffers=buffers,
-                          timeout_s=timeout_s) as tx:
+    with CrossNodeSender("tcp://127.0.0.1:0", num_senders=senders, num_receivers=receivers, group_host="127.0.0.1",
+                         options=CrossNodeOptions(bucket_bytes=bucket, num_buffers=buffers, timeout_s=timeout_s)) as tx:
         procs = [ctx.Process(target=_receiver, args=(tx.endpoint, r, buffers, runs, timeout_s, backend))
                  for r in range(receivers)]
         procs += [ctx.Process(target=_sender, args=(tx.endpoint, s, senders, receivers, size, bucket, buffers,
@@ -123,7 +123,7 @@ def add_bench_broadcast_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench_broadcast(args: argparse.Namespace) -> int:
     """Run every configuration, print a table (or JSON); 0 on success."""
-    from hwsync.registry import get_backend
+    from hwsync.backend.registry import get_backend
 
     if args.hosts:
         from hwsync.bed import unavailable_reason

@@ -20,6 +20,8 @@ import statistics
 import time
 from typing import Any
 
+from hwsync.sync.options import CrossNodeOptions
+
 #: host 0's hub listens here (a port per configuration); each bed host is a namespace of its own
 HUB_PORT = 29700
 
@@ -33,8 +35,8 @@ def bed_sender(rank: int, phases: list[dict], timeout_s: float) -> list[dict]:
     import torch
 
     from hwsync.cli.bench.broadcast_model import state_dict as _model
+    from hwsync.control.nic import interface_bytes
     from hwsync.disaggregated import CrossNodeSender
-    from hwsync.nic import interface_bytes
 
     torch.set_num_threads(1)
     out: list[dict] = []
@@ -44,9 +46,10 @@ def bed_sender(rank: int, phases: list[dict], timeout_s: float) -> list[dict]:
             continue
         model = _model(phase["bytes"])
         rows = []
-        with CrossNodeSender(phase["endpoint"], rank=rank, num_senders=phase["senders"],
-                             num_receivers=phase["receivers"], bucket_bytes=phase["bucket_bytes"], timeout_s=timeout_s,
-                             secret_key=phase.get("secret")) as tx:
+        with CrossNodeSender(
+            phase["endpoint"], rank=rank, num_senders=phase["senders"], num_receivers=phase["receivers"],
+            options=CrossNodeOptions(bucket_bytes=phase["bucket_bytes"], timeout_s=timeout_s,
+                                     secret_key=phase.get("secret"))) as tx:
             nic = os.environ.get("HWSYNC_BED_INTERFACE", "")
             for v in range(phase["runs"]):
                 sent0, cpu0 = interface_bytes(nic), _cpu()
@@ -90,8 +93,8 @@ def bed_receiver(rank: int, phases: list[dict], timeout_s: float) -> list[dict]:
 
 
 def _phases(bed: Any, configs: list[tuple[int, int]], size: int, bucket: int, runs: int) -> list[dict]:
-    from hwsync.control import new_token
-    from hwsync.sockets import curve_key_pair
+    from hwsync.control.endpoints import new_token
+    from hwsync.control.sockets import curve_key_pair
 
     phases = []
     for i, (senders, receivers) in enumerate(configs):

@@ -28,6 +28,8 @@ import statistics
 import time
 from typing import Any
 
+from hwsync.sync.options import CrossNodeOptions, SenderOptions
+
 #: the trainer host's address, port and the endpoint's secrets are made by the parent and passed to both hosts
 PORT = 29400
 #: full syncs measured after the steps' delta syncs (their median is the full sync's seconds)
@@ -101,8 +103,10 @@ def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, 
     params = sum(p.numel() for p in model.parameters())
     out: dict[str, Any] = {"params": params, "copy_gbps": copy_gbps(), "syncs": [], "colocated": []}
     syncs = 1 + steps + FULL_SYNCS
-    with CrossNodeSender(endpoint, num_receivers=1, group_host=address, timeout_s=timeout_s,
-                         secret_key=secret) as sender, WeightSender(timeout_s=timeout_s) as local:
+    with CrossNodeSender(
+        endpoint, num_receivers=1, group_host=address, options=CrossNodeOptions(
+            timeout_s=timeout_s, secret_key=secret)) as sender, WeightSender(
+                options=SenderOptions(timeout_s=timeout_s)) as local:
         beside = multiprocessing.get_context("spawn").Process(
             target=engine, args=(None, hidden, layers, syncs, timeout_s, local.endpoint, engine_dtype), daemon=True)
         beside.start()
@@ -147,8 +151,8 @@ def engine(endpoint: str | None, hidden: int, layers: int, syncs: int, timeout_s
     from transformers import LlamaForCausalLM
 
     from hwsync import CrossNodeReceiver, WeightReceiver
-    from hwsync.casting import engine_dtypes
     from hwsync.delta import warm
+    from hwsync.sync.casting import engine_dtypes
 
     warm.wait()  # compile (or load) the host kernels before anything is timed
     with torch.device("meta"):
@@ -169,8 +173,8 @@ def engine(endpoint: str | None, hidden: int, layers: int, syncs: int, timeout_s
 
 
 def _run_pair(bed: Any, lr: float, args: argparse.Namespace) -> dict[str, Any]:
-    from hwsync.control import new_token
-    from hwsync.sockets import curve_key_pair
+    from hwsync.control.endpoints import new_token
+    from hwsync.control.sockets import curve_key_pair
 
     public, secret = curve_key_pair()
     address = bed.address(0)

@@ -16,9 +16,9 @@ import msgpack
 import torch
 import zmq
 
-from hwsync.bucket import align_up, copy_bytes
-from hwsync.interfaces import ReceiveBuffers, Transport
-from hwsync.manifest import dtype_from_name, dtype_name
+from hwsync.backend.interfaces import ReceiveBuffers, Transport
+from hwsync.sync.bucket import align_up, copy_bytes
+from hwsync.sync.spec import dtype_from_name, dtype_name
 
 Named = list[tuple[str, torch.Tensor]]
 

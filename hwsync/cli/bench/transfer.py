@@ -42,8 +42,9 @@ from hwsync.cli.bench.transfer_parts import (
     counted,
     host_to_device_gbps,
 )
-from hwsync.control import private_ipc_dir, remove_ipc_dir
-from hwsync.manifest import dtype_name
+from hwsync.control.endpoints import private_ipc_dir, remove_ipc_dir
+from hwsync.sync.options import SenderOptions
+from hwsync.sync.spec import dtype_name
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # a ~1.5B-parameter transformer (Qwen2.5-1.5B geometry): hidden, mlp, vocab, kv width, layers
@@ -126,9 +127,9 @@ class _Progress:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Run the transfers and the copy references; a dict of the figures."""
+    from hwsync.backend.registry import get_backend
     from hwsync.colocated.sender import WeightSender
-    from hwsync.registry import get_backend
-    from hwsync.shared_params import SharedTensors
+    from hwsync.sync.shared_params import SharedTensors
 
     torch.set_num_threads(args.threads)
     spec = model_spec(int(args.gb * 1e9), args.dtype, args.tensors)
@@ -157,8 +158,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     mapped_syncs = shared_syncs if device.type != "cpu" and chosen.device_segments() is not None else 0
     progress = _Progress(2 * args.syncs + shared_syncs + mapped_syncs)
     try:
-        sender = WeightSender(bucket_bytes=bucket, num_buffers=args.num_buffers, transport=args.transport,
-                              timeout_s=args.timeout)
+        sender = WeightSender(
+            transport=args.transport,
+            options=SenderOptions(bucket_bytes=bucket, num_buffers=args.num_buffers, timeout_s=args.timeout))
         # the baseline runs over the transport hwsync's run picked, one buffer of it
         transport = get_backend().transports()[args.transport] if args.transport else get_backend().default_transport()
         proc = mp.get_context("spawn").Process(

@@ -12,7 +12,7 @@ import torch
 import zmq
 
 from hwsync.cli.bench.stop_and_wait import pack, stop_and_wait_receive
-from hwsync.manifest import dtype_from_name
+from hwsync.sync.spec import dtype_from_name
 
 Named = list[tuple[str, torch.Tensor]]
 Spec = list[tuple[str, list[int], str]]
@@ -20,7 +20,7 @@ Spec = list[tuple[str, list[int], str]]
 
 def counted(before: dict[str, int] | None) -> dict[str, int]:
     """What the backend's device counted since `before` (Device.counters: the simulated accelerator counts)."""
-    from hwsync.registry import get_backend
+    from hwsync.backend.registry import get_backend
 
     after = get_backend().device().counters() or {}
     return {k: v - (before or {}).get(k, 0) for k, v in after.items() if v != (before or {}).get(k, 0)}
@@ -48,7 +48,7 @@ def count_summary(sent: list[dict[str, int]], received: list[dict[str, int]], nb
 
 def bench_device() -> tuple[torch.device, Callable[[], None]]:
     """Where the benchmark's tensors live (the selected backend's device) and how to wait for it."""
-    from hwsync.registry import get_backend
+    from hwsync.backend.registry import get_backend
 
     device = get_backend().device()
     return device.torch_device(), device.synchronize
@@ -76,7 +76,7 @@ def host_to_device_gbps(nbytes: int = 1 << 30, repeat: int = 3) -> float | None:
 
     The reference for a transport that stages buckets in host memory (the shm transport on a GPU or NPU).
     """
-    from hwsync.registry import get_backend
+    from hwsync.backend.registry import get_backend
 
     device = get_backend().device()
     target, sync = device.torch_device(), device.synchronize
@@ -181,7 +181,7 @@ def _receiver_main(endpoint: str, baseline: str, transport: str, spec_json: str,
     try:
         sock.send(pack({"t": "hello", "error": errors[0] or errors[1] or errors[2], "load_s": load_s[:syncs],
                         "engine_s": engine_s[:syncs], "counts": counts}))
-        from hwsync.registry import get_backend
+        from hwsync.backend.registry import get_backend
 
         def load_and_wait(tensors: Named) -> None:  # the baseline's ack must follow the copies (release waits
             load(tensors)  # for nothing on every transport: on the sim, not on NPU IPC before this release either)

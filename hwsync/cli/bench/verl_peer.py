@@ -30,9 +30,9 @@ import zmq
 
 from hwsync.cli.bench.stop_and_wait import await_reply, pack
 from hwsync.cli.bench.verl_bare import default_bucket_mb, import_verl
-from hwsync.control import private_ipc_dir, remove_ipc_dir
-from hwsync.manifest import dtype_from_name
+from hwsync.control.endpoints import private_ipc_dir, remove_ipc_dir
 from hwsync.sizes import MiB
+from hwsync.sync.spec import dtype_from_name
 
 if importlib.util.find_spec("verl") is None:
     raise SystemExit("hwsync bench transfer --peer verl needs verl: pip install 'hwsync[verl]', or run it in "

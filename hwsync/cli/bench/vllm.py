@@ -97,7 +97,7 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from hwsync.integrations.vllm import HwsyncTrainerInitInfo, LLMClient, VllmWeightSync
-    from hwsync.shared_params import SharedTensors
+    from hwsync.sync.shared_params import SharedTensors
 
     repeats = max(3, args.repeats)
     toy = ToyModel(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,

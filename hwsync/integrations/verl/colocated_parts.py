@@ -26,9 +26,9 @@ import torch
 from hwsync.integrations.lora import LoraAdapter, LoraTrainerModel, plain_config
 from hwsync.integrations.verl.worker_extension import EXTENSION_CLS
 from hwsync.integrations.vllm.checkpoint import checkpoint_manifest, resolve_checkpoint_dir, safetensors_files
-from hwsync.manifest import TensorSpec
-from hwsync.planner import SyncMode
 from hwsync.sizes import MiB
+from hwsync.sync.planner import SyncMode
+from hwsync.sync.spec import TensorSpec
 from hwsync.timing import DEFAULT_TIMEOUT_S
 
 Pairs = list[tuple[str, torch.Tensor]]

@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
+from hwsync.backend.registry import get_backend
 from hwsync.disaggregated import CrossNodeReceiver
 from hwsync.errors import SyncError, SyncTimeoutError
 from hwsync.integrations.verl.topology import RolloutPlace, rollout_metadata
 from hwsync.integrations.verl.trainer import END, Options
-from hwsync.manifest import TensorSpec
-from hwsync.registry import get_backend
-from hwsync.stats import SyncStats
+from hwsync.sync.spec import TensorSpec
+from hwsync.sync.stats import SyncStats
 
 log = logging.getLogger("hwsync")
 Bucket = list[tuple[str, torch.Tensor]]

@@ -44,7 +44,8 @@ from hwsync.integrations.verl.colocated_parts import (
 from hwsync.integrations.verl.trainer import Walk
 from hwsync.integrations.vllm.sources import SyncParts, sync_parts
 from hwsync.integrations.vllm.trainer import settle
-from hwsync.stats import SyncStats
+from hwsync.sync.options import SenderOptions
+from hwsync.sync.stats import SyncStats
 from hwsync.timing import RPC_GRACE_S
 
 log = logging.getLogger("hwsync")
@@ -126,8 +127,10 @@ class HwsyncServerAdapter(ServerAdapter):
         """The sender kept across updates; a new one tells every engine worker its endpoint."""
         if self._sender is not None:
             return self._sender
-        sender = WeightSender(bucket_bytes=self.options.bucket_bytes, num_buffers=self.options.num_buffers,
-                              timeout_s=self.options.timeout_s, num_receivers=self.num_workers)
+        sender = WeightSender(
+            num_receivers=self.num_workers,
+            options=SenderOptions(bucket_bytes=self.options.bucket_bytes, num_buffers=self.options.num_buffers,
+                                  timeout_s=self.options.timeout_s))
         try:
             await self._rpc("init_weight_transfer_engine", init_info={
                 "endpoint": sender.endpoint, "timeout_s": self.options.timeout_s, "allow_partial": False})
@@ -180,7 +183,7 @@ class HwsyncServerAdapter(ServerAdapter):
         puts back the tensors its reload moved to meta and lets the next update start (as the vLLM integration)."""
         try:
             await self._rpc("finish_weight_update")
-        except Exception as exc:  # noqa: BLE001 - after a failed update the refusal is expected; else it is raised
+        except Exception as exc:
             if not failed:
                 raise
             expected = "start_weight_update" in str(exc)  # vLLM's words for "no update to finish"

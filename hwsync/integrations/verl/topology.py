@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hwsync.control import new_token
+from hwsync.control.endpoints import new_token
+from hwsync.control.sockets import curve_key_pair
 from hwsync.disaggregated.sender import default_host, pick_port
-from hwsync.sockets import curve_key_pair
 
 #: a metadata dict made by this engine carries this key; its value is the metadata layout's version
 MARK = "hwsync"

@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
+from hwsync.backend.registry import get_backend
 from hwsync.disaggregated import CrossNodeSender
 from hwsync.errors import SourceError
 from hwsync.integrations.verl.topology import TrainerPlace, fresh_endpoint, trainer_metadata
-from hwsync.manifest import TensorSpec
-from hwsync.registry import get_backend
 from hwsync.sizes import MiB
-from hwsync.source import named_tensor
-from hwsync.stats import SyncStats
+from hwsync.sync.options import CrossNodeOptions
+from hwsync.sync.spec import TensorSpec, named_tensor
+from hwsync.sync.stats import SyncStats
 
 log = logging.getLogger("hwsync")
 
@@ -149,16 +149,17 @@ class TrainerSide:
             return
         self.close()
         if place.rank >= 0:
+            # stable_sources: a delta's encodes read tensors after verl's generator moved on; some of its generators
+            # yield memory they change then (a merged LoRA's weights are unmerged when the generator ends), so with
+            # deltas each tensor is copied as it is taken (a full sync copies each into the buckets at once anyway)
             try:
                 self.sender = CrossNodeSender(
-                    place.endpoint, rank=place.rank, num_senders=place.num_senders,
-                    num_receivers=place.num_receivers, group_host=self.options.host,
-                    bucket_bytes=self.options.bucket_bytes(place.num_senders), num_buffers=self.options.num_buffers,
-                    timeout_s=self.options.timeout_s, secret_key=self._secret_for(place), delta=self.options.delta,
-                    # a delta's encodes read tensors after verl's generator moved on; some of its generators yield
-                    # memory they change then (a merged LoRA's weights are unmerged when the generator ends), so
-                    # each tensor is copied as it is taken (a full sync copies each into the buckets at once anyway)
-                    stable_sources=not self.options.delta)
+                    place.endpoint, rank=place.rank, num_senders=place.num_senders, num_receivers=place.num_receivers,
+                    group_host=self.options.host,
+                    options=CrossNodeOptions(bucket_bytes=self.options.bucket_bytes(place.num_senders),
+                                             num_buffers=self.options.num_buffers, timeout_s=self.options.timeout_s,
+                                             secret_key=self._secret_for(place), delta=self.options.delta,
+                                             stable_sources=not self.options.delta))
             except Exception as exc:
                 raise RuntimeError(f"trainer sender {place.rank} could not open hwsync's control endpoint "
                                    f"{place.endpoint.split('#')[0]}: {exc}. If the port was taken meanwhile, the "

@@ -27,7 +27,7 @@ from typing import Any, cast
 import torch
 
 from hwsync.errors import HwsyncError
-from hwsync.manifest import TensorSpec
+from hwsync.sync.spec import TensorSpec
 
 log = logging.getLogger("hwsync")
 

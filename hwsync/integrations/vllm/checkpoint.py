@@ -24,7 +24,7 @@ import struct
 from collections.abc import Iterable
 
 from hwsync.errors import ManifestError
-from hwsync.manifest import WIRE_DTYPES, TensorSpec
+from hwsync.sync.spec import WIRE_DTYPES, TensorSpec
 
 #: safetensors header dtype codes, by hwsync's wire dtype names
 _SAFETENSORS_DTYPES = {

@@ -21,7 +21,7 @@ import torch
 
 from hwsync.errors import ManifestError
 from hwsync.integrations.vllm.checkpoint import check_manifest
-from hwsync.manifest import TensorSpec, dtype_from_name, dtype_name
+from hwsync.sync.spec import TensorSpec, dtype_from_name, dtype_name
 
 _MISSING = object()
 

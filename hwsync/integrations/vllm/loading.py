@@ -42,9 +42,9 @@ from hwsync.integrations.vllm.kernels import (
     tied_heads,
 )
 from hwsync.integrations.vllm.loader_check import check_announced
-from hwsync.manifest import TensorSpec
-from hwsync.planner import EngineState
-from hwsync.stats import SyncStats
+from hwsync.sync.planner import EngineState
+from hwsync.sync.spec import TensorSpec
+from hwsync.sync.stats import SyncStats
 
 log = logging.getLogger("hwsync")
 

@@ -31,7 +31,8 @@ from hwsync.integrations.vllm.engine import HwsyncInitInfo, HwsyncUpdateInfo
 from hwsync.integrations.vllm.plugin import BACKEND, register
 from hwsync.integrations.vllm.sources import sync_parts
 from hwsync.integrations.vllm.trainer import auto_bucket_bytes, send_while
-from hwsync.stats import SyncStats
+from hwsync.sync.options import SenderOptions
+from hwsync.sync.stats import SyncStats
 from hwsync.timing import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("hwsync")
@@ -103,8 +104,9 @@ class HwsyncTrainerEngine(TrainerWeightTransferEngine[HwsyncTrainerInitInfo]):
         bucket = info.bucket_bytes
         if bucket is None:  # the largest tensor whole: it then reaches load_weights as a zero-copy view
             bucket = auto_bucket_bytes(sync_parts(self.source).specs if self.source is not None else [])
-        return WeightSender(info.endpoint, bucket_bytes=bucket, timeout_s=float(info.timeout_s),
-                            num_receivers=info.num_workers or workers or 1, delta=bool(info.delta))
+        return WeightSender(
+            info.endpoint, num_receivers=info.num_workers or workers or 1,
+            options=SenderOptions(bucket_bytes=bucket, timeout_s=float(info.timeout_s), delta=bool(info.delta)))
 
     def send_weights(self, weight_version: str | None = None, *, source: Any = None,
                      version: int | None = None) -> SyncStats | None:

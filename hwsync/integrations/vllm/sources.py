@@ -27,9 +27,8 @@ import torch
 
 from hwsync.integrations.hf import checkpoint_manifest_of, checkpoint_tensors, is_hf_model
 from hwsync.integrations.lora import LoraTrainerModel
-from hwsync.manifest import TensorSpec, dtype_name
-from hwsync.planner import SyncMode, TrainerModel
-from hwsync.source import with_manifest
+from hwsync.sync.planner import SyncMode, TrainerModel
+from hwsync.sync.spec import TensorSpec, dtype_name, with_manifest
 
 log = logging.getLogger("hwsync")
 

@@ -31,15 +31,16 @@ from typing import Any, Self
 
 import torch
 
+from hwsync.backend.devices import start_on_this_device
 from hwsync.colocated import WeightSender
-from hwsync.devices import start_on_this_device
 from hwsync.errors import HwsyncError, ManifestError, ProtocolError, RemoteError, SyncError, SyncTimeoutError
 from hwsync.integrations.lora import LoraAdapter
 from hwsync.integrations.vllm.sources import SyncParts, Weights, sync_parts
-from hwsync.manifest import TensorSpec
-from hwsync.planner import TrainerModel
 from hwsync.sizes import DEFAULT_BUCKET_BYTES, MiB
-from hwsync.stats import SyncStats
+from hwsync.sync.options import SenderOptions
+from hwsync.sync.planner import TrainerModel
+from hwsync.sync.spec import TensorSpec
+from hwsync.sync.stats import SyncStats
 from hwsync.timing import DEFAULT_TIMEOUT_S, RPC_GRACE_S
 
 #: the value for vLLM's `worker_extension_cls`
@@ -149,8 +150,10 @@ class _EngineSync:
 
     def _session(self, manifest: list[TensorSpec]) -> WeightSender:
         if self.sender is None:
-            self.sender = WeightSender(bucket_bytes=self.bucket_bytes or auto_bucket_bytes(manifest),
-                                       timeout_s=self.timeout_s, num_receivers=self.num_workers, delta=self.delta)
+            self.sender = WeightSender(
+                num_receivers=self.num_workers,
+                options=SenderOptions(bucket_bytes=self.bucket_bytes or auto_bucket_bytes(manifest),
+                                      timeout_s=self.timeout_s, delta=self.delta))
         return self.sender
 
     def _receive_args(self, parts: SyncParts) -> tuple[Any, ...]:

@@ -31,7 +31,7 @@ from hwsync.errors import HwsyncError
 from hwsync.integrations.vllm.adapters import AdapterSpec
 from hwsync.integrations.vllm.ascend import default_nz_off, nz_refusal
 from hwsync.integrations.vllm.loading import Target, WorkerSync
-from hwsync.manifest import TensorSpec
+from hwsync.sync.spec import TensorSpec
 from hwsync.timing import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("hwsync")

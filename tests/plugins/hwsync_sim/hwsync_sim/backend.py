@@ -1,12 +1,12 @@
-"""SimBackend: the simulated accelerator's Device, simccl Communicators, sim_ipc and shm (hwsync.device_shm)."""
+"""SimBackend: the simulated accelerator's Device, simccl Communicators, sim_ipc and shm (hwsync.backend.device_shm)."""
 
 from __future__ import annotations
 
 import torch
 
 from hwsync.timing import GROUP_TIMEOUT_S
-from hwsync.communicator import ProcessGroupCommunicator
-from hwsync.interfaces import Backend, Communicator, Device, Transport
+from hwsync.backend.communicator import ProcessGroupCommunicator
+from hwsync.backend.interfaces import Backend, Communicator, Device, Transport
 from hwsync_sim.device import SimDevice
 from hwsync_sim.ipc import SimIpcTransport
 from hwsync_sim.runtime import TYPE, runtime

@@ -2,7 +2,7 @@
 
 Built like hwsync_cuda's CudaIpcTransport, so the same kinds of bugs show here:
 - the sender allocates N device buffers once and exports them for each receiver process when it
-  is first offered them (hwsync.exports; hwsync_sim.sharing counts exports as torch counts CUDA
+  is first offered them (hwsync.backend.exports; hwsync_sim.sharing counts exports as torch counts CUDA
   IPC: one expected consumer per export), and releases the exports of receivers that refused
   them or died;
 - the receiver maps the buffers on its own current device (peer access when that is not the
@@ -31,8 +31,8 @@ import weakref
 import torch
 
 from hwsync.errors import HwsyncError
-from hwsync.exports import ReceiverExports
-from hwsync.interfaces import DeviceSegments, Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
+from hwsync.backend.exports import ReceiverExports
+from hwsync.backend.interfaces import DeviceSegments, Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
 from hwsync_sim import sharing
 from hwsync_sim.device import SimDevice
 from hwsync_sim.runtime import POISON, TYPE, runtime

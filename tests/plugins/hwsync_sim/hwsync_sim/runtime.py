@@ -107,7 +107,7 @@ class Memory:
         self.index = index
         self.nbytes = data.numel()
         self.data = data  # flat uint8 host tensor standing in for the device memory
-        self.segment = None  # hwsync.shm.SharedSegment once the memory is shared
+        self.segment = None  # hwsync.backend.shm.SharedSegment once the memory is shared
         self.sent: list[int] = []  # ref-counter slots of its exports (hwsync_sim.sharing)
         self.mapping = None  # for memory mapped from another process: what to release on free
 

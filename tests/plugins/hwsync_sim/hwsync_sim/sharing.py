@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from hwsync.shm import SharedSegment
+from hwsync.backend.shm import SharedSegment
 from hwsync_sim.runtime import (
     FILE_PREFIX,
     POISON,
@@ -197,7 +197,7 @@ def release_export(record: dict[str, Any]) -> None:
 
 
 def release_if_held(record: dict[str, Any]) -> None:
-    """What the sim's transports release with, as hwsync.ipc_counters does over torch's files: release_export only
+    """What the sim's transports release with, as hwsync.backend.ipc_counters does over torch's files: release_export only
     while the export's counter is above 0 (its consumer has not unmapped it)."""
     try:
         counter, _ = update(str(record["refs"]), int(record["slot"]))
@@ -280,7 +280,7 @@ def report_parked(rt: Runtime) -> list[str]:
 def _stuck(states: list[tuple[int, int]]) -> bool:
     # one below 0 never comes back; one a process mapped and exited without closing was the exporter's to release.
     # One never mapped is not stuck yet: hwsync releases a failed receiver's exports once its attempt is surely over
-    # (hwsync.exports' orphans), so it is reported if still parked at the exporter's exit, or when a test asks
+    # (hwsync.backend.exports' orphans), so it is reported if still parked at the exporter's exit, or when a test asks
     return any(counter < 0 or (counter > 0 and pid != 0 and not process_alive(pid)) for counter, pid in states)
 
 

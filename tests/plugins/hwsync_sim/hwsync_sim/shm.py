@@ -1,4 +1,4 @@
-"""shm on the sim: the core's device shared-memory transport (hwsync.device_shm) over SimDevice.
+"""shm on the sim: the core's device shared-memory transport (hwsync.backend.device_shm) over SimDevice.
 
 The copies, the pinning and the waits are the core's, exactly as on CUDA and the NPU: the sender
 packs sim tensors into host segments it pinned (SimDevice.pin_host_memory), so the packer's
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from hwsync.device_shm import DeviceShmSendBuffers, DeviceShmTransport
-from hwsync.interfaces import Device, SendBuffers
+from hwsync.backend.device_shm import DeviceShmSendBuffers, DeviceShmTransport
+from hwsync.backend.interfaces import Device, SendBuffers
 from hwsync_sim.runtime import POISON
 
 

@@ -1,8 +1,8 @@
 """A third-party backend: reuses the CPU device and shared memory under its own name."""
 
 from hwsync.timing import GROUP_TIMEOUT_S
-from hwsync.interfaces import Backend, Communicator, Device, Transport
-from hwsync.shm import ShmTransport
+from hwsync.backend.interfaces import Backend, Communicator, Device, Transport
+from hwsync.backend.shm import ShmTransport
 from hwsync_cpu import CpuBackend, CpuDevice
 
 
@@ -37,7 +37,7 @@ class AbsentDevice(CpuDevice):
 
     def probe(self):
         """Always unusable, with a reason a user can act on."""
-        from hwsync.interfaces import ProbeResult
+        from hwsync.backend.interfaces import ProbeResult
 
         return ProbeResult(False, "no absent-accelerator card found (ABSENT_VISIBLE_DEVICES is empty)")
 

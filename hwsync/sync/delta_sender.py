@@ -1,7 +1,7 @@
 """A sender's side of delta syncs: the baseline it keeps, whether a sync may be a delta, and what it then sends.
 
 The baseline is what every receiver holds after the last committed sync, per tensor in the dtype
-it travels in (the engine's: hwsync.casting), under an id (`<sender>:<n>`) that receivers report
+it travels in (the engine's: hwsync.sync.casting), under an id (`<sender>:<n>`) that receivers report
 back. A sync is a delta from the baseline only when every receiver of the sync reports that id as
 what it holds, completely (a receiver tracks it itself, and drops it at the start of any sync until
 that sync completes and checks out), its engine says it kept its weights, and the sender still has
@@ -9,10 +9,10 @@ the baseline; otherwise the sync is full, and its reason is in the stats. A delt
 tensor (hwsync.delta.encode: the smallest of same, dense, block, bitmap, step; each with the digest
 of the new tensor that receivers check after applying) on the encode threads: up front on the same
 host (the payloads are announced with the offer and stream as byte tensors), or ahead of the stream
-across nodes (hwsync.delta.ahead: each group's headers travel with it). The baseline moves only once
+across nodes (hwsync.sync.encode_ahead: each group's headers travel with it). The baseline moves only once
 every receiver completed the sync (`commit`): a failed delta leaves it as it was, a failed full sync
 drops it (it was overwritten as the sync streamed).
-The baseline owns its bytes before send() returns (hwsync.delta.baseline); with `stable_sources=False` each
+The baseline owns its bytes before send() returns (hwsync.sync.delta_baseline); with `stable_sources=False` each
 tensor is also copied as it is taken from the source, before any encode reads it.
 """
 
@@ -23,56 +23,31 @@ import os
 import secrets
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from hwsync.casting import EngineDtypes
+from hwsync.backend.devices import DeviceOwner
+from hwsync.backend.interfaces import Device
 from hwsync.delta import warm
-from hwsync.delta.ahead import EncodeAhead, Job
-from hwsync.delta.baseline import Baseline
 from hwsync.delta.diff import Delta, encode, to_engine_dtype
 from hwsync.delta.digest import tensor_digest
 from hwsync.delta.header import DENSE, DeltaHeader
 from hwsync.delta.patch import advance
 from hwsync.delta.room import RESERVE_SHARE, PayloadRoom
-from hwsync.devices import DeviceOwner
 from hwsync.errors import DuplicateTensorError, ManifestError
-from hwsync.interfaces import Device
-from hwsync.manifest import TensorSpec, dtype_from_name, dtype_name
-from hwsync.planner import EngineState
-from hwsync.source import NamedTensors, named_tensor
-from hwsync.stats import SyncStats
+from hwsync.sync.casting import EngineDtypes
+from hwsync.sync.delta_baseline import Baseline
+from hwsync.sync.encode_ahead import EncodeAhead, Job
+from hwsync.sync.planner import EngineState
+from hwsync.sync.prepared import Prepared
+from hwsync.sync.spec import NamedTensors, TensorSpec, dtype_from_name, dtype_name, named_tensor
+from hwsync.sync.stats import SyncStats
 
 log = logging.getLogger("hwsync")
 
 #: the key of a receiver's state under which it reports the baseline id it holds
 HELD_KEY = "held"
-
-
-@dataclass
-class Prepared:
-    """One sync as the delta bookkeeping shapes it: what to stream, what to announce, what receivers are told."""
-
-    #: the (name, tensor) pairs to stream: cast tensors (full), or each tensor's payload bytes (delta); None when
-    #: the delta is streamed
-    source: NamedTensors | None
-    #: the manifest the stream is checked against (payloads as uint8 for a delta), or None
-    stream_manifest: list[TensorSpec] | None
-    #: the tensors the receivers end up holding (names, the engine's dtypes, shapes), or None
-    targets: list[TensorSpec] | None
-    #: the Offer's / PlanFrame's `delta` field: {"base", "next", "headers"}; None without delta mode
-    wire: dict[str, Any] | None
-    deltas: dict[str, Delta] = field(default_factory=dict)
-    #: a streamed delta: each target's (spec, delta) in order, encoded as it is asked for
-    encoded: EncodeAhead | None = None
-
-    @property
-    def is_delta(self) -> bool:
-        """Whether this sync sends deltas (the receivers apply them on the baseline they hold)."""
-        return self.wire is not None and self.wire["base"] is not None and self.wire["next"] is not None \
-            and (self.wire["headers"] is not None or self.encoded is not None)
 
 
 def dense(tensor: torch.Tensor, dtype: torch.dtype) -> Delta:

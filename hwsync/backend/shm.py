@@ -1,10 +1,10 @@
 """POSIX shared-memory transport: every backend's fallback and the CPU default.
 
 Segments are files in /dev/shm named after the process that made them,
-`hwsync-<pid>-<start>-<pidns>-<random>` (hwsync.owners). The sender creates and owns them; it
+`hwsync-<pid>-<start>-<pidns>-<random>` (hwsync.backend.owners). The sender creates and owns them; it
 registers each with Python's resource tracker, a separate process that unlinks them if the
 sender is killed before it can, and any hwsync process that starts later removes those whose
-owner died (hwsync.owners.sweep_dead_owners: a spawned sender's tracker is its parent's, which
+owner died (hwsync.backend.owners.sweep_dead_owners: a spawned sender's tracker is its parent's, which
 may live on). Receivers only map them (never register), so a receiver exiting never removes a
 segment the sender still uses.
 
@@ -29,8 +29,8 @@ from multiprocessing import resource_tracker
 
 import torch
 
-from hwsync.interfaces import Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
-from hwsync.owners import SHM_DIR, owner_prefix, sweep_dead_owners
+from hwsync.backend.interfaces import Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
+from hwsync.backend.owners import SHM_DIR, owner_prefix, sweep_dead_owners
 from hwsync.protocol.layout import BUFFER_SEGMENT_NAME, check_shm_handles, segment_name
 from hwsync.sizes import MiB
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -24,9 +23,7 @@ from typing import Any, Union
 import torch
 
 from hwsync.errors import DuplicateTensorError, PlanError
-from hwsync.manifest import TensorSpec
-from hwsync.source import NamedTensors, TensorSource, named_tensor
-from hwsync.stats import SyncStats
+from hwsync.sync.spec import NamedTensors, TensorSpec, named_tensor
 
 log = logging.getLogger("hwsync")
 
@@ -291,20 +288,3 @@ class SyncPlan:
                 )
             self._opened.add(id(source))
         return it
-
-
-def resolve_source(source: TensorSource | TrainerModel, states: Sequence[Mapping[str, Any]],
-                   manifest: list[TensorSpec] | None, stats: SyncStats) -> tuple[NamedTensors, list[TensorSpec] | None]:
-    """What one sync sends, for either sender: a TrainerModel is planned against every receiver's reported state
-    (its reason in stats.notes["plan"]), a callable is called with the first receiver's state, anything else is the
-    (name, tensor) pairs themselves; with the manifest that announces them (the caller's wins)."""
-    if isinstance(source, TrainerModel):
-        t0 = time.perf_counter()
-        plan = plan_for_engines([state.get("engine") for state in states] or [None], source)
-        stats.plan_s = time.perf_counter() - t0
-        stats.notes["plan"] = plan.to_dict()
-        log.info("hwsync plan: %s", plan.reason)
-        return plan.tensors(), plan.manifest() if manifest is None else manifest
-    if callable(source):
-        return source(dict(states[0]) if states else {}), manifest
-    return source, manifest

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from hwsync.interfaces import Device
+from hwsync.backend.interfaces import Device
 
 
 def synchronize_for(device: Device, where: torch.device) -> None:
@@ -66,7 +66,7 @@ def start_on_this_device(target: Callable[[], Any], name: str, device: Device | 
     """Start a daemon thread running `target` on the calling thread's current device (of `device`,
     the selected backend's when None)."""
     if device is None:
-        from hwsync.registry import get_backend
+        from hwsync.backend.registry import get_backend
 
         device = get_backend().device()
     owner = DeviceOwner(device)

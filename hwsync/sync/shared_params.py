@@ -28,16 +28,17 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from hwsync.interfaces import Device
+from hwsync.backend.interfaces import Device
+from hwsync.backend.shm import SharedSegment
 from hwsync.protocol.layout import ALIGNMENT, SegmentSpec
-from hwsync.shm import SharedSegment
 
 #: a new segment is started once the open one would pass this many bytes (a larger tensor gets one of its own)
 DEFAULT_SEGMENT_BYTES = 1 << 30
 
 _lock = threading.Lock()
-#: every live shared parameter segment of this process, by name: what a sender may send references into
-_live: dict[str, SharedSegment] = {}
+#: every live shared parameter segment of this process, by name: what a sender may send references into (a sender
+#: reads it empty, the common case, without a call: a sync of a process that shares nothing does no work for them)
+LIVE: dict[str, SharedSegment] = {}
 
 
 def _align(n: int) -> int:
@@ -47,7 +48,7 @@ def _align(n: int) -> int:
 def live_segments() -> list[SegmentSpec]:
     """This process's shared parameter segments now (not those a forked child inherited: they are its parent's)."""
     with _lock:
-        return [SegmentSpec(s.name, s.size) for s in _live.values() if s.created_here]
+        return [SegmentSpec(s.name, s.size) for s in LIVE.values() if s.created_here]
 
 
 def find_shared(tensor: torch.Tensor) -> tuple[SegmentSpec, int] | None:
@@ -55,7 +56,7 @@ def find_shared(tensor: torch.Tensor) -> tuple[SegmentSpec, int] | None:
 
     Only contiguous host tensors qualify, at an aligned offset: anything else goes the packed way.
     """
-    if not _live:  # the common case, a process that shares nothing: no per-tensor work on the packed path
+    if not LIVE:  # the common case, a process that shares nothing: no per-tensor work on the packed path
         return None
     if tensor.device.type != "cpu" or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or not tensor.numel():
         return None
@@ -64,7 +65,7 @@ def find_shared(tensor: torch.Tensor) -> tuple[SegmentSpec, int] | None:
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
     with _lock:
-        for segment in _live.values():
+        for segment in LIVE.values():
             if not segment.created_here:
                 continue  # a forked child's inherited mapping: the parent's segment, not this sender's to name
             base = segment.tensor.data_ptr()
@@ -76,7 +77,7 @@ def find_shared(tensor: torch.Tensor) -> tuple[SegmentSpec, int] | None:
 def _new_segment(size: int) -> SharedSegment:
     segment = SharedSegment.create(size, kind="params")  # <owner>-params-<hex>: protocol.layout.SHARED_SEGMENT_NAME
     with _lock:
-        _live[segment.name] = segment
+        LIVE[segment.name] = segment
     return segment
 
 
@@ -88,7 +89,7 @@ def _drop_segments(segments: list[SharedSegment], pinned: list[torch.Tensor], de
     pinned.clear()
     with _lock:
         for segment in segments:
-            _live.pop(segment.name, None)
+            LIVE.pop(segment.name, None)
     for segment in segments:
         segment.close()
     segments.clear()
@@ -176,7 +177,7 @@ class SharedParameters:
     def __init__(self, module: torch.nn.Module, *, device: torch.device | str | None = None,
                  include_buffers: bool = True, segment_bytes: int = DEFAULT_SEGMENT_BYTES, pin: bool = True) -> None:
         """`device`: where to_device() puts the tensors (default: the device they are on now)."""
-        from hwsync.registry import get_backend
+        from hwsync.backend.registry import get_backend
 
         self.module = module
         self._device_api = get_backend().device()
@@ -248,7 +249,7 @@ class SharedParameters:
 def _close_all_at_exit() -> None:
     """Unlink what is still live (weakref.finalize also runs at exit; this covers objects in cycles)."""
     with _lock:
-        segments = list(_live.values())
-        _live.clear()
+        segments = list(LIVE.values())
+        LIVE.clear()
     for segment in segments:
         segment.close()

@@ -30,7 +30,7 @@ log = logging.getLogger("hwsync")
 SHM_DIR = "/dev/shm"
 #: how an owned name begins: hwsync-<pid>-<start>-<pidns>- (groups: pid, start, pid namespace)
 OWNER = r"hwsync-([0-9]{1,10})-([0-9]{1,20})-([0-9]{1,20})-"
-#: a private ipc:// directory (hwsync.control.private_ipc_dir): the owner prefix, then mkdtemp's 8 characters
+#: a private ipc:// directory (hwsync.control.endpoints.private_ipc_dir): the owner prefix, then mkdtemp's 8 characters
 IPC_DIR_NAME = re.compile(OWNER + r"[a-z0-9_]{8}")
 _OWNED = re.compile(OWNER)
 

@@ -6,9 +6,9 @@ subclass (docs/backends.md): its Device, Communicators over its collective libra
 (ShmTransport for the host, DeviceShmTransport for shared memory with device copies around it).
 """
 
-from hwsync.communicator import ProcessGroupCommunicator
-from hwsync.device_shm import DeviceShmTransport
-from hwsync.interfaces import (
+from hwsync.backend.communicator import ProcessGroupCommunicator
+from hwsync.backend.device_shm import DeviceShmTransport
+from hwsync.backend.interfaces import (
     Backend,
     Communicator,
     Device,
@@ -18,8 +18,8 @@ from hwsync.interfaces import (
     SendBuffers,
     Transport,
 )
-from hwsync.registry import get_backend, select_backend
-from hwsync.shm import ShmTransport
+from hwsync.backend.registry import get_backend, select_backend
+from hwsync.backend.shm import ShmTransport
 
 __all__ = ["Backend", "Communicator", "Device", "DeviceShmTransport", "Handles", "ProbeResult",
            "ProcessGroupCommunicator", "ReceiveBuffers", "SendBuffers", "ShmTransport", "Transport", "get_backend",

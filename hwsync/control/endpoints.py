@@ -1,6 +1,6 @@
 """The control plane's endpoints and waits: tokens, keys, and waits with a timeout and liveness checks.
 
-The sender binds a ZeroMQ ROUTER socket; receivers connect DEALER sockets (hwsync.sockets makes
+The sender binds a ZeroMQ ROUTER socket; receivers connect DEALER sockets (hwsync.control.sockets makes
 both). What travels on them is defined in hwsync.protocol. An endpoint string carries all a
 receiver needs: the address, a random token it must present, and for tcp:// the sender's CURVE
 public key (the channel is encrypted and the sender authenticated):
@@ -32,8 +32,8 @@ from typing import Protocol
 
 import zmq
 
+from hwsync.backend.owners import IPC_DIR_NAME, own_entry, owner_prefix, sweep_dead_owners
 from hwsync.errors import ClosedError, SyncTimeoutError
-from hwsync.owners import IPC_DIR_NAME, own_entry, owner_prefix, sweep_dead_owners
 from hwsync.timing import CLOSE_GRACE_S, LIVENESS_SLICE_S
 
 log = logging.getLogger("hwsync")

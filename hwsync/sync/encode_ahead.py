@@ -19,7 +19,7 @@ from typing import Any
 from hwsync.delta.diff import Delta
 from hwsync.delta.header import CODES
 from hwsync.errors import ManifestError
-from hwsync.manifest import TensorSpec
+from hwsync.sync.spec import TensorSpec
 
 #: bytes of target tensors whose encodes may run ahead of the reader (4 default buckets)
 AHEAD_BYTES = 128 << 20

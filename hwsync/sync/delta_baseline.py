@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from hwsync.interfaces import Device
+from hwsync.backend.interfaces import Device
 
 
 class Baseline:

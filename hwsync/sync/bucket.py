@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from hwsync.errors import DestinationError
-from hwsync.manifest import TensorSpec, dtype_from_name
 from hwsync.protocol import Entry
+from hwsync.sync.spec import TensorSpec, dtype_from_name
 
 #: into(name, dtype, shape): the caller's own tensor to receive straight into, or None
 IntoFn = Callable[[str, torch.dtype, tuple[int, ...]], "torch.Tensor | None"]

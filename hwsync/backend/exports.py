@@ -15,7 +15,7 @@ there): every export must be taken down exactly once. So:
   never unmaps), and the exports of a failed attempt that the receiver may never have read.
   Which of those the receiver took down itself, only the counter says (a receiver that closed
   and exited looks like a killed one), so a release is made only while it is above 0
-  (hwsync.ipc_counters; the backends' release functions do that);
+  (hwsync.backend.ipc_counters; the backends' release functions do that);
 - a live receiver's failed attempt may still be unmapping when the sender learns of the
   failure, so its exports wait as orphans: released once that process is gone, or has come
   back to a later sync (its failure handling, which unmaps everything, is over). One whose
@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hwsync.control import peer_alive
+from hwsync.control.endpoints import peer_alive
 
 Record = dict[str, Any]
 Release = Callable[[Record], None]

@@ -23,8 +23,8 @@ from typing import Any, Literal
 
 import torch
 
+from hwsync.backend.interfaces import Communicator, Device
 from hwsync.errors import HwsyncError, MemoryImbalanceError
-from hwsync.interfaces import Communicator, Device
 from hwsync.sizes import DEFAULT_NUM_BUFFERS, GiB, MiB
 
 log = logging.getLogger("hwsync")
@@ -122,7 +122,7 @@ def memory_report(communicator: Communicator | None, device: Device | None = Non
                   index: int | None = None) -> MemoryReport:
     """Gather every rank's memory (a collective: all ranks call it); one rank if communicator is None."""
     if device is None:
-        from hwsync.registry import get_backend  # lazy: only when the caller gave no Device
+        from hwsync.backend.registry import get_backend  # lazy: only when the caller gave no Device
 
         device = get_backend().device()
     if communicator is None:

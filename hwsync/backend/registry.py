@@ -16,8 +16,8 @@ from importlib.metadata import entry_points
 
 from stevedore import DriverManager
 
+from hwsync.backend.interfaces import Backend, ProbeResult
 from hwsync.errors import BackendError
-from hwsync.interfaces import Backend, ProbeResult
 
 NAMESPACE = "hwsync.backends"
 ENV_BACKEND = "HWSYNC_BACKEND"

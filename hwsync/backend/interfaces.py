@@ -179,7 +179,7 @@ class SendBuffers(ABC):
     def handles_for(self, receiver: str, pid: int | None, host: str | None) -> Handles:
         """What receiver `receiver` (a key that stays the same while it stays connected; its process id
         and host) needs. Transports that share device memory export it here, once per receiver, as
-        torch counts one consumer per export (hwsync.exports); the rest hand everyone handles()."""
+        torch counts one consumer per export (hwsync.backend.exports); the rest hand everyone handles()."""
         return self.handles()
 
     def release_for(self, receiver: str) -> None:
@@ -235,7 +235,7 @@ class DeviceSegments(ABC):
     (hwsync.colocated.mapped) are:
     - an allocator segment (one cudaMalloc of torch's caching allocator; one allocation on the sim) is
       exported once per receiver process, through one block in it (the anchor), and the export covers the
-      whole segment; every export has one consumer, as torch counts IPC (hwsync.exports);
+      whole segment; every export has one consumer, as torch counts IPC (hwsync.backend.exports);
     - the anchor is held weakly: a freed anchor that a receiver still maps stays allocated (torch's IPC
       limbo), so the segment cannot go back to the driver under the receiver; the sender notices the death at
       its next sync and drops the segment on both sides, and collect() then frees the block;

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hwsync.manifest import WIRE_DTYPES, TensorSpec, dtype_name
+from hwsync.sync.spec import WIRE_DTYPES, TensorSpec, dtype_name
 
 #: the key of a receiver's state under which it reports its engine's dtypes
 STATE_KEY = "dtypes"

@@ -19,7 +19,7 @@ from typing import Any, cast
 
 import torch
 
-from hwsync.interfaces import DeviceSegments, SegmentPlace
+from hwsync.backend.interfaces import DeviceSegments, SegmentPlace
 
 Snapshot = Callable[[], list[dict[str, Any]]]
 

@@ -25,9 +25,9 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from hwsync.backend.interfaces import Backend, Communicator
+from hwsync.control.nic import Nic
 from hwsync.errors import HwsyncError
-from hwsync.interfaces import Backend, Communicator
-from hwsync.nic import Nic
 from hwsync.timing import FAILED_JOIN_S, GROUP_TIMEOUT_S, WORKER_JOIN_S
 
 log = logging.getLogger("hwsync")

@@ -33,15 +33,15 @@ from typing import Any
 
 import torch
 
-from hwsync.bucket import IntoFn, LoadFn, matching_destination
+from hwsync.backend.devices import DeviceOwner
+from hwsync.backend.interfaces import Device
 from hwsync.delta import native, warm
 from hwsync.delta.digest import tensor_digest
 from hwsync.delta.header import BITMAP, BLOCKS, DENSE, SAME, STEPS, DeltaHeader, headers_from_words
 from hwsync.delta.patch import BaseMismatch, apply_into, verify
-from hwsync.devices import DeviceOwner
 from hwsync.errors import DeltaCheckError, ManifestError, ProtocolError
-from hwsync.interfaces import Device
-from hwsync.manifest import TensorSpec, dtype_from_name, dtype_name
+from hwsync.sync.bucket import IntoFn, LoadFn, matching_destination
+from hwsync.sync.spec import TensorSpec, dtype_from_name, dtype_name
 
 #: a delta with at most 1 changed element in this many is checked from its changes (when the held digest is known)
 CHANGED_CHECK_RATIO = 50

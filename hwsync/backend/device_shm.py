@@ -28,8 +28,8 @@ import logging
 
 import torch
 
-from hwsync.interfaces import Device, Handles, ReceiveBuffers, SendBuffers
-from hwsync.shm import ShmReceiveBuffers, ShmSendBuffers, ShmTransport
+from hwsync.backend.interfaces import Device, Handles, ReceiveBuffers, SendBuffers
+from hwsync.backend.shm import ShmReceiveBuffers, ShmSendBuffers, ShmTransport
 
 log = logging.getLogger("hwsync")
 

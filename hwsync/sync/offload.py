@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
+from hwsync.backend.interfaces import Device
 from hwsync.errors import HwsyncError
-from hwsync.interfaces import Device
-from hwsync.stats import SyncStats
+from hwsync.sync.stats import SyncStats
 
 
 @dataclass
@@ -99,7 +99,7 @@ def onload(
 ) -> Iterator[OnloadStats]:
     """Move `params` not on `device` there for the block, and put the originals back after."""
     if backend_device is None:
-        from hwsync.registry import get_backend  # lazy: only when the caller gave no Device
+        from hwsync.backend.registry import get_backend  # lazy: only when the caller gave no Device
 
         backend_device = get_backend().device()
     target = _resolve_device(device, backend_device)

@@ -1,0 +1,248 @@
+"""SharedBuffers: the same-host carrier, a sync's bytes through buffers every receiver maps.
+
+One carrier is one session: its socket and buffers are set up once and serve every sync. A sync streams
+the prepared (name, tensor) pairs into the transport's buffers, bucket after bucket; while receivers load
+bucket k the sender packs bucket k+1 into another buffer, and a buffer is refilled only after every receiver
+has released it. Which buffer comes next is the BufferPool's choice; buckets are signalled through the shared
+doorbell where it works, else by a ZeroMQ frame each (links). The frames are hwsync.protocol's; who may send
+them is the peer table's (peers.py). Any failure tears the buffers down (segments unlinked; the bound socket
+stays) and the next sync builds them again. A close() from another thread (the sender's close signal, which
+every wait here watches) ends a running sync with an abort every receiver hears at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+from typing import Any
+
+import zmq
+
+from hwsync.backend.interfaces import Backend, Device, SendBuffers, Transport
+from hwsync.backend.memory import MemoryReport, choose_bucket_bytes, local_memory
+from hwsync.colocated.doorbell import Doorbell, doorbell_supported
+from hwsync.colocated.mapped import MappedSources
+from hwsync.colocated.sender_control import Peer, SenderControl, SyncReceivers
+from hwsync.colocated.stream import BucketLink, BucketStream, BufferPool, DoorbellLink, FrameLink
+from hwsync.control.endpoints import CloseSignal, new_token, private_ipc_dir, remove_ipc_dir
+from hwsync.protocol import MAX_SENDER_FRAME_BYTES, PROTOCOL_VERSION, Accept, Complete, Done, Offer, check_size, encode
+from hwsync.sizes import DEFAULT_NUM_BUFFERS
+from hwsync.sync.options import SenderOptions
+from hwsync.sync.prepared import Prepared
+from hwsync.sync.shared_params import LIVE, live_segments
+from hwsync.sync.stats import SyncStats
+
+
+class SharedBuffers:
+    """The same-host carrier: a bound control endpoint, and buffers its receivers map (hwsync.sync.pipeline.Carrier)."""
+
+    streams_deltas = False  # a delta's payloads are encoded up front and announced with the offer
+    needs_manifest = False  # tensors are checked against it as they stream, when there is one
+
+    def __init__(self, backend: Backend, transport: Transport, endpoint: str | None, num_receivers: int,
+                 options: SenderOptions, closing: CloseSignal) -> None:
+        self.backend, self.transport, self.num_receivers = backend, transport, num_receivers
+        self.timeout_s = options.timeout_s
+        #: neither size given: the transport's defaults, chosen at the first send from how receivers take tensors
+        self._default_geometry = options.bucket_bytes is None and options.num_buffers is None
+        #: "auto" until the first send sizes it from the memory the peers report
+        self._auto_bucket = options.bucket_bytes == "auto"
+        self.bucket_bytes = options.bucket_bytes if isinstance(options.bucket_bytes, int) \
+            else transport.default_bucket_bytes
+        self.num_buffers = DEFAULT_NUM_BUFFERS if options.num_buffers is None else options.num_buffers
+        self._owns_ipc_dir = endpoint is None
+        address = f"ipc://{private_ipc_dir()}/control" if endpoint is None else endpoint
+        if not address.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"endpoint {endpoint!r} must start with ipc:// or tcp://")
+        self._ctx = zmq.Context()
+        try:
+            self._control = SenderControl(self._ctx, address, new_token(), num_receivers=num_receivers,
+                                          backend=backend.name, transport=transport.name, timeout_s=self.timeout_s,
+                                          closing=closing)
+        except BaseException:
+            self._ctx.term()
+            if self._owns_ipc_dir:
+                remove_ipc_dir(address)
+            raise
+        self._buffers: SendBuffers | None = None
+        self._doorbell: Doorbell | None = None
+        self._pool: BufferPool | None = None
+        #: sequence number of the next bucket; grows across the syncs of one set of buffers
+        self._seq = 0
+        self._syncs = 0
+        #: whether every receiver accepted the current offer (and so maps the buffers it was given)
+        self._accepted = False
+        self._receivers: SyncReceivers | None = None
+        self.stable_sources = options.stable_sources
+        #: device segments receivers read in place (mapped sources)
+        #: None where the transport shares no device segments (the host) or sources are not stable
+        self._mapped = MappedSources(transport, backend.device()) \
+            if options.stable_sources and transport.device_segments() is not None else None
+
+    @property
+    def endpoint(self) -> str:
+        """What a WeightReceiver connects to: address, token and (tcp://) CURVE public key. A secret: never log it."""
+        return self._control.endpoint
+
+    @property
+    def address(self) -> str:
+        """The bound address alone (no token, no key): what logs and errors name."""
+        return self._control.address
+
+    def new_stats(self, version: int) -> SyncStats:
+        """This sync's stats: its transport and buffers."""
+        return SyncStats(version=version, num_buffers=self.num_buffers, transport=self.transport.name)
+
+    def gather(self, stats: SyncStats) -> list[dict[str, Any]]:
+        """The receivers of this sync, once every one said Ready; their reported states."""
+        self._syncs += 1
+        self._receivers = SyncReceivers(self._control, self._control.await_ready(self.num_receivers, stats),
+                                        self._syncs)
+        return [p.state for p in self._receivers.peers]
+
+    def stream(self, sync: Prepared, version: int, stats: SyncStats) -> None:
+        """Offer the sync to every receiver, then stream its tensors through the buffers."""
+        receivers = self._receivers
+        assert receivers is not None
+        if self._buffers is None:
+            self._open_buffers(receivers.peers, stats)
+        stats.bucket_bytes = self.bucket_bytes
+        link = self._offer(receivers, version, sync, stats)
+        assert self._buffers is not None and self._pool is not None
+        here = socket.gethostname()  # references into our segments only for receivers that can map them
+        mapped = self._mapped if self._mapped is not None and self._mapped.usable_for(receivers.peers) else None
+        stream = BucketStream(link, self._buffers, self._pool, self.bucket_bytes, receivers.sync, self._seq, stats,
+                              dense=all(p.into for p in receivers.peers),
+                              refs_to=receivers if all(p.host == here for p in receivers.peers) else None,
+                              mapped=mapped,
+                              stable=self.stable_sources)
+        assert sync.source is not None  # the same-host path announces a delta's headers: never streamed
+        self._seq = stream.run(sync.source, sync.stream_manifest)
+
+    def _open_buffers(self, peers: list[Peer], stats: SyncStats) -> None:
+        """Size the buckets (by how receivers take tensors, or "auto": the least free memory) and open the buffers."""
+        self.bucket_bytes, self.num_buffers = bucket_geometry(
+            self.transport, self.backend.device(), peers, stats, self.bucket_bytes, self.num_buffers,
+            default=self._default_geometry, auto=self._auto_bucket)
+        self._buffers = self.transport.open_sender(self.bucket_bytes, self.num_buffers)
+        self._pool = BufferPool(self.num_buffers, self.bucket_bytes)
+        self._seq = 0
+        if doorbell_supported():
+            self._doorbell = Doorbell.create(self.num_receivers, self.num_buffers)
+
+    def _offer(self, receivers: SyncReceivers, version: int, sync: Prepared, stats: SyncStats) -> BucketLink:
+        """Announce the sync's geometry to each receiver (its rank, the signalling way) and await the accepts."""
+        assert self._buffers is not None
+        here = socket.gethostname()
+        bell = self._doorbell if self._doorbell is not None and all(
+            p.doorbell and p.host == here for p in receivers.peers) else None
+        offer = Offer(
+            sync=receivers.sync, proto=PROTOCOL_VERSION, backend=self.backend.name, transport=self.transport.name,
+            handles={}, bucket_bytes=self.bucket_bytes, num_buffers=self.num_buffers,
+            version=version, pid=os.getpid(), host=here, manifest=sync.targets,
+            tensors=None if sync.stream_manifest is None else len(sync.stream_manifest),
+            total_bytes=None if sync.stream_manifest is None else sum(s.nbytes for s in sync.stream_manifest),
+            first=self._seq, doorbell=None if bell is None else bell.handle(), rank=0,
+            segments=live_segments() if LIVE else [], device_segments=self._mapped.shared_ids() if self._mapped else [],
+            delta=sync.wire)
+        self._accepted = False
+        for rank, peer in enumerate(receivers.peers):
+            # each receiver its own handles: shared device memory is exported once per receiver process
+            handles = self._buffers.handles_for(peer.identity.hex(), peer.pid, peer.host)
+            data = check_size(encode(dataclasses.replace(offer, rank=rank, handles=handles)), MAX_SENDER_FRAME_BYTES,
+                              f"the offer of {len(sync.targets or [])} tensors")
+            self._control.send_to(peer, data)
+        receivers.await_each(Accept, "waiting for receivers to accept the offer", stats)
+        self._accepted = True
+        if bell is None:
+            return FrameLink(receivers, self._seq)
+        bell.start_sync(len(receivers.peers), self._seq)
+        return DoorbellLink(bell, receivers)
+
+    def confirm(self, version: int, stats: SyncStats) -> None:
+        """Done to every receiver; their Completes (each one's stats) end the sync."""
+        receivers = self._receivers
+        assert receivers is not None
+        receivers.broadcast(Done(sync=receivers.sync, buckets=stats.buckets, tensors=stats.tensors, bytes=stats.bytes))
+        replies = receivers.await_each(Complete, "waiting for receivers to finish loading", stats)
+        if self._mapped is not None:
+            self._mapped.complete()  # every receiver's copies from our device memory have run
+        reports = [r.stats for r in replies]
+        if self._pool is not None and self._pool.adaptive:
+            stats.notes["pool"] = self._pool.to_dict()
+        stats.peer = reports[0] if len(reports) == 1 else {"receivers": reports}
+        stats.load_s = max((r.get("load_s", 0.0) for r in reports), default=0.0)
+        self._control.end_sync(failed=False)
+        self._receivers = None
+
+    def fail(self, exc: BaseException) -> None:
+        """Abort every receiver (one that failed first ignores it), then release the buffers.
+
+        The bound socket stays: it is the session's address, and a receiver reconnecting after
+        the failure must find it. Frames of the failed sync are told apart by their sync id.
+        """
+        receivers, self._receivers = self._receivers, None
+        try:
+            if self._mapped is not None:
+                self._mapped.abort(receivers.peers if receivers is not None else [])
+            if receivers is not None:
+                receivers.abort(exc)
+                if self._buffers is not None and not self._accepted:  # some never mapped what they were offered
+                    for peer in receivers.peers:
+                        self._buffers.release_for(peer.identity.hex())
+            self._close_buffers()
+        finally:
+            self._control.end_sync(failed=True)
+
+    def release_buffers(self) -> None:
+        """Unlink the buffers until the next sync (receivers map the new ones it offers)."""
+        self._close_buffers()
+
+    def _close_buffers(self) -> None:
+        if self._doorbell is not None:
+            self._doorbell.close()
+            self._doorbell = None
+        if self._buffers is not None:
+            self._buffers.close()
+            self._buffers = None
+        self._pool = None
+
+    def close(self) -> None:
+        """Release the mapped sources, buffers, socket and the private ipc directory."""
+        if self._mapped is not None:
+            self._mapped.close()
+        self._close_buffers()
+        self._control.close()
+        if not self._ctx.closed:
+            self._ctx.term()
+        if self._owns_ipc_dir:
+            remove_ipc_dir(self.address)
+            self._owns_ipc_dir = False
+
+
+# -- bucket geometry: what the transport prefers for how receivers take tensors, or what memory allows -----
+log = logging.getLogger("hwsync")
+
+
+def bucket_geometry(transport: Transport, device: Device, peers: list[Peer], stats: SyncStats, bucket_bytes: int,
+                    num_buffers: int, *, default: bool, auto: bool) -> tuple[int, int]:
+    """(bucket bytes, buffers) for these receivers; `default`: neither was given, `auto`: size from memory."""
+    geometry = transport.into_geometry
+    if default:  # decided afresh whenever buffers are opened: receivers may have changed
+        if geometry and all(p.into for p in peers):
+            bucket_bytes, num_buffers = geometry
+            stats.notes["bucket"] = (f"{geometry[0] >> 20} MiB x {geometry[1]} buffers: every receiver copies "
+                                     f"into its own tensors, the {transport.name} transport's geometry for that")
+        else:
+            bucket_bytes, num_buffers = transport.default_bucket_bytes, 2
+        stats.num_buffers = num_buffers
+    if not auto:
+        return bucket_bytes, num_buffers
+    rows = [local_memory(device, rank=0)] + [
+        {**p.state["memory"], "rank": i + 1} for i, p in enumerate(peers) if "memory" in p.state]
+    choice = choose_bucket_bytes(MemoryReport.from_rows(device.torch_type, rows), num_buffers)
+    stats.notes["bucket"] = choice.reason
+    log.info("hwsync bucket size: %s", choice.reason)
+    return choice.bucket_bytes, num_buffers
