@@ -11,7 +11,7 @@ import pytest
 import bed_procs
 from bed_procs import bed_or_skip
 from hwsync.backend import communicator
-from hwsync.control.endpoints import nic
+from hwsync.control import nic
 from hwsync.disaggregated.sender import choose_group_host, endpoint_host
 
 PROCS = os.path.abspath(bed_procs.__file__)
