@@ -56,7 +56,7 @@ def nics(peer: str) -> dict:
     it, the default address; and this process's host name."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_nic", os.path.join(os.path.dirname(TESTS), "hwsync", "nic.py"))
+    spec = importlib.util.spec_from_file_location("_nic", os.path.join(os.path.dirname(TESTS), "hwsync", "control", "nic.py"))
     nic = importlib.util.module_from_spec(spec)
     sys.modules["_nic"] = nic  # dataclasses look their module up there
     spec.loader.exec_module(nic)

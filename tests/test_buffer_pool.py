@@ -28,7 +28,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch) -> Clock:
     fake = Clock()
-    monkeypatch.setattr(hwsync.colocated.buffer_pool.time, "perf_counter", fake)
+    monkeypatch.setattr(hwsync.colocated.stream.time, "perf_counter", fake)
     return fake
 
 

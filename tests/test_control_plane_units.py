@@ -114,7 +114,7 @@ def test_an_endpoint_announced_before_its_bind_is_bound_with_its_own_key(monkeyp
     public, secret = curve_key_pair()
     with socket_free_port() as port:
         announced = f"tcp://127.0.0.1:{port}#{'ab' * 16}#{public}"
-    with pytest.raises(ValueError, match="pass secret_key="):
+    with pytest.raises(ValueError, match=r"pass CrossNodeOptions\(secret_key="):
         CrossNodeSender(announced, group_host="127.0.0.1")
     with pytest.raises(ValueError, match="does not belong to the endpoint's CURVE key"):
         CrossNodeSender(announced, group_host="127.0.0.1", options=CrossNodeOptions(secret_key=curve_key_pair()[1]))

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from hwsync import SharedParameters, SyncTimeoutError, WeightSender
-from hwsync.colocated.sender import WeightSender as _Sender
+from hwsync.colocated.carrier import SharedBuffers
 from hwsync.protocol import Done
 from hwsync.sync.shared_params import find_shared, live_segments
 from hwsync.backend.shm import leftover_segments
@@ -118,10 +118,12 @@ def test_the_trainer_cannot_change_what_a_receiver_still_reads(backend, mode):
 
 @pytest.mark.cpu_is_enough("shows the check above can fail; the host path is enough")
 def test_the_tear_check_can_fail_when_send_does_not_wait(backend, monkeypatch):
-    def finish_without_waiting(self, receivers, stats):
+    def confirm_without_waiting(self, version, stats):
+        receivers = self._receivers
         receivers.broadcast(Done(sync=receivers.sync, buckets=stats.buckets, tensors=stats.tensors, bytes=stats.bytes))
+        self._control.end_sync(failed=False)
 
-    monkeypatch.setattr(_Sender, "_finish", finish_without_waiting)
+    monkeypatch.setattr(SharedBuffers, "confirm", confirm_without_waiting)
     net = procs.model()
     with SharedParameters(net), WeightSender(options=SenderOptions(timeout_s=60)) as sender:
         p, q = start_receiver(sender.endpoint, syncs=1, mode="load", slow_s=0.3)
