@@ -28,6 +28,8 @@ import statistics
 import time
 from typing import Any
 
+from hwsync.cli.bench import tiny_defaults
+
 #: the trainer host's address, port and the endpoint's secrets are made by the parent and passed to both hosts
 PORT = 29400
 #: full syncs measured after the steps' delta syncs (their median is the full sync's seconds)
@@ -45,6 +47,7 @@ def add_bench_delta_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="the dtype the engine holds (float32: nothing cast, deltas dense)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    tiny_defaults(parser, hidden=128, layers=1, steps=2, lrs=[1e-5], links=["10gbit"])  # HWSYNC_BENCH_TINY=1
 
 
 def _config(hidden: int, layers: int) -> Any:
