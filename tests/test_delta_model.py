@@ -380,46 +380,30 @@ def _sync(**kwargs) -> tuple[str, dict]:
     return "sync", {"before": None, "pick": 0, "delta": None, "after": None, **kwargs}
 
 
-@pytest.mark.xfail(strict=False, raises=(WrongBytes, UnprovokedFailure),
-                   reason="issue 46: the baseline copies a dense uncast payload (a view of the trainer's tensor) "
-                          "after send() returned, so training right after send() corrupts it")
 def test_training_right_after_send_does_not_corrupt_the_next_delta(fleet):
     adamw, add = TRAIN[0], TRAIN[1]  # every fp32 element changes: each delta is dense
     steps = [_sync(after=adamw), *[_sync(after=add)] * 6, _sync()]  # the race is lost at most syncs: found at v3
     _replay(_config(("load",), tensors=(((64, 128), "float32"),) * 8), steps)
 
 
-@pytest.mark.xfail(strict=False, raises=(WrongBytes, UnprovokedFailure),
-                   reason="issue 46: delta mode ignores stable_sources=False (encodes read a staging buffer "
-                          "the source has refilled)")
 def test_a_staging_source_is_copied_before_the_next_tensor_is_gathered(fleet):
     cfg = _config(("load",), stable=False, source="staging",
                   tensors=(((64, 128), "float32"), ((4096,), "float32"), ((32, 32), "float32"), ((33, 7), "float32")))
     _replay(cfg, [_sync(), _sync(before=TRAIN[1]), _sync(before=TRAIN[1])])
 
 
-@pytest.mark.xfail(strict=False, raises=WrongSpec,
-                   reason="issue 46: a load receiver's delta reuses its kept copy of the old shape after a reshape")
 def test_a_reshaped_tensor_reaches_a_load_engine_in_its_new_shape(fleet):
     _replay(_config(("load",)), [_sync(), _sync(before=RESHAPE), _sync()])
 
 
-@pytest.mark.xfail(strict=False, raises=WrongDestinationWritten,
-                   reason="issue 46: an into() destination of the wrong shape is accepted on the delta path")
 def test_a_destination_of_the_old_shape_is_refused_on_the_delta_path(fleet):
     _replay(_config(("stubborn",)), [_sync(), _sync(before=RESHAPE), _sync()])
 
 
-@pytest.mark.xfail(strict=False, raises=UnnamedError,
-                   reason="issue 46: a destination of the wrong spec is refused on the full path with a bare "
-                          "ValueError (bucket.checked_destination), not an hwsync error")
 def test_a_destination_of_the_old_shape_is_refused_on_the_full_path_with_an_hwsync_error(fleet):
     _replay(_config(("stubborn",)), [_sync(), _sync(before=RESHAPE, delta=False), _sync()])
 
 
-@pytest.mark.xfail(strict=False, raises=UnnamedError,
-                   reason="issue 46: a dtype or element-count change fails a delta with a bare ValueError "
-                          "(delta/patch.py)")
 @pytest.mark.parametrize("change", [DTYPE, NUMEL])
 def test_a_dtype_or_element_count_change_goes_whole_or_is_refused_by_name(fleet, change):
     _replay(_config(("load",)), [_sync(), _sync(before=change), _sync()])

@@ -42,7 +42,7 @@ def add_bench_delta_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--links", nargs="+", default=["1gbit", "10gbit"], help="link rates of the bed")
     parser.add_argument("--steps", type=int, default=3, help="training steps (a delta sync each)")
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size of the Llama")
-    parser.add_argument("--layers", type=int, default=18, help="decoder layers (18 x 1024: about 335M parameters)")
+    parser.add_argument("--layers", type=int, default=18, help="decoder layers (18 x 1024: 368M parameters)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any wait may take")
     parser.add_argument("--engine-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="the dtype the engine holds (float32: nothing cast, deltas dense)")
