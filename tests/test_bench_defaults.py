@@ -40,6 +40,7 @@ def _bed_or_skip() -> None:
         pytest.skip(f"the bench runs on the multi-host bed: {reason}")
 
 
+@pytest.mark.slow
 def test_bench_transfer_runs_with_its_defaults():
     out = bench("transfer")
     for row in ("hwsync packed (", "hwsync one-copy (shared)", "stop-and-wait (1 buffer)", "single-thread copy",
