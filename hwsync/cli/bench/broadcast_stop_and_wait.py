@@ -5,9 +5,10 @@ backend's collective library, as hwsync's senders do, and one buffer: it packs a
 and packs the next only once that broadcast is done. Each receiver has one buffer: it receives a bucket,
 copies every piece into its own tensors (as an engine loads), and only then posts the next broadcast.
 Bucket k goes from sender k % S. Nothing but the bytes moves: every rank cuts the same buckets from the
-bench's state dict (broadcast_model). A barrier in sender 0's group opens and closes each sync, so its
-seconds run until every receiver has loaded every byte. hwsync's own senders refuse one buffer (they
-need two to overlap), so this is a sender of its own, with no control plane: a lower bound on its cost.
+bench's state dict (broadcast_model). A one-element all_reduce in each group opens each sync and one in
+sender 0's group closes it, so its seconds run until every receiver has loaded every byte. hwsync's own
+senders refuse one buffer (they need two to overlap), so this is a sender of its own, with no control
+plane: a lower bound on that design's cost.
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ def _flat(size: int) -> list[tuple[str, torch.Tensor]]:
     return [(name, t.view(-1).view(torch.uint8)) for name, t in state_dict(size)]
 
 
+def _meet(comm: Communicator, device: torch.device) -> None:
+    """Return once every rank of the group got here: a one-element all_reduce through the library itself (a store
+    barrier's host may leave while a peer still waits for its answer), read back on the host (a device's all_reduce
+    is queued, not done, when it returns)."""
+    one = torch.ones(1, device=device)
+    comm.all_reduce(one)
+    one.item()
+
+
 def receiver(addresses: list[str], rank: int, receivers: int, size: int, bucket: int, runs: int, timeout_s: float,
              backend_name: str) -> None:
     """Receiver `rank`: one buffer; receive bucket k from sender k % S, load it, then post the next."""
@@ -71,7 +81,7 @@ def receiver(addresses: list[str], rank: int, receivers: int, size: int, bucket:
     try:
         for _ in range(runs):
             for comm in comms:
-                comm.barrier()
+                _meet(comm, device)
             for k, pieces in enumerate(plan):
                 used = sum(n for _, _, n in pieces)
                 comms[k % senders].broadcast(buffer[:used], 0)
@@ -79,7 +89,9 @@ def receiver(addresses: list[str], rank: int, receivers: int, size: int, bucket:
                 for index, offset, n in pieces:
                     sink[index][offset:offset + n].copy_(buffer[at:at + n])
                     at += n
-            comms[0].barrier()
+            _meet(comms[0], device)  # sender 0's clock stops: every bucket is loaded here
+        for comm in comms[1:]:
+            _meet(comm, device)  # the other senders leave once every receiver took all their buckets
         for (name, want), got in zip(expected, sink):
             if not torch.equal(got.cpu(), want):
                 raise SystemExit(f"stop-and-wait receiver {rank}: {name} arrived wrong")
@@ -88,34 +100,41 @@ def receiver(addresses: list[str], rank: int, receivers: int, size: int, bucket:
             comm.destroy()
 
 
-def sender(addresses: list[str], rank: int, receivers: int, size: int, bucket: int, runs: int, timeout_s: float,
-           backend_name: str) -> list[float]:
-    """Sender `rank`: one buffer; pack each of its buckets and broadcast it before packing the next. Sender 0 returns
-    each sync's seconds, barrier to barrier."""
-    senders = len(addresses)
-    (comm,), device = _groups(backend_name, addresses, None, [rank], 1 + receivers, timeout_s)
+def _send(comm: Communicator, device: torch.device, rank: int, senders: int, size: int, bucket: int,
+          runs: int) -> list[float]:
+    """Sender `rank`'s syncs: one buffer; pack each of its buckets and broadcast it before packing the next. Sender 0
+    returns each sync's seconds, from the start until every receiver has loaded every bucket."""
     source = _flat(size)
     plan = cut([t.numel() for _, t in source], bucket)
     buffer = torch.empty(bucket, dtype=torch.uint8, device=device)
     seconds = []
+    for _ in range(runs):
+        _meet(comm, device)
+        t0 = time.perf_counter()
+        for k in range(rank, len(plan), senders):
+            at = 0
+            for index, offset, n in plan[k]:
+                buffer[at:at + n].copy_(source[index][1][offset:offset + n])
+                at += n
+            # the next pack waits for this broadcast: on the host (gloo returns once sent), or behind it on the
+            # device's stream
+            comm.broadcast(buffer[:at], 0)
+        if rank == 0:
+            _meet(comm, device)
+            seconds.append(time.perf_counter() - t0)
+    if rank > 0:
+        _meet(comm, device)
+    return seconds
+
+
+def sender(addresses: list[str], rank: int, receivers: int, size: int, bucket: int, runs: int, timeout_s: float,
+           backend_name: str) -> None:
+    """Sender `rank` > 0, a process of its own."""
+    (comm,), device = _groups(backend_name, addresses, None, [rank], 1 + receivers, timeout_s)
     try:
-        for _ in range(runs):
-            comm.barrier()
-            t0 = time.perf_counter()
-            for k in range(rank, len(plan), senders):
-                at = 0
-                for index, offset, n in plan[k]:
-                    buffer[at:at + n].copy_(source[index][1][offset:offset + n])
-                    at += n
-                # the next pack waits for this broadcast: on the host (gloo returns once sent), or behind it on the
-                # device's stream
-                comm.broadcast(buffer[:at], 0)
-            if rank == 0:
-                comm.barrier()  # every receiver has loaded every bucket
-                seconds.append(time.perf_counter() - t0)
+        _send(comm, device, rank, len(addresses), size, bucket, runs)
     finally:
         comm.destroy()
-    return seconds
 
 
 def measure(senders: int, receivers: int, size: int, bucket: int, repeat: int, timeout_s: float,
@@ -131,14 +150,18 @@ def measure(senders: int, receivers: int, size: int, bucket: int, repeat: int, t
     procs += [ctx.Process(target=sender, args=(addresses, s, *common)) for s in range(1, senders)]
     for p in procs:
         p.start()
+    comm: Communicator | None = None
     try:
-        seconds = sender(addresses, 0, *common)[1:]  # the first sync builds the groups' connections
+        (comm,), device = _groups(backend_name, addresses, None, [0], 1 + receivers, timeout_s)
+        seconds = _send(comm, device, 0, senders, size, bucket, runs)[1:]  # the first sync connects the groups
     finally:
         for p in procs:
             p.join(timeout_s)
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        if comm is not None:
+            comm.destroy()  # last: its process hosts the group's store
     failed = [p.exitcode for p in procs if p.exitcode != 0]
     if failed:
         raise RuntimeError(f"a stop-and-wait rank failed (exit codes {failed}): see its output above")
