@@ -91,8 +91,7 @@ class Trainer:
         elif kind == "dtype":
             self.tensors[op["name"]] = self.tensors[op["name"]].to(DTYPES[op["dtype"]])
         elif kind in ("numel", "add_tensor"):  # new elements (a new tensor, or one of another element count)
-            old = self.tensors.get(op["name"])
-            dtype = op.get("dtype") or str(old.dtype).removeprefix("torch.")
+            dtype = op.get("dtype") or str(self.tensors[op["name"]].dtype).removeprefix("torch.")
             self.tensors[op["name"]] = self._fresh(tuple(op["shape"]), dtype, op.get("seed", 0))
         elif kind == "remove":
             del self.tensors[op["name"]]
@@ -191,8 +190,8 @@ def receiver_main(commands, results) -> None:
     """An engine: {"connect"}, {"receive"} (optionally stalling in its first callback), {"restart"}, {"stop"}.
 
     Modes: "load" keeps a copy of what load() is handed; "into" keeps one tensor per name and makes a new one
-    on a new spec; "stubborn" returns its existing tensor whatever spec is asked (a wrong one must be refused,
-    and then it makes new ones);
+    on a new spec; "stubborn" returns its existing tensor whatever spec is asked (a wrong one must be refused;
+    after a failed sync it makes new ones);
     "mixed" gives destinations for some names and takes the others through load().
     """
     torch.set_num_threads(1)
@@ -264,7 +263,7 @@ def _receive(receiver: Any, held: dict[str, torch.Tensor], mode: str, engine: st
         receiver.receive(load if mode in ("load", "mixed") else None, into=None if mode == "load" else into,
                          state=state)
     except Exception as exc:  # noqa: BLE001 - reported to the test
-        if wrong:  # told a destination was wrong (the first the sync met): it rebuilds them all for the next sync
+        if mode == "stubborn":  # a refusal names the first wrong destination only: it makes new ones for all
             held.clear()
         return {**_error(exc), "version": receiver.version, "incomplete": receiver.incomplete}
     return {"ok": True, "version": receiver.version, "wrong_destinations": sorted(set(wrong)),

@@ -28,7 +28,8 @@ def start(endpoint: str, mode: str, dtypes: dict | None = None, timeout_s: float
 
 
 def receiver_main(endpoint: str, mode: str, dtypes: dict | None, timeout_s: float, commands, results) -> None:
-    """Receive one sync per command: {"receive": True}, optionally {"flip": name} first, or {"stop": True}.
+    """Receive one sync per command: {"receive": True}, optionally {"flip": name} first or {"fail_after": seconds}
+    (the sync fails that long after its last tensor), or {"stop": True}.
 
     `mode`: "load", "into" (a destination of the announced spec, made anew when the spec changes) or "into-rigid"
     (the tensor it holds under that name, whatever spec is announced: an engine with fixed parameters)."""
@@ -54,8 +55,13 @@ def receiver_main(endpoint: str, mode: str, dtypes: dict | None, timeout_s: floa
             flat = held[command["flip"]].view(-1).view(torch.uint8)
             flat[3] ^= 0x10
         try:
+            on_done = None
+            if "fail_after" in command:  # this engine fails its sync late, after the others completed theirs
+                def on_done(after: float = command["fail_after"]) -> None:
+                    time.sleep(after)
+                    raise RuntimeError("this engine failed at the end of its sync (told to)")
             stats = receiver.receive(load if mode == "load" else None, into=None if mode == "load" else into,
-                                     state=state)
+                                     state=state, on_done=on_done)
             results.put({"version": receiver.version, "digests": procs.digests(held), "bytes": stats.bytes,
                          "at": time.time()})
         except Exception as exc:  # noqa: BLE001 - reported to the test

@@ -615,6 +615,25 @@ def test_the_simulated_accelerator_runs_the_device_paths():
         assert on_device.header == delta.header and torch.equal(on_device.payload.cpu(), delta.payload)
 
 
+def test_a_device_trainers_fp32_masters_against_a_host_baseline(engine):
+    """A trainer tensor on a device (the sim), fp32 masters for a bfloat16 engine, a baseline in host memory: what a
+    GPU trainer with delta_on_device=False sends. The compiled scan of 2-byte elements read the trainer's tensor as
+    numpy (a TypeError on any device); it is cast onto the host chunk by chunk instead: the same bytes as from the
+    host."""
+    if importlib.util.find_spec("hwsync_sim") is None:
+        pytest.skip("the sim backend is not installed: pip install -e tests/plugins/hwsync_sim")
+    from hwsync.registry import load_backend
+
+    device = load_backend("sim").device().torch_device()
+    gen = torch.Generator().manual_seed(12)
+    base = _random(150_001, torch.bfloat16, gen)
+    for density in (0.02, 1.0):
+        master = _changed(base, density, gen).float() + torch.rand(base.shape, generator=gen) * 1e-3
+        on_host = encode(master, base, base_digest=tensor_digest(base))
+        from_device = encode(master.to(device), base, base_digest=tensor_digest(base))
+        assert from_device.header == on_host.header and torch.equal(from_device.payload.cpu(), on_host.payload)
+
+
 def _available_bytes() -> int:
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -17,6 +17,7 @@ import torch
 from transfer_procs import digests, start_receiver as spawn_receiver
 
 from hwsync import WeightSender
+from hwsync.errors import RemoteError
 from hwsync.sync.options import SenderOptions
 
 
@@ -253,3 +254,37 @@ def test_a_killed_sender_leaves_the_receiver_with_nothing_mapped(monkeypatch):
     while any(n.startswith(prefix) for n in os.listdir("/dev/shm")) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(n.startswith(prefix) for n in os.listdir("/dev/shm")), "the dead trainer's memory is still mapped"
+
+
+def test_a_receiver_that_completed_a_sync_another_failed_maps_afresh_and_the_next_syncs_are_exact(sim):
+    """Two receivers of a module's parameters (mapped sources): one completes a sync, the other fails it after that.
+    The sender then released every export of that sync, so the offer of the next tells each receiver which
+    segments it still maps (none): the one that completed unmaps them and maps the new exports. Before, the next
+    sync failed with "the sender exported device segment 1 again while this receiver maps it", and the sim
+    counted an export released twice."""
+    import delta_procs
+
+    device = sim.device().torch_device()
+    torch.manual_seed(0)
+    net = torch.nn.Linear(64, 128).to(device)
+    with WeightSender(num_receivers=2, options=SenderOptions(timeout_s=30)) as sender:
+        engines = [delta_procs.start(sender.endpoint, "load"), delta_procs.start(sender.endpoint, "into")]
+        for version in range(1, 6):
+            tensors = dict(net.state_dict())
+            for index, (_, commands, _) in enumerate(engines):
+                commands.put({"receive": True, **({"fail_after": 1.0} if version == 3 and index == 1 else {})})
+            if version == 3:
+                with pytest.raises(RemoteError, match="failed at the end of its sync"):
+                    sender.send(list(tensors.items()), version=version)
+            else:
+                sender.send(list(tensors.items()), version=version)
+            got = [results.get(timeout=60) for _, _, results in engines]
+            expected = digests({name: t.cpu() for name, t in tensors.items()})
+            assert got[0].get("digests") == expected, (version, got[0].get("error"))  # engine 0 completes every one
+            if version != 3:
+                assert got[1].get("digests") == expected, (version, got[1].get("error"))
+            with torch.no_grad():
+                net.weight.add_(0.01)
+        for proc, commands, _ in engines:
+            commands.put({"stop": True})
+            proc.join(30)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hwsync.errors import BackendError
-from hwsync.backend.registry import installed_names, select_backend
+from hwsync.backend.registry import FALLBACK_LINE, backend_statuses, installed_names, select_backend
 
 PLUGIN_SRC = Path(__file__).parent / "plugins" / "hwsync_toy"
 
@@ -63,15 +63,53 @@ def test_unusable_accelerator_is_an_error_with_reason(name):
     assert "never falls back" in out.stdout and "cpu      usable" in out.stdout
 
 
+def _accelerator_reasons() -> list[str]:
+    """`name: reason` of every installed accelerator backend whose probe fails here (the fallback's reasons)."""
+    return [f"{s.name}: {s.reason}" for s in backend_statuses() if s.name in ("npu", "cuda") and not s.usable]
+
+
+def _fallback_or_skip() -> list[str]:
+    reasons = _accelerator_reasons()
+    if not reasons or select_backend("auto", quiet=True).backend.name != "cpu":
+        pytest.skip("no accelerator backend installed (or one is usable): there is no fallback to cpu here")
+    return reasons
+
+
 def test_auto_picks_cpu_and_says_why(plugin_path):
     out = hwsync_info(plugin_path=plugin_path)
     assert out.returncode == 0, out.stdout + out.stderr
     first = out.stdout.splitlines()[0]
     if any(n in installed_names() for n in ("npu", "cuda")):
         assert first.startswith("selected backend: cpu  (auto: fell back to cpu because")
-        assert "falling back to the cpu backend" in out.stderr  # the log line, with each probe's reason
+        for reason in _accelerator_reasons():  # every probe's reason, in the report's first line
+            assert reason in first, first
+        assert FALLBACK_LINE not in out.stderr  # the report says it in full; no warning besides
     else:
         assert first.startswith("selected backend: cpu  (auto:")
+
+
+def test_a_fallback_is_one_short_line_once_per_process_tree():
+    """`hwsync roundtrip` spawns a receiver: it inherits HWSYNC_BACKEND=cpu and says nothing."""
+    reasons = _fallback_or_skip()
+    env = {k: v for k, v in os.environ.items() if k not in ("HWSYNC_BACKEND", "HWSYNC_STRICT")}
+    out = subprocess.run([sys.executable, "-m", "hwsync.cli", "roundtrip", "--megabytes", "1"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    said = [line for line in out.stderr.splitlines() if "cpu backend" in line]
+    assert said == [FALLBACK_LINE] and len(FALLBACK_LINE) <= 80, out.stderr
+    assert not any(reason in out.stderr for reason in reasons), out.stderr  # the details: `hwsync info`, the debug log
+
+
+def test_the_debug_log_has_every_probes_reason():
+    reasons = _fallback_or_skip()
+    env = {k: v for k, v in os.environ.items() if k not in ("HWSYNC_BACKEND", "HWSYNC_STRICT")}
+    code = ("import logging; logging.basicConfig(level=logging.DEBUG, format='%(message)s'); "
+            "from hwsync.backend.registry import get_backend; print(get_backend().name)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "cpu", out.stderr
+    logged = [line for line in out.stderr.splitlines() if line.startswith("hwsync: falling back to the cpu backend")]
+    assert len(logged) == 1 and all(reason in logged[0] for reason in reasons), out.stderr
+    assert out.stderr.count(FALLBACK_LINE) == 1
 
 
 def test_strict_forbids_fallback():
@@ -80,6 +118,8 @@ def test_strict_forbids_fallback():
     out = hwsync_info(env={"HWSYNC_STRICT": "1"})
     assert out.returncode == 1
     assert "HWSYNC_STRICT=1 forbids falling back to cpu" in out.stdout
+    for reason in _accelerator_reasons():  # the error names every probe's reason
+        assert reason in out.stdout, out.stdout
 
 
 def test_resolved_name_is_written_back(monkeypatch):

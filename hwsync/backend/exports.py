@@ -172,6 +172,12 @@ class SegmentExports:
         """Exports alive now, over every receiver."""
         return sum(len(e.records) for e in self._by_receiver.values())
 
+    def held_by(self, receiver: str) -> set[int]:
+        """The segments `receiver` is known to map (exported to it and not released since): after a failed sync of
+        its, none, even if it completed that sync before another receiver failed it."""
+        exports = self._by_receiver.get(receiver)
+        return set() if exports is None else set(exports.records)
+
     def confirm(self) -> None:
         """Every receiver completed the sync: it maps every export it was sent."""
         for exports in self._by_receiver.values():

@@ -1,4 +1,4 @@
-"""The three interfaces a backend implements, and the backend object that hands them out.
+"""The interfaces a backend implements (Device, Communicator, Transport, DeviceSegments), and its backend object.
 
 Rules every backend follows (the conformance test checks the shape, reviews check the rest):
 - importing a backend module never imports a vendor runtime or touches device state:

@@ -2,8 +2,11 @@
 
 - HWSYNC_BACKEND=<name> selects exactly that backend; it never falls back.
 - unset or "auto" probes npu, then cuda, then cpu (then any third-party backend); a fallback
-  to cpu is logged with every probe's reason, and HWSYNC_STRICT=1 makes it an error.
-- the resolved name is written back to HWSYNC_BACKEND so child processes agree.
+  to cpu is said in one short line (FALLBACK_LINE, a warning), once per process tree, and logged
+  with every probe's reason at debug level (`hwsync info` shows them too); HWSYNC_STRICT=1 makes
+  it an error that names every probe's reason.
+- the resolved name is written back to HWSYNC_BACKEND so child processes agree (and, selecting
+  it by name, say nothing).
 Every failure raises BackendError listing the installed backends and each probe's reason.
 """
 
@@ -23,6 +26,8 @@ NAMESPACE = "hwsync.backends"
 ENV_BACKEND = "HWSYNC_BACKEND"
 ENV_STRICT = "HWSYNC_STRICT"
 AUTO_ORDER = ("npu", "cuda", "cpu")
+#: what a fallback to cpu says: one line, once; the reasons are for `hwsync info` and the debug log
+FALLBACK_LINE = "hwsync: no usable GPU or NPU, using the cpu backend (`hwsync info` says why)"
 
 log = logging.getLogger("hwsync")
 
@@ -92,13 +97,16 @@ def _listing(statuses: list[BackendStatus]) -> str:
     return "\n".join(f"  {s.name:8s} {'usable' if s.usable else 'not usable'}: {s.reason}" for s in statuses)
 
 
-def select_backend(name: str | None = None) -> Selection:
-    """Select a backend by `name`, else by HWSYNC_BACKEND, else by probing; see module doc."""
+def select_backend(name: str | None = None, *, quiet: bool = False) -> Selection:
+    """Select a backend by `name`, else by HWSYNC_BACKEND, else by probing; see module doc.
+
+    `quiet`: a fallback to cpu is not announced (the caller reports `Selection.reason` itself, as `hwsync info`).
+    """
     requested = (name or os.environ.get(ENV_BACKEND) or "auto").strip().lower()
     names = installed_names()
     if requested != "auto":
         return _select_exact(requested, names)
-    return _select_auto(names)
+    return _select_auto(names, quiet)
 
 
 def _select_exact(requested: str, names: list[str]) -> Selection:
@@ -125,7 +133,10 @@ def backend_statuses_with(known: BackendStatus) -> list[BackendStatus]:
     return [known if n == known.name else _status(n)[1] for n in installed_names()]
 
 
-def _select_auto(names: list[str]) -> Selection:
+_fallback_said = False
+
+
+def _select_auto(names: list[str], quiet: bool) -> Selection:
     statuses: list[BackendStatus] = []
     chosen: tuple[Backend, BackendStatus] | None = None
     for name in names:
@@ -145,12 +156,21 @@ def _select_auto(names: list[str]) -> Selection:
                 f"{ENV_STRICT}=1 forbids falling back to cpu, and no accelerator backend is usable "
                 f"({why}). Installed backends:\n{_listing(statuses)}"
             )
-        log.warning("hwsync: falling back to the cpu backend (%s)", why)
+        log.debug("hwsync: falling back to the cpu backend (%s)", why)
+        _say_fallback(quiet)
         reason = f"auto: fell back to cpu because {why}"
     else:
         reason = f"auto: {status.name} is the first usable backend in the order {', '.join(AUTO_ORDER)}"
     os.environ[ENV_BACKEND] = status.name
     return Selection(backend, reason, statuses)
+
+
+def _say_fallback(quiet: bool) -> None:
+    """The fallback's one line, once per process; children inherit HWSYNC_BACKEND=cpu and select it by name."""
+    global _fallback_said
+    if not quiet and not _fallback_said:
+        _fallback_said = True
+        log.warning(FALLBACK_LINE)
 
 
 _current: Selection | None = None

@@ -12,7 +12,7 @@ from hwsync.errors import BackendError
 
 def collect_info() -> dict[str, Any]:
     """The report as a dict; raises BackendError when no backend can be selected."""
-    selection = select_backend()
+    selection = select_backend(quiet=True)  # a fallback's reasons are the report's first line, not a warning
     backend = selection.backend
     device = backend.device()
     devices = []

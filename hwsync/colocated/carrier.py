@@ -151,8 +151,10 @@ class SharedBuffers:
         for rank, peer in enumerate(receivers.peers):
             # each receiver its own handles: shared device memory is exported once per receiver process
             handles = self._buffers.handles_for(peer.identity.hex(), peer.pid, peer.host)
-            data = check_size(encode(dataclasses.replace(offer, rank=rank, handles=handles)), MAX_SENDER_FRAME_BYTES,
-                              f"the offer of {len(sync.targets or [])} tensors")
+            # each receiver the device segments it maps (a failed sync's receivers unmap what the sender released)
+            mapped = [] if self._mapped is None else self._mapped.ids_for(peer, offer.device_segments)
+            data = check_size(encode(dataclasses.replace(offer, rank=rank, handles=handles, device_segments=mapped)),
+                              MAX_SENDER_FRAME_BYTES, f"the offer of {len(sync.targets or [])} tensors")
             self._control.send_to(peer, data)
         receivers.await_each(Accept, "waiting for receivers to accept the offer", stats)
         self._accepted = True

@@ -126,6 +126,17 @@ class MappedSources:
             wait_for_queued(self.device, where)
         self._touched.clear()
 
+    def ids_for(self, peer: Peer, shared: list[int]) -> list[int]:
+        """Of the ids still `shared` (shared_ids()), those this receiver maps as far as the sender knows: what its
+        offer lists, so that the receiver unmaps the rest. After a failed sync the sender released (or orphaned) every
+        export of its receivers, and one that completed that sync before another failed it keeps its mappings unless
+        told: a later export of the same id then met its old mapping ("exported again while this receiver maps
+        it"), and the sender's release of its export left the receiver mapping memory whose count said unmapped."""
+        if self._exports is None:
+            return []
+        held = self._exports.held_by(peer.identity.hex())
+        return [ident for ident in shared if ident in held]
+
     def exports_for(self, peer: Peer, ids: list[int]) -> list[DeviceSegment]:
         """The exports of segments `ids` this receiver does not have yet, made now (one per receiver process)."""
         assert self.segments is not None and self._exports is not None

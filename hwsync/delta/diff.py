@@ -201,8 +201,10 @@ class DeltaEncoder:
         fp32 masters for a bfloat16 engine are cast as they are read, where the compiled cast gives torch's bits
         (native.cast_bf16); a chunk with a NaN, and every other cast, is cast by torch first.
         """
+        # the fused cast reads the trainer's tensor as numpy: only a host one (a device tensor is cast chunk by chunk
+        # onto the host by torch, below)
         fused = native.scan16_cast() if not direct and new_flat.dtype == torch.float32 \
-            and s.dtype == torch.bfloat16 and native.cast_bf16() is not None else None
+            and new_flat.device.type == "cpu" and s.dtype == torch.bfloat16 and native.cast_bf16() is not None else None
         plain = native.scan16_direct()
         assert plain is not None
         out, b_all, end = Scan(packed=None, steps=True, last=lo - 1), base_i.numpy().view("uint16"), base_i.numel()

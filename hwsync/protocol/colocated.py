@@ -136,7 +136,8 @@ class Offer(Frame):
     #: (hwsync.protocol.delta); the manifest then names the tensors as receivers hold them, the buckets
     #: carry their payloads
     delta: Map | None
-    #: ids of the device segments the sender still shares (hwsync.colocated.mapped): a receiver unmaps the others
+    #: ids of the device segments the sender still shares and knows this receiver maps (hwsync.colocated.mapped):
+    #: the receiver unmaps the others (those of a failed sync too, which the sender released)
     device_segments: list[Count] = field(default_factory=list)
 
     def validate(self) -> None:

@@ -3,9 +3,9 @@
 Every rank is a process on this host (spawned), on the selected backend's collective library
 (gloo on the CPU). For each (senders, receivers, size) the sync is run --repeat times on one
 group after a warm-up sync that builds the group; the figure is the median. Alongside it, in
-the same run: the same sync stop-and-wait (one buffer per rank, so broadcast and load never
-overlap), and the host's own copy bandwidth, because figures from shared machines are only
-comparable as ratios.
+the same run: the same bytes stop-and-wait, the design peers ship (broadcast_stop_and_wait.py: one
+buffer per rank, so packing, broadcast and load never overlap), and the host's own copy
+bandwidth, because figures from shared machines are only comparable as ratios.
 
 With `--hosts H --link RATE [RATE ...]` the ranks run instead in the hosts of a bed (hwsync.bed: network
 namespaces, links limited to RATE; needs root), trainer on host 0 and engines on the others, and each row
@@ -24,11 +24,13 @@ from typing import Any
 
 import torch
 
+from hwsync.cli.bench import tiny_defaults
 from hwsync.cli.bench.broadcast_model import state_dict as _model
+from hwsync.cli.bench.broadcast_stop_and_wait import measure as measure_stop_and_wait
 from hwsync.sync.options import CrossNodeOptions
 
 
-def _receiver(endpoint: str, rank: int, buffers: int, runs: int, timeout_s: float, backend: str) -> None:
+def _receiver(endpoint: str, rank: int, size: int, buffers: int, runs: int, timeout_s: float, backend: str) -> None:
     os.environ["HWSYNC_BACKEND"] = backend
     from hwsync.disaggregated import CrossNodeReceiver
 
@@ -43,6 +45,9 @@ def _receiver(endpoint: str, rank: int, buffers: int, runs: int, timeout_s: floa
     with CrossNodeReceiver(endpoint, rank=rank, num_buffers=buffers, timeout_s=timeout_s) as rx:
         for _ in range(runs):
             rx.receive(load)
+    for name, want in _model(size):
+        if not torch.equal(sink[name].cpu(), want):
+            raise SystemExit(f"receiver {rank}: {name} arrived wrong")
 
 
 def _sender(endpoint: str, rank: int, senders: int, receivers: int, size: int, bucket: int, buffers: int,
@@ -68,7 +73,7 @@ def measure(senders: int, receivers: int, size: int, bucket: int, buffers: int, 
     model = _model(size)
     with CrossNodeSender("tcp://127.0.0.1:0", num_senders=senders, num_receivers=receivers, group_host="127.0.0.1",
                          options=CrossNodeOptions(bucket_bytes=bucket, num_buffers=buffers, timeout_s=timeout_s)) as tx:
-        procs = [ctx.Process(target=_receiver, args=(tx.endpoint, r, buffers, runs, timeout_s, backend))
+        procs = [ctx.Process(target=_receiver, args=(tx.endpoint, r, size, buffers, runs, timeout_s, backend))
                  for r in range(receivers)]
         procs += [ctx.Process(target=_sender, args=(tx.endpoint, s, senders, receivers, size, bucket, buffers,
                                                     runs, timeout_s, backend)) for s in range(1, senders)]
@@ -85,9 +90,13 @@ def measure(senders: int, receivers: int, size: int, bucket: int, buffers: int, 
                 p.join(timeout_s)
                 if p.is_alive():
                     p.kill()
+                    p.join(5)
+    failed = [p.exitcode for p in procs if p.exitcode != 0]
+    if failed:
+        raise RuntimeError(f"a rank failed (exit codes {failed}): see its output above")
     best = statistics.median(seconds)
     return {"senders": senders, "receivers": receivers, "bytes": size, "bucket_bytes": bucket,
-            "buffers": buffers, "seconds": best, "gbps": size / best / 1e9}
+            "buffers": buffers, "design": "hwsync", "seconds": best, "gbps": size / best / 1e9}
 
 
 def copy_gbps(size: int) -> float:
@@ -111,7 +120,8 @@ def add_bench_broadcast_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--senders", type=int, nargs="+", default=[1, 2], help="sender counts (striping)")
     parser.add_argument("--bucket-mb", type=float, default=32.0, help="bucket size in MiB")
     parser.add_argument("--repeat", type=int, default=3, help="timed syncs per configuration (median)")
-    parser.add_argument("--no-baseline", action="store_true", help="skip the stop-and-wait (1 buffer) rows")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="skip the stop-and-wait rows (the design peers ship: 1 buffer per rank)")
     parser.add_argument("--timeout", type=float, default=120.0, help="timeout_s of every rank")
     parser.add_argument("--backend", default=None, help="backend (default: HWSYNC_BACKEND or auto)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -119,6 +129,7 @@ def add_bench_broadcast_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run on a bed of this many hosts (trainer on host 0, engines on the others; needs root)")
     parser.add_argument("--link", nargs="+", default=["1gbit", "10gbit"],
                         help="with --hosts: the rates of the bed's links (e.g. 1gbit 10gbit; none: unlimited)")
+    tiny_defaults(parser, sizes_mb=[4], bucket_mb=1.0, repeat=1, senders=[2], receivers=[2], link=["10gbit"])
 
 
 def run_bench_broadcast(args: argparse.Namespace) -> int:
@@ -143,8 +154,10 @@ def run_bench_broadcast(args: argparse.Namespace) -> int:
         size = size_mb * 1_000_000
         for senders in args.senders:
             for receivers in args.receivers:
-                for buffers in ([2] if args.no_baseline else [2, 1]):
-                    rows.append(measure(senders, receivers, size, bucket, buffers, args.repeat, args.timeout, backend))
+                rows.append(measure(senders, receivers, size, bucket, 2, args.repeat, args.timeout, backend))
+                if not args.no_baseline:
+                    rows.append(measure_stop_and_wait(senders, receivers, size, bucket, args.repeat, args.timeout,
+                                                      backend))
         memcpy = copy_gbps(size)
         for row in rows:
             if row["bytes"] == size:

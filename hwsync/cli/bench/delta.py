@@ -28,6 +28,7 @@ import statistics
 import time
 from typing import Any
 
+from hwsync.cli.bench import tiny_defaults
 from hwsync.sync.options import CrossNodeOptions, SenderOptions
 
 #: the trainer host's address, port and the endpoint's secrets are made by the parent and passed to both hosts
@@ -42,11 +43,12 @@ def add_bench_delta_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--links", nargs="+", default=["1gbit", "10gbit"], help="link rates of the bed")
     parser.add_argument("--steps", type=int, default=3, help="training steps (a delta sync each)")
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size of the Llama")
-    parser.add_argument("--layers", type=int, default=18, help="decoder layers (18 x 1024: about 335M parameters)")
+    parser.add_argument("--layers", type=int, default=18, help="decoder layers (18 x 1024: 368M parameters)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any wait may take")
     parser.add_argument("--engine-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="the dtype the engine holds (float32: nothing cast, deltas dense)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    tiny_defaults(parser, hidden=128, layers=1, steps=2, lrs=[1e-5], links=["10gbit"])  # HWSYNC_BENCH_TINY=1
 
 
 def _config(hidden: int, layers: int) -> Any:
@@ -103,10 +105,9 @@ def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, 
     params = sum(p.numel() for p in model.parameters())
     out: dict[str, Any] = {"params": params, "copy_gbps": copy_gbps(), "syncs": [], "colocated": []}
     syncs = 1 + steps + FULL_SYNCS
-    with CrossNodeSender(
-        endpoint, num_receivers=1, group_host=address, options=CrossNodeOptions(
-            timeout_s=timeout_s, secret_key=secret)) as sender, WeightSender(
-                options=SenderOptions(timeout_s=timeout_s)) as local:
+    across = CrossNodeOptions(timeout_s=timeout_s, secret_key=secret)
+    with CrossNodeSender(endpoint, num_receivers=1, group_host=address, options=across) as sender, \
+            WeightSender(options=SenderOptions(timeout_s=timeout_s)) as local:
         beside = multiprocessing.get_context("spawn").Process(
             target=engine, args=(None, hidden, layers, syncs, timeout_s, local.endpoint, engine_dtype), daemon=True)
         beside.start()

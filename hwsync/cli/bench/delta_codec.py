@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from hwsync.cli.bench import tiny_defaults
 from hwsync.cli.bench.transfer import model_spec
 from hwsync.delta import CHUNK_ELEMS, DeltaEncoder, apply_into, payload_bytes, tensor_digest, warm
 from hwsync.delta.header import BITMAP, BLOCKS, DENSE, SAME, STEPS
@@ -207,6 +208,7 @@ def add_bench_delta_codec_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the diff's host engine: the compiled kernel (numba, when installed) or torch ops")
     parser.add_argument("--copy-mib", type=int, default=1024, help="MiB copied to measure the copy speed")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    tiny_defaults(parser, elems=1e6, repeat=1, copy_mib=8)
 
 
 def run_bench_delta_codec(args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import zmq
 
+from hwsync.cli.bench import tiny_defaults
 from hwsync.cli.bench.stop_and_wait import StopAndWait, await_reply, pack
 from hwsync.cli.bench.transfer_parts import (
     Spec,
@@ -288,6 +289,7 @@ def add_bench_transfer_arguments(parser: argparse.ArgumentParser) -> None:
                              "largest tensor, and one below it)")
     parser.add_argument("--verl-syncs", type=int, default=4,
                         help="syncs per verl bucket size; the median excludes the first")
+    tiny_defaults(parser, gb=0.01, syncs=2, copy_mib=8, verl_syncs=2)
 
 
 def run_bench_transfer(args: argparse.Namespace) -> int:

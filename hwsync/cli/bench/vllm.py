@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from hwsync.cli.bench import tiny_defaults
 from hwsync.cli.toy_model import ToyModel, cpu_engine_env, engine_kwargs, engine_outputs, param_count, shutdown_engine
 from hwsync.integrations.vllm.worker import HwsyncWorkerExtension
 
@@ -75,6 +76,7 @@ def add_bench_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", default=None, help="where the model and the safetensors file go (default: temp)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--verbose", action="store_true", help="keep vLLM's own log output")
+    tiny_defaults(parser, hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=1024, repeats=3)
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:

@@ -183,7 +183,7 @@ class HwsyncServerAdapter(ServerAdapter):
         puts back the tensors its reload moved to meta and lets the next update start (as the vLLM integration)."""
         try:
             await self._rpc("finish_weight_update")
-        except Exception as exc:
+        except Exception as exc:  # after a failed update the refusal is expected; else it is raised
             if not failed:
                 raise
             expected = "start_weight_update" in str(exc)  # vLLM's words for "no update to finish"
