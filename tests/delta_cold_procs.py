@@ -30,7 +30,7 @@ def main(timeout_s: float) -> None:
             commands.put({"receive": True})
             stats = sender.send(tensors.items(), version=step)
             got = results.get(timeout=60)
-            out.append({"mode": stats.notes["delta"]["mode"], "exact": got.get("digests") == procs.digests(tensors),
+            out.append({"mode": stats.delta.mode, "exact": got.get("digests") == procs.digests(tensors),
                         "error": got.get("error"), "seconds": stats.total_s, "kernels_loaded": native.ready()})
         commands.put({"stop": True})
         proc.join(30)

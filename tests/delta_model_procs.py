@@ -181,9 +181,9 @@ def _sync(sender: Any, trainer: Trainer, command: dict[str, Any], results) -> No
         results.put(_error(error))
         return
     assert stats is not None
-    note = stats.notes.get("delta", {})
-    results.put({"ok": True, "mode": note.get("mode", "plain"), "reason": note.get("reason", ""),
-                 "codes": note.get("codes")})
+    note = stats.delta
+    results.put({"ok": True, "mode": "plain" if note is None else note.mode, "reason": "" if note is None else note.reason,
+                 "codes": None if note is None else note.codes})
 
 
 def receiver_main(commands, results) -> None:

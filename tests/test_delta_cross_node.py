@@ -91,9 +91,9 @@ def test_cross_node_deltas_stay_exact_and_a_bad_copy_is_caught(backend, flip, mo
                 assert tx.drop_delta_baseline() > 0 and tx.delta_baseline_bytes == 0
             try:
                 stats = tx.send(list(_source(step).items()), version=step)
-                modes.append(stats.notes["delta"]["mode"])
+                modes.append(stats.delta.mode)
                 if flip is None and step == STEPS:
-                    assert "drop_delta_baseline" in stats.notes["delta"]["reason"], stats.notes["delta"]
+                    assert "drop_delta_baseline" in stats.delta.reason, stats.delta
                 if modes[-1] == "delta":  # streamed by sender 0 alone, in groups of DELTA_GROUP_BUCKETS buckets of
                     # targets: here six tensors of a bucket each, then `big` (two buckets) in a group of its own
                     assert stats.notes["groups"] == stats.buckets == 6 // DELTA_GROUP_BUCKETS + 1, stats.notes
@@ -158,7 +158,7 @@ def test_a_receiver_killed_mid_streamed_delta_and_the_next_sync_is_full_and_exac
         for step in (1, 2):
             stats = tx.send(list(_source(step).items()), version=step)
             assert [out.get(timeout=60)[2] for _ in range(2)] == [procs.digests(_engine(step))] * 2
-        assert stats.notes["delta"]["mode"] == "delta"
+        assert stats.delta.mode == "delta"
         with pytest.raises(SyncError):
             tx.send(list(_source(3).items()), version=3)
         dying.join(30)
@@ -172,6 +172,6 @@ def test_a_receiver_killed_mid_streamed_delta_and_the_next_sync_is_full_and_exac
             stats = tx.send(list(_source(step).items()), version=step)
             got = [out.get(timeout=60) for _ in range(2)]
             assert [g[2] for g in got] == [procs.digests(_engine(step))] * 2, f"step {step}: exact on both"
-            assert stats.notes["delta"]["mode"] == ("full" if step == 4 else "delta"), stats.notes["delta"]
+            assert stats.delta.mode == ("full" if step == 4 else "delta"), stats.delta
         for p in (alive, reborn):
             p.join(30)

@@ -12,6 +12,7 @@ from hwsync.sync.delta_receiver import ApplyDelta, ReceiverDeltas
 from hwsync.sync.delta_sender import SenderDeltas
 from hwsync.errors import ManifestError, ProtocolError
 from hwsync.sync.spec import TensorSpec
+from hwsync.protocol.delta import DeltaField
 from hwsync.sync.planner import EngineState
 from hwsync.backend.registry import load_backend
 from hwsync.sync.stats import SyncStats
@@ -31,7 +32,7 @@ def test_a_delta_needs_every_receiver_to_hold_the_baseline_and_says_why_not():
     deltas = SenderDeltas(load_backend("cpu").device())
     assert deltas.decide([{}]) == (False, "the first sync: no baseline yet")
     stats = _committed(deltas)
-    assert stats.notes["delta"]["mode"] == "full" and deltas.base_id is not None
+    assert stats.delta.mode == "full" and deltas.base_id is not None
     ok, why = deltas.decide([{"held": deltas.base_id}, {"held": deltas.base_id}])
     assert ok and deltas.base_id in why
     assert deltas.decide([{"held": deltas.base_id}, {}])[1].startswith("receiver 1 reports no complete sync")
@@ -47,9 +48,9 @@ def test_a_full_sync_asked_for_renews_the_baseline_and_the_next_may_be_a_delta()
     _committed(deltas)
     first = deltas.base_id
     stats = _committed(deltas, delta=False)
-    assert stats.notes["delta"]["mode"] == "full" and "asked for a full sync" in stats.notes["delta"]["reason"]
+    assert stats.delta.mode == "full" and "asked for a full sync" in stats.delta.reason
     assert deltas.base_id not in (None, first)
-    assert _committed(deltas).notes["delta"]["mode"] == "delta"
+    assert _committed(deltas).delta.mode == "delta"
 
 
 def test_a_failed_full_sync_drops_the_baseline_a_failed_delta_keeps_it():
@@ -77,8 +78,8 @@ def test_dropping_the_baseline_frees_it_and_the_next_delta_asked_for_is_full_say
     deltas.commit()
     assert deltas.baseline_bytes == 0
     stats = _committed(deltas)  # asks for a delta: full, and it makes a new baseline
-    assert stats.notes["delta"]["mode"] == "full" and stats.notes["delta"]["reason"] == "dropped to free its memory"
-    assert _committed(deltas).notes["delta"]["mode"] == "delta"
+    assert stats.delta.mode == "full" and stats.delta.reason == "dropped to free its memory"
+    assert _committed(deltas).delta.mode == "delta"
 
 
 def test_a_full_sync_in_delta_mode_streams_the_baseline_it_cast_into():
@@ -99,11 +100,11 @@ def test_a_full_sync_in_delta_mode_streams_the_baseline_it_cast_into():
 
 def test_a_receiver_refuses_a_delta_from_another_base_and_holds_nothing_until_a_sync_completes():
     receiver = ReceiverDeltas()
-    receiver.begin({"base": None, "next": "s:1", "headers": None}, None)
+    receiver.begin(DeltaField(None, "s:1"), None)
     receiver.complete()
     assert receiver.report() == {"held": "s:1"}
     with pytest.raises(ProtocolError, match="holds 's:1'"):
-        receiver.begin({"base": "s:0", "next": "s:2", "headers": []}, [])
+        receiver.begin(DeltaField("s:0", "s:2", []), [])
     assert receiver.report() == {}, "a sync that started (and failed) leaves nothing held"
 
 
@@ -128,9 +129,12 @@ def test_a_plans_delta_field_streams_groups_only_from_a_base_and_covers_the_mani
     from hwsync.protocol.delta import check_plan_delta
     from hwsync.protocol.fields import BadFrame
 
+    def check(raw: dict, manifest: list[TensorSpec], buckets: int) -> None:  # decoded (its shape), then its fit
+        check_plan_delta(DeltaField.from_wire(raw), manifest, buckets)
+
     manifest = [TensorSpec(n, "bfloat16", (4,)) for n in "abc"]
-    check_plan_delta({"base": "s:1", "next": "s:2", "groups": [2, 1]}, manifest, 0)
-    check_plan_delta({"base": None, "next": "s:2", "groups": None}, manifest, 3)  # a full sync, in buckets
+    check({"base": "s:1", "next": "s:2", "groups": [2, 1]}, manifest, 0)
+    check({"base": None, "next": "s:2", "groups": None}, manifest, 3)  # a full sync, in buckets
     for delta, buckets, match in [
         ({"base": "s:1", "next": "s:2", "groups": [2]}, 0, "positive counts of the manifest's 3"),
         ({"base": "s:1", "next": "s:2", "groups": [3, 0]}, 0, "positive counts"),
@@ -138,11 +142,11 @@ def test_a_plans_delta_field_streams_groups_only_from_a_base_and_covers_the_mani
         ({"base": None, "next": "s:2", "groups": [3]}, 0, "go with a base"),
         ({"base": "s:1", "next": "s:2", "groups": [3]}, 1, "no buckets"),
         ({"base": "s:1", "next": "s:2", "groups": None}, 0, "streams its tensors in groups"),
-        ({"base": "s:1", "next": "s:2", "headers": None, "groups": [3]}, 0, "keys base, next, groups"),
+        ({"base": "s:1", "next": "s:2", "headers": None, "groups": [3]}, 0, "keys base, next and headers or groups"),
         ({"base": "s:1", "next": "", "groups": [3]}, 0, "next must be an id"),
     ]:
         with pytest.raises(BadFrame, match=match):
-            check_plan_delta(delta, manifest, buckets)
+            check(delta, manifest, buckets)
 
 
 def test_a_group_descriptor_round_trips_and_a_bad_one_names_the_tensor():
@@ -221,10 +225,10 @@ def test_a_receiver_checks_changed_elements_and_digests_every_tensor_whole_at_ev
                     held["u"][9] += 1.0
         except DeltaCheckError as exc:
             sender.abort()
-            return stats.notes["delta"]["mode"], str(exc)
+            return stats.delta.mode, str(exc)
         receiver.complete()
         sender.commit()
-        return stats.notes["delta"]["mode"], None
+        return stats.delta.mode, None
 
     def step() -> torch.Tensor:
         pos = torch.randint(0, model["w"].numel(), (100,), generator=g)
@@ -278,7 +282,7 @@ def test_the_encode_and_baseline_threads_are_kept_across_syncs_and_end_at_close(
     _committed(deltas)
     pool = deltas._pool
     stats = _committed(deltas)
-    assert stats.notes["delta"]["mode"] == "delta" and deltas._pool is pool, "one encode pool for every sync"
+    assert stats.delta.mode == "delta" and deltas._pool is pool, "one encode pool for every sync"
     assert {"hwsync-delta", "hwsync-baseline"} <= ours()
     deltas.close()
     assert not ours(), ours()

@@ -60,13 +60,13 @@ def test_delta_syncs_stay_exact_across_optimizer_steps_and_carry_the_engines_dty
             stats, got = _sync(sender, commands, results, dict(net.state_dict()), step)
             expected = procs.digests(_engine(dict(net.state_dict()), torch.bfloat16))
             assert got.get("digests") == expected, f"step {step}: {got.get('error')}"
-            note = stats.notes["delta"]
+            note = stats.delta
             if step == 1:
-                assert note["mode"] == "full" and "no baseline" in note["reason"]
+                assert note.mode == "full" and "no baseline" in note.reason
                 full_bytes = stats.bytes
                 assert full_bytes == sum(p.numel() * 2 for p in net.state_dict().values()), "fp32 went as bf16"
             else:
-                assert note["mode"] == "delta", note
+                assert note.mode == "delta", note
                 assert stats.bytes < full_bytes, (stats.bytes, full_bytes)
             loss = net(torch.randn(32, 64)).square().mean()
             opt.zero_grad()
@@ -92,8 +92,8 @@ def test_special_values_and_mixed_codes_and_a_payload_larger_than_a_bucket(backe
         tensors["sparse"][::97] = 2.0
         stats, got = _sync(sender, commands, results, tensors, 2)
         assert got.get("digests") == procs.digests(tensors), got.get("error")
-        codes = stats.notes["delta"]["codes"]
-        assert stats.notes["delta"]["mode"] == "delta" and codes["dense"] >= 1 and codes["same"] == 1, codes
+        codes = stats.delta.codes
+        assert stats.delta.mode == "delta" and codes["dense"] >= 1 and codes["same"] == 1, codes
         assert codes["block"] + codes["bitmap"] >= 2, codes
         commands.put({"stop": True})
         proc.join(30)
@@ -114,8 +114,8 @@ def test_a_dropped_baseline_frees_its_memory_and_the_next_delta_asked_for_is_ful
                 continue
             stats, got = _sync(sender, commands, results, delta_procs.stepped(step), step, delta=delta)
             assert got.get("digests") == procs.digests(delta_procs.stepped(step)), got.get("error")
-            note = stats.notes.get("delta", {})
-            modes.append((note.get("mode"), note.get("reason")))
+            note = stats.delta
+            modes.append((None, None) if note is None else (note.mode, note.reason))
             if step == 3:  # asks for no delta while none is kept: no baseline made meanwhile
                 assert sender.delta_baseline_bytes == 0
         assert [m for m, _ in modes] == ["full", "delta", None, "full", "delta"], modes
@@ -134,15 +134,15 @@ def test_a_restarted_receiver_gets_a_full_sync_with_the_reason(backend):
             stats = sender.send(delta_procs.stepped(step).items(), version=step)
             for _, _, results in (first, second):
                 assert results.get(timeout=60)["digests"] == procs.digests(delta_procs.stepped(step))
-        assert stats.notes["delta"]["mode"] == "delta"
+        assert stats.delta.mode == "delta"
         second[0].kill()
         second[0].join(10)
         second = delta_procs.start(sender.endpoint, "load")
         for _, commands, _ in (first, second):
             commands.put({"receive": True})
         stats = sender.send(delta_procs.stepped(3).items(), version=3)
-        note = stats.notes["delta"]
-        assert note["mode"] == "full" and "reports no complete sync" in note["reason"], note
+        note = stats.delta
+        assert note.mode == "full" and "reports no complete sync" in note.reason, note
         for proc, commands, results in (first, second):
             assert results.get(timeout=60)["digests"] == procs.digests(delta_procs.stepped(3))
             commands.put({"stop": True})
@@ -163,7 +163,7 @@ def test_a_byte_changed_behind_hwsyncs_back_fails_the_check_and_the_next_sync_he
         got = results.get(timeout=60)
         assert "DeltaCheckError" in got["error"] and got["incomplete"], got
         stats, got = _sync(sender, commands, results, delta_procs.stepped(4), 4)
-        assert stats.notes["delta"]["mode"] == "full", stats.notes["delta"]
+        assert stats.delta.mode == "full", stats.delta
         assert got["digests"] == procs.digests(delta_procs.stepped(4))
         commands.put({"stop": True})
         proc.join(30)
@@ -191,7 +191,7 @@ def test_a_receiver_killed_mid_delta_and_the_next_sync_is_full_and_exact(backend
         slow.join(10)
         proc, commands, results = delta_procs.start(sender.endpoint, "into")
         stats, got = _sync(sender, commands, results, delta_procs.stepped(4), 4)
-        assert stats.notes["delta"]["mode"] == "full" and got["digests"] == procs.digests(delta_procs.stepped(4))
+        assert stats.delta.mode == "full" and got["digests"] == procs.digests(delta_procs.stepped(4))
         commands.put({"stop": True})
         proc.join(30)
 
@@ -245,7 +245,7 @@ def test_an_in_place_step_right_after_send_returns_never_reaches_the_next_delta(
             got = results.get(timeout=60)
             assert got.get("digests") == expected, (version, got.get("error"))
             if version > 1:
-                assert stats.notes["delta"]["mode"] == "delta", stats.notes["delta"]
+                assert stats.delta.mode == "delta", stats.delta
         commands.put({"stop": True})
         proc.join(30)
 
@@ -271,7 +271,7 @@ def test_a_source_that_reuses_one_staging_buffer_stays_exact_in_delta_mode(backe
             stats = sender.send(gathered, version=step)
             got = results.get(timeout=60)
             assert got.get("digests") == procs.digests(tensors), (step, got.get("error"))
-            assert stats.notes["delta"]["mode"] == ("full" if step == 1 else "delta")
+            assert stats.delta.mode == ("full" if step == 1 else "delta")
         commands.put({"stop": True})
         proc.join(30)
 
@@ -293,7 +293,7 @@ def test_a_tensor_reshaped_retyped_or_resized_between_syncs_goes_whole(backend, 
             stats, got = _sync(sender, commands, results, tensors, version)
             assert got.get("digests") == procs.digests(tensors), (version, got.get("error"))
             if version > 1:
-                assert stats.notes["delta"]["mode"] == "delta", stats.notes["delta"]
+                assert stats.delta.mode == "delta", stats.delta
         commands.put({"stop": True})
         proc.join(30)
 
@@ -317,7 +317,7 @@ def test_an_into_destination_of_the_wrong_shape_is_refused_on_the_delta_path_as_
         got = results.get(timeout=60)
         assert "DestinationError" in got["error"] and got["incomplete"], got
         stats, got = _sync(sender, commands, results, delta_procs.stepped(4), 4)
-        assert stats.notes["delta"]["mode"] == "full" and got["digests"] == procs.digests(delta_procs.stepped(4))
+        assert stats.delta.mode == "full" and got["digests"] == procs.digests(delta_procs.stepped(4))
         assert original  # the receiver's tensors kept their shapes throughout
         commands.put({"stop": True})
         proc.join(30)

@@ -36,20 +36,20 @@ def test_lora_sends_adapters_only_while_the_engine_keeps_its_base(backend):
         p.start()
         first = sender.send(model, version=1)
         assert q.get(timeout=60)["names"] == [*base, *adapters]
-        assert first.notes["plan"]["send"] == "base_then_adapters"
+        assert first.plan.send == "base_then_adapters"
 
         second = sender.send(model, version=2)
         got = q.get(timeout=60)
         # what crossed the transport: adapters and nothing else
         assert got["names"] == list(adapters)
         assert second.bytes == got["transport_bytes"] == _nbytes(adapters)
-        assert "only the adapters are sent" in second.notes["plan"]["reason"]
+        assert "only the adapters are sent" in second.plan.reason
 
         third = sender.send(model, version=3)
         got = q.get(timeout=60)
         assert got["names"] == [*base, *adapters]
         assert third.bytes == _nbytes(base) + _nbytes(adapters)
-        assert "level-2 sleep" in third.notes["plan"]["reason"]
+        assert "level-2 sleep" in third.plan.reason
         p.join(30)
 
 
@@ -69,8 +69,8 @@ def test_a_planned_sync_announces_exactly_what_its_plan_sends(backend):
         for want in ([*base, *adapters], list(adapters), [*base, *adapters]):
             stats = sender.send(model, version=1)
             got = q.get(timeout=60)
-            assert got["announced"] == got["names"] == want, stats.notes["plan"]["reason"]
-        assert "own check" in stats.notes["plan"]["reason"]
+            assert got["announced"] == got["names"] == want, stats.plan.reason
+        assert "own check" in stats.plan.reason
         p.join(30)
 
 
@@ -88,4 +88,4 @@ def test_auto_bucket_and_onload_with_nothing_offloaded(backend):
         p.join(30)
     assert stats.onload_s == 0.0 and stats.offload_s == 0.0
     assert {n: t.data_ptr() for n, t in module.state_dict().items()} == before
-    assert "least free memory" in stats.notes["bucket"] and stats.bucket_bytes >= 16 << 20
+    assert "least free memory" in stats.bucket_reason and stats.bucket_bytes >= 16 << 20

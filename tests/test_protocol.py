@@ -8,6 +8,7 @@ import msgpack
 import pytest
 
 from hwsync.sync.spec import TensorSpec
+from hwsync.protocol.delta import DeltaField
 from hwsync.protocol import (
     TO_HUB,
     TO_RANK,
@@ -74,10 +75,11 @@ def _example(cls):
             kwargs[f.name] = ["tcp://h:1"]
         elif f.name == "doorbell" and "Map" in kind:
             kwargs[f.name] = DOORBELL
-        elif f.name == "delta" and "Map" in kind:
-            kwargs[f.name] = {"base": "s:1", "next": "s:2", "headers": [["same", "float32", 6, 0, 7]]}
+        elif f.name == "delta" and "DeltaField" in kind:
+            kwargs[f.name] = DeltaField.from_wire({"base": "s:1", "next": "s:2",
+                                                   "headers": [["same", "float32", 6, 0, 7]]})
             if cls.T == "plan":  # a plan with buckets: a full sync of a sender in delta mode
-                kwargs[f.name] = {"base": None, "next": "s:2", "groups": None}
+                kwargs[f.name] = DeltaField(None, "s:2")
         elif kind.startswith(("Map", "dict")):
             kwargs[f.name] = {"k": [1, "v"]}
         else:

@@ -134,12 +134,12 @@ def test_base_goes_once_then_the_adapter_alone_each_step(llm, reference, trainer
         # the state the engine reports goes to the planner as it is: no translation
         predicted = plan_sync(engine_state(sync)["engine"], trainer.model).send
         stats = sync.sync(trainer.model, version=step)
-        assert stats.notes["plan"]["send"] == predicted.value
+        assert stats.plan.send == predicted.value
         if step == 1:
             assert predicted is SendSet.BASE_THEN_ADAPTERS and stats.bytes == base + adapter
         else:  # the prefix cache holds LONG_PROMPT's blocks of the previous version: it was reset
             assert predicted is SendSet.ADAPTERS_ONLY and stats.bytes == adapter
-            assert "its own check confirms them" in stats.notes["plan"]["reason"]
+            assert "its own check confirms them" in stats.plan.reason
         assert_serves(llm, reference, trainer, adapter_dir)
         status = engine_state(sync)
         assert status["lora"]["adapters"]["policy"] == {"id": 1, "version": step, "rank": 8, "loaded": True}
@@ -154,7 +154,7 @@ def test_cpu_sleep_level_2_keeps_the_base_and_the_check_sees_it(llm, reference, 
     assert engine_state(sync)["engine"]["base_intact"] is True
     adapter_dir = trainer.train()
     stats = sync.sync(trainer.model, version=11)
-    assert stats.notes["plan"]["send"] == "adapters_only" and stats.bytes == trainer.nbytes("adapters")
+    assert stats.plan.send == "adapters_only" and stats.bytes == trainer.nbytes("adapters")
     assert_serves(llm, reference, trainer, adapter_dir)
 
 
@@ -171,9 +171,9 @@ def test_a_weight_overwritten_behind_hwsyncs_back_sends_the_base_again(llm, refe
     assert status["engine"]["base_intact"] is False and "input_layernorm" in status["base_check"]
     assert plan_sync(status["engine"], trainer.model).send is SendSet.BASE_THEN_ADAPTERS
     stats = sync.sync(trainer.model, version=21)
-    assert stats.notes["plan"]["send"] == "base_then_adapters"
+    assert stats.plan.send == "base_then_adapters"
     assert stats.bytes == trainer.nbytes("base") + trainer.nbytes("adapters")
-    assert "own check found its base weights changed" in stats.notes["plan"]["reason"]
+    assert "own check found its base weights changed" in stats.plan.reason
     assert_serves(llm, reference, trainer, adapter_dir)
     assert engine_state(sync)["engine"]["base_intact"] is True
 
@@ -189,7 +189,7 @@ def test_a_sync_that_does_not_plan_keeps_no_fingerprint_and_the_next_plan_sends_
     assert status["engine"]["has_base"] is False and "did not plan" in status["base_check"]
     adapter_dir = trainer.train()
     stats = sync.sync(trainer.model, version=72)
-    assert stats.notes["plan"]["send"] == "base_then_adapters"
+    assert stats.plan.send == "base_then_adapters"
     assert_serves(llm, reference, trainer, adapter_dir)
     assert engine_state(sync)["engine"]["base_intact"] is True
 
@@ -223,7 +223,7 @@ def test_a_linear_layer_rewritten_behind_hwsyncs_back_is_seen_through_its_kernel
     assert status["engine"]["base_intact"] is False
     assert status["base_check"].startswith("1 of") and "qkv_proj.base_layer#kernel" in status["base_check"]
     stats = sync.sync(trainer.model, version=31)
-    assert stats.notes["plan"]["send"] == "base_then_adapters"
+    assert stats.plan.send == "base_then_adapters"
     assert_serves(llm, reference, trainer, adapter_dir)
 
 
@@ -248,7 +248,7 @@ def test_a_sync_broken_midway_marks_the_base_mixed_and_the_next_plan_sends_it(ll
         assert "broke while loading base weights" in status["base_check"]
         adapter_dir = trainer.train()
         stats = small.sync(trainer.model, version=62)
-        assert stats.notes["plan"]["send"] == "base_then_adapters"
+        assert stats.plan.send == "base_then_adapters"
         assert_serves(llm, reference, trainer, adapter_dir)
         assert engine_state(small)["engine"]["base_intact"] is True
 
@@ -281,7 +281,7 @@ def test_the_native_backend_plans_too_and_the_adapter_outlives_vllms_reset(llm, 
         native.send_weights("50")  # run alone, this one carries the base too
         adapter_dir = trainer.train()
         stats = native.send_weights("51")
-        assert stats is not None and stats.notes["plan"]["send"] == "adapters_only"
+        assert stats is not None and stats.plan.send == "adapters_only"
         assert stats.bytes == trainer.nbytes("adapters")
         # vLLM's finish_weight_update dropped every adapter (reset_lora_state); hwsync's came back from memory
         assert 1 in llm.llm_engine.list_loras()

@@ -108,11 +108,11 @@ def test_three_consecutive_syncs_each_match(llm, weight_sync, checkpoints, refer
 def test_delta_syncs_match_fresh_engines(llm, checkpoints, references):
     with VllmWeightSync(llm, bucket_bytes=1 << 20, timeout_s=60.0, delta=True) as sync:
         full = sync.sync(checkpoint_tensors(checkpoints["B"]), version=20)  # a new sender: no baseline yet
-        assert full.notes["delta"]["mode"] == "full"
+        assert full.delta.mode == "full"
         _assert_matches(llm, references["B"])
         for version, name in ((21, "E"), (22, "B"), (23, "C")):  # sparse, sparse back, then dense
             stats = sync.sync(checkpoint_tensors(checkpoints[name]), version=version)
-            assert stats.notes["delta"]["mode"] == "delta", stats.notes["delta"]
+            assert stats.delta.mode == "delta", stats.delta
             if name != "C":
                 assert stats.bytes < full.bytes / 10, (stats.bytes, full.bytes)
             _assert_matches(llm, references[name])

@@ -137,9 +137,10 @@ def run_lora_demo(args: argparse.Namespace) -> int:
                     diff = engine.max_logprob_diff(model_prompt_logprobs(peft_model))
                     moved = engine.max_logprob_diff(previous)  # the adapter really changed what the engine serves
                     previous = engine.prompt_logprobs
-                    plan = stats.notes["plan"]
-                    adapter_only = step == 1 or plan["send"] == "adapters_only"
-                    rows.append({"step": step, "reward": reward, "plan": plan["send"], "reason": plan["reason"],
+                    plan = stats.plan
+                    assert plan is not None  # a TrainerModel's sync is planned
+                    adapter_only = step == 1 or plan.send == "adapters_only"
+                    rows.append({"step": step, "reward": reward, "plan": plan.send, "reason": plan.reason,
                                  "bytes": stats.bytes, "full_bytes": full_bytes, "sync_s": sync_s,
                                  "max_abs_dlogprob": diff, "moved": moved,
                                  "ok": diff <= args.tolerance and moved > 0 and adapter_only,

@@ -235,7 +235,7 @@ def bucket_geometry(transport: Transport, device: Device, peers: list[Peer], sta
     if default:  # decided afresh whenever buffers are opened: receivers may have changed
         if geometry and all(p.into for p in peers):
             bucket_bytes, num_buffers = geometry
-            stats.notes["bucket"] = (f"{geometry[0] >> 20} MiB x {geometry[1]} buffers: every receiver copies "
+            stats.bucket_reason = (f"{geometry[0] >> 20} MiB x {geometry[1]} buffers: every receiver copies "
                                      f"into its own tensors, the {transport.name} transport's geometry for that")
         else:
             bucket_bytes, num_buffers = transport.default_bucket_bytes, 2
@@ -245,6 +245,6 @@ def bucket_geometry(transport: Transport, device: Device, peers: list[Peer], sta
     rows = [local_memory(device, rank=0)] + [
         {**p.state["memory"], "rank": i + 1} for i, p in enumerate(peers) if "memory" in p.state]
     choice = choose_bucket_bytes(MemoryReport.from_rows(device.torch_type, rows), num_buffers)
-    stats.notes["bucket"] = choice.reason
+    stats.bucket_reason = choice.reason
     log.info("hwsync bucket size: %s", choice.reason)
     return choice.bucket_bytes, num_buffers

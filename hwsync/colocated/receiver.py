@@ -43,7 +43,7 @@ from hwsync.protocol import PROTOCOL_VERSION, Accept, Bucket, Complete, Done, Fr
 from hwsync.sync.bucket import BucketReader, IntoFn, LoadFn, StartFn
 from hwsync.sync.delta_receiver import ReceiverDeltas
 from hwsync.sync.spec import TensorSpec
-from hwsync.sync.stats import SyncStats
+from hwsync.sync.stats import DeltaStats, SyncStats
 from hwsync.timing import CLOSE_LINGER_S, DEFAULT_TIMEOUT_S, ERROR_LINGER_S
 
 log = logging.getLogger("hwsync")
@@ -183,7 +183,7 @@ class WeightReceiver:
         self._shared.retain(offer.segments, offer.device_segments, transports[offer.transport])
         self._deltas.begin(offer.delta, offer.manifest)  # a delta only on what this receiver holds
         if self._deltas.is_delta:
-            stats.notes["delta_check"] = self._deltas.check
+            stats.delta = DeltaStats("delta", check=self._deltas.check)
         if offer.manifest is not None and check_manifest is not None:
             check_manifest(offer.manifest)
         stats.version = offer.version

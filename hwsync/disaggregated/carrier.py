@@ -31,6 +31,7 @@ from hwsync.disaggregated.plan import CollectivePlan, delta_groups, make_plan
 from hwsync.disaggregated.roster import PeerInfo, this_process
 from hwsync.errors import SyncError, SyncTimeoutError
 from hwsync.protocol import Commit, Go, Joined, Listening, PlanAccept, PlanFrame, RankComplete, Sent, Setup
+from hwsync.protocol.delta import DeltaField
 from hwsync.sizes import DEFAULT_BUCKET_BYTES, DEFAULT_NUM_BUFFERS
 from hwsync.sync.options import CrossNodeOptions
 from hwsync.sync.prepared import Prepared
@@ -140,8 +141,8 @@ class HubCarrier(_RankBase):
             plan = make_plan(sync.stream_manifest, self.bucket_bytes, self.num_senders)
             sizes = [b.nbytes for b in plan.buckets]
         stats.plan_s += time.perf_counter() - t0
-        wire = None if sync.wire is None else {"base": sync.wire["base"] if groups else None,
-                                               "next": sync.wire["next"], "groups": groups}
+        wire = None if sync.wire is None else DeltaField(sync.wire.base if groups else None, sync.wire.next,
+                                                         groups=groups)
         # the receivers' states travel with the plan: every sender rank resolves its source from them alike
         assert group.epoch is not None
         hub.send(plan.frame(**this_process(), epoch=group.epoch, version=version,
@@ -257,7 +258,7 @@ class RankCarrier(_RankBase):
         source for a delta, which sender 0 sends alone."""
         frame = self._frame
         assert frame is not None and sync.source is not None and sync.uncast is not None
-        if frame.delta is not None and frame.delta.get("groups") is not None:
+        if frame.delta is not None and frame.delta.groups is not None:
             self.group.walk(sync.uncast)
         else:
             self.group.stream(CollectivePlan.from_frame(frame), sync.source, stats)

@@ -14,6 +14,7 @@ from typing import Any
 
 from hwsync.errors import ManifestError
 from hwsync.protocol import BucketSpec, Entry, PlanFrame
+from hwsync.protocol.delta import DeltaField
 from hwsync.sync.bucket import BucketPacker, Closed
 from hwsync.sync.spec import TensorSpec
 
@@ -48,7 +49,7 @@ class CollectivePlan:
         return out
 
     def frame(self, *, pid: int, host: str, epoch: int, version: int, state: dict[str, Any],
-              delta: dict[str, Any] | None = None) -> PlanFrame:
+              delta: DeltaField | None = None) -> PlanFrame:
         """The PlanFrame that announces this plan."""
         return PlanFrame(pid=pid, host=host, epoch=epoch, version=version, bucket_bytes=self.bucket_bytes,
                          num_senders=self.num_senders, manifest=self.manifest, buckets=self.buckets, state=state,

@@ -40,7 +40,7 @@ from hwsync.sizes import DEFAULT_NUM_BUFFERS, MIN_NUM_BUFFERS
 from hwsync.sync.bucket import BucketReader, IntoFn, LoadFn, StartFn
 from hwsync.sync.delta_receiver import ApplyDelta, Applying, ReceiverDeltas
 from hwsync.sync.spec import TensorSpec
-from hwsync.sync.stats import SyncStats
+from hwsync.sync.stats import DeltaStats, SyncStats
 from hwsync.timing import DEFAULT_TIMEOUT_S, FAILED_JOIN_S, WORKER_JOIN_S
 
 log = logging.getLogger("hwsync")
@@ -119,7 +119,7 @@ class CrossNodeReceiver:
             targets = plan.manifest  # a delta sync's too: its payloads stream in groups of these, not in buckets
             self._deltas.begin(frame.delta, targets)  # a delta only on what this receiver holds
             if self._deltas.is_delta:
-                stats.notes["delta_check"] = self._deltas.check
+                stats.delta = DeltaStats("delta", check=self._deltas.check)
             if check_manifest is not None:
                 check_manifest(targets)
             if on_start is not None:
@@ -129,7 +129,8 @@ class CrossNodeReceiver:
             link.next((Go,), "waiting for sender 0's go", self._worker)
             load, into = self._deltas.intake(load, into, self.backend.device())
             if isinstance(load, ApplyDelta) and frame.delta is not None:
-                self._stream_groups(plan, frame.delta["groups"], load, stats)
+                assert frame.delta.groups is not None  # a delta plan streams groups (checked on decode)
+                self._stream_groups(plan, frame.delta.groups, load, stats)
             else:
                 self._stream(plan, load, into, stats)
             if on_done is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import field
 
-from hwsync.protocol.delta import check_delta
+from hwsync.protocol.delta import DeltaField, check_delta
 from hwsync.protocol.fields import BadFrame, Count, Frame, Map, frame
 from hwsync.protocol.layout import (
     DeviceRef,
@@ -135,7 +135,7 @@ class Offer(Frame):
     #: a sender in delta mode: the baseline this sync applies on and makes, and each tensor's delta header
     #: (hwsync.protocol.delta); the manifest then names the tensors as receivers hold them, the buckets
     #: carry their payloads
-    delta: Map | None
+    delta: DeltaField | None
     #: ids of the device segments the sender still shares and knows this receiver maps (hwsync.colocated.mapped):
     #: the receiver unmaps the others (those of a failed sync too, which the sender released)
     device_segments: list[Count] = field(default_factory=list)

@@ -29,7 +29,7 @@ leaves the two counting different syncs.
 
 from __future__ import annotations
 
-from hwsync.protocol.delta import check_plan_delta
+from hwsync.protocol.delta import DeltaField, check_plan_delta
 from hwsync.protocol.fields import BadFrame, Count, Frame, Map, frame
 from hwsync.protocol.layout import BucketSpec
 from hwsync.sync.spec import TensorSpec
@@ -158,7 +158,7 @@ class PlanFrame(Frame):
     state: Map
     #: a sender in delta mode (hwsync.protocol.delta): a delta sync has groups of the manifest's tensors instead of
     #: buckets, streamed by sender 0
-    delta: Map | None = None
+    delta: DeltaField | None = None
     #: the hub's sync id (Hub.send and Link.send fill it in)
     sync: Count = 0
 

@@ -45,9 +45,11 @@ class BadFrame(ProtocolError):
 
 
 def value_to_wire(value: Any) -> Any:
-    """A field's wire form: lists of layout objects become lists of their wire lists."""
+    """A field's wire form: a layout object (one, or a list of them) becomes its wire value."""
     if isinstance(value, (list, tuple)) and value and hasattr(value[0], "to_wire"):
         return [v.to_wire() for v in value]
+    if hasattr(value, "to_wire"):
+        return value.to_wire()
     return value
 
 

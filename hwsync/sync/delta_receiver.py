@@ -40,6 +40,7 @@ from hwsync.delta.digest import tensor_digest
 from hwsync.delta.header import BITMAP, BLOCKS, DENSE, SAME, STEPS, DeltaHeader, headers_from_words
 from hwsync.delta.patch import BaseMismatch, apply_into, verify
 from hwsync.errors import DeltaCheckError, ManifestError, ProtocolError
+from hwsync.protocol.delta import DeltaField
 from hwsync.sync.bucket import IntoFn, LoadFn, matching_destination
 from hwsync.sync.spec import TensorSpec, dtype_from_name, dtype_name
 
@@ -72,7 +73,7 @@ class ReceiverDeltas:
         #: the baseline id of the last sync this receiver completed and checked, or None
         self.held: str | None = None
         self._kept: dict[str, torch.Tensor] = {}
-        self._wire: Mapping[str, Any] | None = None
+        self._wire: DeltaField | None = None
         self._headers: dict[str, DeltaHeader] = {}
         self._targets: dict[str, TensorSpec] = {}
         self._delta = False
@@ -91,7 +92,7 @@ class ReceiverDeltas:
         """What goes into the receiver's state for the sender: the id it holds (nothing when none)."""
         return {"held": self.held} if self.held is not None else {}
 
-    def begin(self, wire: Mapping[str, Any] | None, targets: list[TensorSpec] | None) -> None:
+    def begin(self, wire: DeltaField | None, targets: list[TensorSpec] | None) -> None:
         """A sync starts; `wire` is its offer's or plan's delta field. Whatever it was, nothing is held until it
         completes. A delta's headers come with it (an offer) or group by group (`announce`: a streamed plan)."""
         self._settle()  # the digests of the last full sync, taken before anything is written again
@@ -99,22 +100,21 @@ class ReceiverDeltas:
         self._headers, self._targets, self._delta = {}, {}, False
         if wire is not None:  # a sender in delta mode: deltas will follow; their kernels load on a thread of their own
             warm.start()
-        if wire is None or wire["base"] is None:
+        if wire is None or wire.base is None:
             self._digests, self._since_full = {}, 0  # what a full sync writes is digested once it completes
             if wire is None:
                 self._kept = {}  # the sender left delta mode: its baseline copies go
             return  # a full sync of a sender in delta mode: keep copies of what goes to load
-        if wire["base"] != held:
-            raise ProtocolError(f"the sender sent a delta from {wire['base']!r}, but this receiver holds "
+        if wire.base != held:
+            raise ProtocolError(f"the sender sent a delta from {wire.base!r}, but this receiver holds "
                                 f"{held!r}; refused (the sender's next sync is full)")
-        headers = wire.get("headers")
-        if targets is None or (headers is None and wire.get("groups") is None) or \
+        headers = wire.headers
+        if targets is None or (headers is None and wire.groups is None) or \
                 (headers is not None and len(targets) != len(headers)):
             raise ProtocolError("a delta sync must announce every tensor it changes, with a header each")
         self._targets, self._delta = {spec.name: spec for spec in targets}, True
         self._full = not self._digests or self._since_full + 1 >= full_check_every()
-        for spec, raw in zip(targets, headers or []):
-            header = DeltaHeader.from_wire(raw, spec.name)
+        for spec, header in zip(targets, headers or []):
             if header.dtype != spec.dtype or header.numel != _numel(spec.shape):
                 raise ProtocolError(f"{spec.name}: its delta header says {header.numel} {header.dtype} elements, its "
                                     f"announcement {spec.dtype} of shape {list(spec.shape)}")
@@ -210,7 +210,7 @@ class ReceiverDeltas:
     def complete(self) -> None:
         """The sync completed and every tensor checked out: this receiver holds the sender's new baseline."""
         if self._wire is not None:
-            self.held = self._wire["next"]
+            self.held = self._wire.next
         if self._delta:
             self._since_full = 0 if self._full else self._since_full + 1
         if self._wire is not None and not self._delta:

@@ -36,13 +36,14 @@ from hwsync.delta.header import DENSE, DeltaHeader
 from hwsync.delta.patch import advance
 from hwsync.delta.room import RESERVE_SHARE, PayloadRoom
 from hwsync.errors import DuplicateTensorError, ManifestError
+from hwsync.protocol.delta import DeltaField
 from hwsync.sync.casting import EngineDtypes
 from hwsync.sync.delta_baseline import Baseline
 from hwsync.sync.encode_ahead import EncodeAhead, Job
 from hwsync.sync.planner import EngineState
 from hwsync.sync.prepared import Prepared
 from hwsync.sync.spec import NamedTensors, TensorSpec, dtype_from_name, dtype_name, named_tensor
-from hwsync.sync.stats import SyncStats
+from hwsync.sync.stats import DeltaStats, SyncStats
 
 log = logging.getLogger("hwsync")
 
@@ -70,13 +71,13 @@ class SenderDeltas:
         self._count = 0
         self.base_id: str | None = None
         #: the stats note of the sync running (what owning the caller's bytes cost goes in at commit)
-        self._note: dict[str, Any] | None = None
+        self._note: DeltaStats | None = None
         #: why the next sync cannot be a delta though every receiver may hold the baseline
         self._lost = "the first sync: no baseline yet"
         #: threads that encode tensors side by side (the trainer waits for the sync meanwhile)
         self.threads = max(1, min(4, os.cpu_count() or 1))
         self._pending: Prepared | None = None
-        self._next: str | None = None
+        self._next = ""  # the id this sync makes (set at each prepare)
         #: a sync asked for a delta: from then on the sender keeps a baseline
         self.active = False
         #: the thread that writes a committed sync's changes into the baseline, and its last job
@@ -146,20 +147,18 @@ class SenderDeltas:
             self._pending = Prepared(dtypes.pairs(pairs), dtypes.manifest(manifest), dtypes.manifest(manifest), None)
             return self._pending
         use, reason = self.decide(states) if delta else (False, "this sync asked for a full sync (delta=False)")
-        note: dict[str, Any] = {"mode": "delta" if use else "full", "reason": reason,
-                                "base": self.base_id if use else None}
-        stats.notes["delta"] = self._note = note
+        note = DeltaStats("delta" if use else "full", reason, self.base_id if use else None)
+        stats.delta = self._note = note
         if not use:
             self.base_id, self.baseline.digests = None, {}  # overwritten while this full sync streams
             self._lost = "the last full sync did not complete, and the baseline was overwritten while it streamed"
             targets = dtypes.manifest(manifest)
-            self._pending = Prepared(self._keep(pairs, dtypes), targets, targets,
-                                     {"base": None, "next": self._next, "headers": None})
+            self._pending = Prepared(self._keep(pairs, dtypes), targets, targets, DeltaField(None, self._next))
         else:
             self._pending = self._encode(pairs, dtypes, manifest, note, streamed)
-        note["baseline_bytes"] = self.baseline_bytes  # with the spares
-        note["room_bytes"] = self.room.held_bytes
-        note["spare_bytes"] = self.baseline.spare_bytes
+        note.baseline_bytes = self.baseline_bytes  # with the spares
+        note.room_bytes = self.room.held_bytes
+        note.spare_bytes = self.baseline.spare_bytes
         return self._pending
 
     def _keep(self, pairs: Iterable[tuple[str, torch.Tensor]], dtypes: EngineDtypes
@@ -179,27 +178,26 @@ class SenderDeltas:
             yield name, kept if cast_here else dtypes.cast(name, tensor)
 
     def _encode(self, pairs: NamedTensors, dtypes: EngineDtypes, manifest: list[TensorSpec] | None,
-                note: dict[str, Any], streamed: bool) -> Prepared:
+                note: DeltaStats, streamed: bool) -> Prepared:
         """Every tensor against the baseline: up front (payloads, their manifest and headers announced before the
         stream), or `streamed` (the encodes run as the stream asks for them; headers travel with their group)."""
-        wire: dict[str, Any] = {"base": self.base_id, "next": self._next, "headers": None}
         if streamed:
             targets = dtypes.manifest(manifest)
             if targets is None:
                 raise ValueError("a streamed delta sync needs the manifest before the first tensor")
-            prepared = Prepared(None, None, targets, wire)
+            prepared = Prepared(None, None, targets, DeltaField(self.base_id, self._next))
             prepared.encoded = self._ahead(pairs, dtypes, note, prepared, targets)  # the encodes start now
             return prepared
-        prepared = Prepared(None, [], [], wire)
+        prepared = Prepared(None, [], [], None)
         found = list(self._ahead(pairs, dtypes, note, prepared, None))
         assert prepared.stream_manifest is not None and prepared.targets is not None
         prepared.source = [(spec.name, delta.payload) for spec, delta in found]
         prepared.stream_manifest += [TensorSpec(spec.name, "uint8", (delta.payload.numel(),)) for spec, delta in found]
         prepared.targets += [spec for spec, _ in found]
-        wire["headers"] = [delta.header.to_wire() for _, delta in found]
+        prepared.wire = DeltaField(self.base_id, self._next, [delta.header for _, delta in found])
         return prepared
 
-    def _ahead(self, pairs: NamedTensors, dtypes: EngineDtypes, note: dict[str, Any], prepared: Prepared,
+    def _ahead(self, pairs: NamedTensors, dtypes: EngineDtypes, note: DeltaStats, prepared: Prepared,
                targets: list[TensorSpec] | None) -> EncodeAhead:
         """Each tensor's (target, delta) in source order, the encodes started now and run ahead of the reader."""
         return EncodeAhead(self._jobs(pairs, dtypes, targets), self._encoders(), prepared.deltas, note,
@@ -282,7 +280,7 @@ class SenderDeltas:
             return
         shapes = {spec.name: spec for spec in pending.targets or []}
         if self._note is not None:  # what owning the caller's bytes cost this sync (bench delta prints it)
-            self._note["owned_bytes"], self._note["owned_s"] = self.baseline.owned
+            self._note.owned_bytes, self._note.owned_s = self.baseline.owned
         baseline = self.baseline
         moves, strays = [], []
         for name, found in pending.deltas.items():

@@ -20,6 +20,7 @@ from hwsync.delta.diff import Delta
 from hwsync.delta.header import CODES
 from hwsync.errors import ManifestError
 from hwsync.sync.spec import TensorSpec
+from hwsync.sync.stats import DeltaStats
 
 #: bytes of target tensors whose encodes may run ahead of the reader (4 default buckets)
 AHEAD_BYTES = 128 << 20
@@ -37,14 +38,14 @@ class EncodeAhead:
     """
 
     def __init__(self, jobs: Iterator[Job], pool: ThreadPoolExecutor, deltas: dict[str, Delta],
-                 note: dict[str, Any], *, expected: int | None, min_jobs: int, ahead_bytes: int = AHEAD_BYTES) -> None:
+                 note: DeltaStats, *, expected: int | None, min_jobs: int, ahead_bytes: int = AHEAD_BYTES) -> None:
         self._jobs: Iterator[Job] | None = jobs
         self._pool, self._deltas, self._note = pool, deltas, note
         self._expected, self._min_jobs, self._ahead_bytes = expected, min_jobs, ahead_bytes
         self._window: deque[tuple[TensorSpec, Future[Delta]]] = deque()
         self._ahead = 0
         self._changed = self._total = 0
-        note.update(diff_s=0.0, density=0.0, wire_bytes=0, codes=dict.fromkeys(CODES, 0))
+        note.diff_s, note.density, note.wire_bytes, note.codes = 0.0, 0.0, 0, dict.fromkeys(CODES, 0)
         try:
             self._fill()
         except BaseException:
@@ -84,10 +85,10 @@ class EncodeAhead:
         self._changed += found.changed if found.changed is not None else found.header.numel
         self._total += found.header.numel
         note = self._note
-        note["codes"][found.header.code] += 1
-        note.update(diff_s=note["diff_s"] + time.perf_counter() - t0,
-                    density=self._changed / self._total if self._total else 0.0,
-                    wire_bytes=note["wire_bytes"] + found.payload.numel())
+        note.codes[found.header.code] += 1
+        note.diff_s += time.perf_counter() - t0
+        note.density = self._changed / self._total if self._total else 0.0
+        note.wire_bytes += found.payload.numel()
         return spec, found
 
     def _check_count(self) -> None:

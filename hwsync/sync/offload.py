@@ -18,30 +18,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from hwsync.backend.interfaces import Device
 from hwsync.errors import HwsyncError
-from hwsync.sync.stats import SyncStats
-
-
-@dataclass
-class OnloadStats:
-    """What one onload/offload moved and how long each direction took (seconds)."""
-
-    device: str
-    onload_s: float = 0.0
-    offload_s: float = 0.0
-    tensors_moved: int = 0
-    bytes_onloaded: int = 0
-    bytes_offloaded: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain values for logs and SyncStats."""
-        return dict(vars(self))
+from hwsync.sync.stats import OnloadStats, SyncStats
 
 
 def _resolve_device(device: torch.device | str | None, api: Device) -> torch.device:
@@ -182,4 +164,4 @@ def onload_during(params: torch.nn.Module | Iterable[torch.Tensor] | None, devic
     with onload(params, backend_device=device) as moved:
         yield
     stats.onload_s, stats.offload_s = moved.onload_s, moved.offload_s
-    stats.notes["onload"] = moved.to_dict()
+    stats.onload = moved

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hwsync.sync.spec import NamedTensors, TensorSpec
 
 if TYPE_CHECKING:  # a full sync never imports the delta code
     from hwsync.delta.diff import Delta
+    from hwsync.protocol.delta import DeltaField
     from hwsync.sync.encode_ahead import EncodeAhead
 
 
@@ -23,8 +24,8 @@ class Prepared:
     stream_manifest: list[TensorSpec] | None
     #: the tensors the receivers end up holding (names, the engine's dtypes, shapes), or None
     targets: list[TensorSpec] | None
-    #: the Offer's / PlanFrame's `delta` field: {"base", "next", "headers"}; None outside delta mode
-    wire: dict[str, Any] | None
+    #: the Offer's delta field (a PlanFrame's is made from it); None outside delta mode
+    wire: DeltaField | None
     deltas: dict[str, Delta] = field(default_factory=dict)
     #: a streamed delta: each target's (spec, delta) in order, encoded as it is asked for
     encoded: EncodeAhead | None = None
@@ -34,5 +35,5 @@ class Prepared:
     @property
     def is_delta(self) -> bool:
         """Whether this sync sends deltas (the receivers apply them on the baseline they hold)."""
-        return self.wire is not None and self.wire["base"] is not None and self.wire["next"] is not None \
-            and (self.wire["headers"] is not None or self.encoded is not None)
+        return self.wire is not None and self.wire.base is not None \
+            and (self.wire.headers is not None or self.encoded is not None)

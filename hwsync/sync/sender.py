@@ -32,7 +32,7 @@ from hwsync.sync.options import SenderOptions
 from hwsync.sync.planner import TrainerModel, plan_for_engines
 from hwsync.sync.prepared import Prepared
 from hwsync.sync.spec import NamedTensors, TensorSource, TensorSpec, with_manifest
-from hwsync.sync.stats import SyncStats
+from hwsync.sync.stats import PlanStats, SyncStats
 
 if TYPE_CHECKING:  # made at the first sync that asks for a delta: a full sync never imports it
     from hwsync.sync.delta_sender import SenderDeltas
@@ -84,13 +84,14 @@ class Carrier(Protocol):
 def resolve_source(source: TensorSource | TrainerModel, states: Sequence[Mapping[str, Any]],
                    manifest: list[TensorSpec] | None, stats: SyncStats) -> tuple[NamedTensors, list[TensorSpec] | None]:
     """What one sync sends, for either sender: a TrainerModel is planned against every receiver's reported state
-    (its reason in stats.notes["plan"]), a callable is called with the first receiver's state, anything else is the
+    (its reason in stats.plan), a callable is called with the first receiver's state, anything else is the
     (name, tensor) pairs themselves; with the manifest that announces them (the caller's wins)."""
     if isinstance(source, TrainerModel):
         t0 = time.perf_counter()
         plan = plan_for_engines([state.get("engine") for state in states] or [None], source)
         stats.plan_s = time.perf_counter() - t0
-        stats.notes["plan"] = plan.to_dict()
+        summary = plan.to_dict()
+        stats.plan = PlanStats(summary["send"], summary["mode"], summary["reason"], summary["engine"])
         log.info("hwsync plan: %s", plan.reason)
         return plan.tensors(), plan.manifest() if manifest is None else manifest
     if callable(source):

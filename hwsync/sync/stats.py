@@ -1,9 +1,71 @@
-"""SyncStats: what one sync moved and where its time went."""
+"""SyncStats: what one sync moved and where its time went; what its plan, its onload and its delta did."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+
+@dataclass
+class DeltaStats:
+    """What a sync of a sender in delta mode did: full or delta and why, what it sent and what that cost.
+
+    On a receiver only `mode` and `check` are set."""
+
+    #: "delta" (only what changed) or "full"
+    mode: str
+    #: why: "every receiver holds ... complete", or what made the sync full
+    reason: str = ""
+    #: the baseline id the delta applied on (None for a full sync)
+    base: str | None = None
+    #: the share of elements that changed (of the tensors encoded so far; 1.0 where dense won early)
+    density: float = 0.0
+    #: bytes of payloads the delta sent
+    wire_bytes: int = 0
+    #: tensors sent in each code: same, dense, block, bitmap, step
+    codes: dict[str, int] = field(default_factory=dict)
+    #: seconds the sender waited for its encodes
+    diff_s: float = 0.0
+    #: memory the baseline holds, with the spares
+    baseline_bytes: int = 0
+    #: host memory the payloads are written into, kept across syncs
+    room_bytes: int = 0
+    #: memory kept for the next dense copies (the tensors the last dense deltas replaced)
+    spare_bytes: int = 0
+    #: bytes copied so that the sync owns what the caller may change once send() returns, and the seconds it took
+    owned_bytes: int = 0
+    owned_s: float = 0.0
+    #: a receiver's: how it checked the results ("changed elements", "whole tensors")
+    check: str | None = None
+
+
+@dataclass
+class PlanStats:
+    """What a TrainerModel's plan decided for one sync: what it sends, in which mode, and why."""
+
+    #: the parts sent: "full", "adapters_only", "base_then_adapters", ...
+    send: str
+    #: the model's mode: "full", "merged_lora", "unmerged_lora"
+    mode: str
+    reason: str
+    #: the engine state the plan was made from (EngineState.to_dict()), or None
+    engine: dict[str, Any] | None = None
+
+
+@dataclass
+class OnloadStats:
+    """What one onload/offload moved and how long each direction took (seconds)."""
+
+    device: str
+    onload_s: float = 0.0
+    offload_s: float = 0.0
+    tensors_moved: int = 0
+    bytes_onloaded: int = 0
+    bytes_offloaded: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values for logs."""
+        return dict(vars(self))
 
 
 @dataclass
@@ -31,7 +93,15 @@ class SyncStats:
     total_s: float = 0.0
     #: the receiver's own figures, as it reported them (sender side only)
     peer: dict[str, Any] = field(default_factory=dict)
-    #: free-form notes: the plan's reason, the bucket size choice, ...
+    #: a sender in delta mode: whether this sync was a delta, why, and what it cost (a receiver: how it checked)
+    delta: DeltaStats | None = None
+    #: a TrainerModel's plan for this sync
+    plan: PlanStats | None = None
+    #: what onload= moved
+    onload: OnloadStats | None = None
+    #: why the buckets have the size they have, where hwsync chose it
+    bucket_reason: str | None = None
+    #: other figures of one path or another (the buffer pool's choice, mapped segments, a collective's share)
     notes: dict[str, Any] = field(default_factory=dict)
 
     @property

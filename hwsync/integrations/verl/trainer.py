@@ -233,5 +233,5 @@ def metrics(stats: list[SyncStats], walk: Walk, sender: CrossNodeSender, place: 
             PREFIX + "syncs": float(len(stats)), PREFIX + "bucket_bytes": float(stats[-1].bucket_bytes if stats else 0),
             PREFIX + "num_senders": float(place.num_senders), PREFIX + "num_receivers": float(place.num_receivers),
             PREFIX + "group_epoch": float(sender.group_epoch or 0),
-            PREFIX + "delta_syncs": float(sum(1 for s in stats if s.notes.get("delta", {}).get("mode") == "delta"))}
+            PREFIX + "delta_syncs": float(sum(1 for s in stats if s.delta is not None and s.delta.mode == "delta"))}
     return out

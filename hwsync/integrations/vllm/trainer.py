@@ -10,7 +10,7 @@ Trainer side, one object per engine, kept across steps (its sender's buffers are
 What `sync()` takes is normalised by sources.py (an HF module goes under its checkpoint's
 names, a vLLM WeightSource as it says). A planner `TrainerModel` is planned by the sender
 against each worker's reported state (the base only when the engine lacks it; the plan and its
-reason in `stats.notes["plan"]`); an unmerged LoRA one (`LoraTrainerModel`, e.g. from
+reason in `stats.plan`); an unmerged LoRA one (`LoraTrainerModel`, e.g. from
 hwsync.integrations.peft) delivers its adapter from memory, served to `lora_request(adapter)`.
 `sync()` starts `hwsync_receive` on every worker through `collective_rpc` (on a thread, since it
 blocks), drives the WeightSender meanwhile, resets the engine's prefix cache (cached KV blocks were
