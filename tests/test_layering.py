@@ -1,5 +1,6 @@
 """The layout's rules: the core names no vendor runtime, never imports the commands or the integrations,
-has no import cycle, and no file grows past what a reader takes in at once."""
+has no import cycle, backends import hwsync only through its backend door, and no file grows past what a
+reader takes in at once."""
 
 import ast
 import re
@@ -11,6 +12,10 @@ FORBIDDEN = re.compile(r"torch\.cuda|torch\.npu|torch_npu")
 #: the parts of hwsync/ that are not the core: the core may not import them
 OUTSIDE_CORE = ("hwsync.cli", "hwsync.integrations")
 MAX_LINES = 500
+#: the backend door: the one hwsync module a backend imports, and only the names in its __all__
+DOOR = "hwsync.backend"
+#: the backends' packages: the in-tree distributions and the test plugins (each a backend; not build/ copies)
+BACKEND_PACKAGES = ("backends/*/hwsync_*", "tests/plugins/*/hwsync_*")
 
 
 def _modules() -> dict[str, Path]:
@@ -132,3 +137,68 @@ def test_no_file_is_too_long():
             for p in sorted(list(CORE.rglob("*.py")) + list((ROOT / "backends").rglob("*.py")))
             if (n := len(p.read_text().splitlines())) > MAX_LINES]
     assert not long, f"files over {MAX_LINES} lines (split them by what they do):\n" + "\n".join(long)
+
+
+def _door_names() -> set[str]:
+    """The names in the door's `__all__`, read from its source."""
+    for node in ast.parse((CORE / "backend" / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("hwsync/backend/__init__.py has no `__all__ = [...]`: the door's names are its contract")
+
+
+def _is_hwsync(module: str) -> bool:
+    return module == "hwsync" or module.startswith("hwsync.")
+
+
+def _past_the_door(source: str, door: set[str]) -> list[str]:
+    """Each import of hwsync in `source` other than `from hwsync.backend import <a name in its __all__>`: at
+    module level, inside a function, under TYPE_CHECKING, or through importlib.import_module / __import__."""
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            bad += [f"{node.lineno}: import {a.name}" for a in node.names if _is_hwsync(a.name)]
+        elif isinstance(node, ast.ImportFrom) and not node.level and _is_hwsync(node.module or ""):
+            outside = [a.name for a in node.names if node.module != DOOR or a.name not in door]
+            if outside:
+                bad.append(f"{node.lineno}: from {node.module} import {', '.join(outside)}")
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str) and _is_hwsync(node.args[0].value)
+              and ast.unparse(node.func).rpartition(".")[2] in ("import_module", "__import__")):
+            bad.append(f"{node.lineno}: {ast.unparse(node)}")
+    return bad
+
+
+def _backend_files() -> list[Path]:
+    return sorted(f for pattern in BACKEND_PACKAGES for package in ROOT.glob(pattern) if package.is_dir()
+                  for f in package.rglob("*.py"))
+
+
+def test_backends_import_hwsync_only_through_the_door():
+    """A backend's contract is the door's list of names: the core may move a module without breaking one."""
+    files = _backend_files()
+    assert {f.relative_to(ROOT).parts[:2] for f in files} >= {
+        ("backends", "cpu"), ("backends", "cuda"), ("backends", "npu"), ("tests", "plugins")}
+    door = _door_names()
+    bad = [f"{f.relative_to(ROOT)}:{hit}" for f in files for hit in _past_the_door(f.read_text(), door)]
+    assert not bad, (f"backends import hwsync past its door (import those names `from {DOOR} import ...`, adding "
+                     "them to its __all__ where missing):\n" + "\n".join(bad))
+
+
+def test_the_door_check_can_fail():
+    door = {"Backend", "Device"}
+    assert not _past_the_door("from hwsync.backend import Backend, Device\nimport hwsync_cpu\n", door)
+    assert _past_the_door("from hwsync.backend.interfaces import Backend\n", door)
+    assert _past_the_door("from hwsync.backend import communicator\n", door)  # a module, not a door name
+    assert _past_the_door("import hwsync\n", door)
+    assert _past_the_door("def f():\n    from hwsync.errors import HwsyncError\n", door)  # lazy
+    assert _past_the_door("if TYPE_CHECKING:\n    from hwsync.sync.spec import TensorSpec\n", door)
+    assert _past_the_door("import importlib\nimportlib.import_module('hwsync.control.nic')\n", door)
+
+
+def test_every_door_name_resolves():
+    import hwsync.backend
+
+    assert set(hwsync.backend.__all__) == _door_names()
+    missing = [name for name in hwsync.backend.__all__ if not hasattr(hwsync.backend, name)]
+    assert not missing, f"hwsync.backend lists names it does not define: {missing}"

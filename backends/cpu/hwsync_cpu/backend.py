@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from hwsync.backend.communicator import ProcessGroupCommunicator
-from hwsync.backend.interfaces import Backend, Communicator, Device, Transport
-from hwsync.backend.shm import ShmTransport
-from hwsync.control.nic import Nic
-from hwsync.timing import GROUP_TIMEOUT_S
+from hwsync.backend import (
+    GROUP_TIMEOUT_S,
+    Backend,
+    Communicator,
+    Device,
+    Nic,
+    ProcessGroupCommunicator,
+    ShmTransport,
+    Transport,
+)
 from hwsync_cpu.device import CpuDevice
 from hwsync_cpu.gloo import GLOO_REDUCE_DTYPES, gloo_factory
 

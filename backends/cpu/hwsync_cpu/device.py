@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 
-from hwsync.backend.interfaces import Device, ProbeResult
+from hwsync.backend import Device, ProbeResult
 
 
 def _meminfo() -> dict[str, int]:

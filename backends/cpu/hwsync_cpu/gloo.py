@@ -9,8 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from hwsync.backend.communicator import GroupFactory
-from hwsync.control.nic import Nic
+from hwsync.backend import GroupFactory, Nic
 
 log = logging.getLogger("hwsync")
 

@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import torch
 
-from hwsync.backend.communicator import ProcessGroupCommunicator
-from hwsync.backend.device_shm import DeviceShmTransport
-from hwsync.backend.interfaces import Backend, Communicator, Device, Transport
-from hwsync.control.nic import Nic
-from hwsync.errors import HwsyncError
-from hwsync.timing import GROUP_TIMEOUT_S
+from hwsync.backend import (
+    GROUP_TIMEOUT_S,
+    Backend,
+    Communicator,
+    Device,
+    DeviceShmTransport,
+    HwsyncError,
+    Nic,
+    ProcessGroupCommunicator,
+    Transport,
+)
 from hwsync_cuda.device import CudaDevice
 from hwsync_cuda.ipc import CudaIpcTransport
 from hwsync_cuda.nccl import NCCL_REDUCE_DTYPES, nccl_group, nccl_interface, nccl_missing_reason

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from hwsync.backend.interfaces import Device, ProbeResult
+from hwsync.backend import Device, ProbeResult
 
 VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 UUID_PREFIX = "GPU-"

@@ -36,10 +36,17 @@ from typing import Any
 
 import torch
 
-from hwsync.backend.exports import ReceiverExports
-from hwsync.backend.interfaces import DeviceSegments, Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
-from hwsync.backend.ipc_counters import release_if_held
-from hwsync.errors import HwsyncError
+from hwsync.backend import (
+    DeviceSegments,
+    Handles,
+    HwsyncError,
+    ProbeResult,
+    ReceiveBuffers,
+    ReceiverExports,
+    SendBuffers,
+    Transport,
+    release_if_held,
+)
 from hwsync_cuda.device import CudaDevice, device_uuid, expandable_segments_reason
 from hwsync_cuda.segments import CudaDeviceSegments
 

@@ -13,9 +13,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from hwsync.backend.communicator import claim_interface_env
-from hwsync.control.nic import Nic
-from hwsync.errors import HwsyncError
+from hwsync.backend import HwsyncError, Nic, claim_interface_env
 from hwsync_cuda.device import device_uuid
 
 # What ProcessGroupNCCL reduces natively (ncclInt8/Uint8/Int32/Int64/Float16/Bfloat16/Float32/

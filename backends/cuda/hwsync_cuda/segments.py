@@ -29,10 +29,7 @@ from typing import Any, cast
 
 import torch
 
-from hwsync.backend.interfaces import Record, SegmentPlace
-from hwsync.backend.ipc_counters import release_if_held
-from hwsync.backend.segments import AllocatorSegments
-from hwsync.errors import HwsyncError
+from hwsync.backend import AllocatorSegments, HwsyncError, Record, SegmentPlace, release_if_held
 
 KIND = "cuda_segment"
 _BYTES_FIELDS = ("handle", "ref_counter_handle")

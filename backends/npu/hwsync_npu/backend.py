@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from hwsync.backend.communicator import ProcessGroupCommunicator
-from hwsync.backend.device_shm import DeviceShmTransport
-from hwsync.backend.interfaces import Backend, Communicator, Device, ProbeResult, Transport
-from hwsync.control.nic import Nic
-from hwsync.timing import GROUP_TIMEOUT_S
+from hwsync.backend import (
+    GROUP_TIMEOUT_S,
+    Backend,
+    Communicator,
+    Device,
+    DeviceShmTransport,
+    Nic,
+    ProbeResult,
+    ProcessGroupCommunicator,
+    Transport,
+)
 from hwsync_npu.device import NpuDevice, npu_device
 from hwsync_npu.hccl import hccl_group, hccl_interface, hccl_reduce_dtypes
 from hwsync_npu.ipc import NpuIpcTransport

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hwsync.backend.interfaces import Device, ProbeResult
+from hwsync.backend import Device, ProbeResult
 from hwsync_npu.api import import_torch_npu, torch_npu_installed
 from hwsync_npu.host_register import HostPinning, HostRegister, open_host_pinning
 from hwsync_npu.preimport import NOTE_ENV

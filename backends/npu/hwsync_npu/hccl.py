@@ -32,9 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hwsync.backend.communicator import claim_interface_env
-from hwsync.control.nic import Nic
-from hwsync.errors import HwsyncError
+from hwsync.backend import HwsyncError, Nic, claim_interface_env
 from hwsync_npu.api import import_torch_npu
 
 log = logging.getLogger("hwsync")

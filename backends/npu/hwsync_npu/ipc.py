@@ -26,10 +26,17 @@ from typing import Any
 
 import torch
 
-from hwsync.backend.exports import ReceiverExports
-from hwsync.backend.interfaces import DeviceSegments, Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
-from hwsync.backend.ipc_counters import release_if_held
-from hwsync.errors import HwsyncError
+from hwsync.backend import (
+    DeviceSegments,
+    Handles,
+    HwsyncError,
+    ProbeResult,
+    ReceiveBuffers,
+    ReceiverExports,
+    SendBuffers,
+    Transport,
+    release_if_held,
+)
 from hwsync_npu.api import import_torch_npu, torch_npu_installed
 from hwsync_npu.device import current_visible_value, expandable_segments_reason, npu_device, physical_index
 from hwsync_npu.segments import NpuDeviceSegments

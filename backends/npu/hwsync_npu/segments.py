@@ -32,10 +32,7 @@ from typing import Any, cast
 
 import torch
 
-from hwsync.backend.interfaces import Record, SegmentPlace
-from hwsync.backend.ipc_counters import release_if_held
-from hwsync.backend.segments import AllocatorSegments
-from hwsync.errors import HwsyncError
+from hwsync.backend import AllocatorSegments, HwsyncError, Record, SegmentPlace, release_if_held
 from hwsync_npu.api import BASE_FORMATS, import_torch_npu
 from hwsync_npu.device import TORCH_TYPE, npu_device
 

@@ -27,7 +27,7 @@ How the core sees sim tensors: they are real torch tensors of device type "sim" 
 PrivateUse1 slot, claimed from Python, no C++), so the core's own accelerator code paths run
 unchanged; see hwsync_sim.tensor for why and how.
 
-Only hwsync's stable interfaces are used (hwsync.backend.interfaces, .communicator, .shm, .errors), and
+Only hwsync's backend door is used (`from hwsync.backend import ...`, as every backend does), and
 nothing in hwsync knows about the sim. Importing this package imports neither torch nor the
 runtime; the classes load on first use, and the runtime starts on the first device operation.
 Settings: HWSYNC_SIM_DEVICES, HWSYNC_SIM_VISIBLE_DEVICES, HWSYNC_SIM_DEVICE (the main thread's

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hwsync.timing import GROUP_TIMEOUT_S
-from hwsync.backend.communicator import ProcessGroupCommunicator
-from hwsync.backend.interfaces import Backend, Communicator, Device, Transport
+from hwsync.backend import GROUP_TIMEOUT_S, Backend, Communicator, Device, ProcessGroupCommunicator, Transport
 from hwsync_sim.device import SimDevice
 from hwsync_sim.ipc import SimIpcTransport
 from hwsync_sim.runtime import TYPE, runtime

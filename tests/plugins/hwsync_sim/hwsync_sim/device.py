@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from hwsync.backend.interfaces import Device, ProbeResult
+from hwsync.backend import Device, ProbeResult
 from hwsync_sim.runtime import ENV_VISIBLE, TYPE, NodeConfig, Runtime, SimError, initialized, runtime
 from hwsync_sim.streams import SimEvent, SimStream, SimStreamError
 

@@ -30,9 +30,16 @@ import weakref
 
 import torch
 
-from hwsync.errors import HwsyncError
-from hwsync.backend.exports import ReceiverExports
-from hwsync.backend.interfaces import DeviceSegments, Handles, ProbeResult, ReceiveBuffers, SendBuffers, Transport
+from hwsync.backend import (
+    DeviceSegments,
+    Handles,
+    HwsyncError,
+    ProbeResult,
+    ReceiveBuffers,
+    ReceiverExports,
+    SendBuffers,
+    Transport,
+)
 from hwsync_sim import sharing
 from hwsync_sim.device import SimDevice
 from hwsync_sim.runtime import POISON, TYPE, runtime

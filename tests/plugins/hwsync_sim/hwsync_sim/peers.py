@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from hwsync.backend.registry import load_backend
+from hwsync.backend import load_backend
 from hwsync_sim import sharing
 from hwsync_sim.simccl import SimProcessGroup
 

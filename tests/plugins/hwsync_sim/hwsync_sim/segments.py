@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from hwsync.errors import HwsyncError
-from hwsync.backend.interfaces import DeviceSegments, Record, SegmentPlace
+from hwsync.backend import DeviceSegments, HwsyncError, Record, SegmentPlace
 from hwsync_sim import sharing
 from hwsync_sim.runtime import FILE_PREFIX, Memory, SimError, runtime
 from hwsync_sim.tensor import SimTensor, block_of, forget_dead_transplants, is_sim

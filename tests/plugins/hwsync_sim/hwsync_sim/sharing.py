@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from hwsync.backend.shm import SharedSegment
+from hwsync.backend import SharedSegment
 from hwsync_sim.runtime import (
     FILE_PREFIX,
     POISON,

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from hwsync.backend.device_shm import DeviceShmSendBuffers, DeviceShmTransport
-from hwsync.backend.interfaces import Device, SendBuffers
+from hwsync.backend import Device, DeviceShmSendBuffers, DeviceShmTransport, SendBuffers
 from hwsync_sim.runtime import POISON
 
 

@@ -1,8 +1,6 @@
 """A third-party backend: reuses the CPU device and shared memory under its own name."""
 
-from hwsync.timing import GROUP_TIMEOUT_S
-from hwsync.backend.interfaces import Backend, Communicator, Device, Transport
-from hwsync.backend.shm import ShmTransport
+from hwsync.backend import GROUP_TIMEOUT_S, Backend, Communicator, Device, ProbeResult, ShmTransport, Transport
 from hwsync_cpu import CpuBackend, CpuDevice
 
 
@@ -35,10 +33,8 @@ class AbsentDevice(CpuDevice):
 
     name = "absent"
 
-    def probe(self):
+    def probe(self) -> ProbeResult:
         """Always unusable, with a reason a user can act on."""
-        from hwsync.backend.interfaces import ProbeResult
-
         return ProbeResult(False, "no absent-accelerator card found (ABSENT_VISIBLE_DEVICES is empty)")
 
 
