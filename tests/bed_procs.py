@@ -1,6 +1,6 @@
 """Processes for the bed tests: what runs inside a bed host, and an owner process to SIGKILL.
 
-The functions are targets of hwsync.bed.spawn (arguments and results are JSON). Nothing here
+The functions are targets of hwsync_tools.bed.spawn (arguments and results are JSON). Nothing here
 imports torch or hwsync at the top: a host process that needs neither starts in a fraction of a second.
 """
 
@@ -20,7 +20,7 @@ def bed_or_skip(hosts: int, **kwargs):
     """A Bed, or pytest.skip with the reason this machine cannot hold one."""
     import pytest
 
-    from hwsync.bed import Bed, BedUnavailableError
+    from hwsync_tools.bed import Bed, BedUnavailableError
 
     try:
         return Bed(hosts, **kwargs)
@@ -115,7 +115,7 @@ def gloo_broadcast(rank: int, world: int, init_method: str, timeout_s: float = 6
 
 def owner_main() -> None:
     """A bed owner to SIGKILL: makes a 2-host bed with a process in host 0, prints its ids, then waits."""
-    from hwsync.bed import Bed
+    from hwsync_tools.bed import Bed
 
     bed = Bed(2)
     # die_with_parent=False: this process outlives its owner, so the next start's sweep must kill it

@@ -1,4 +1,4 @@
-"""Ranks of the cross-node path inside bed hosts (targets of hwsync.bed.spawn: JSON in, JSON out).
+"""Ranks of the cross-node path inside bed hosts (targets of hwsync_tools.bed.spawn: JSON in, JSON out).
 
 Each rank runs a list of phases (a CrossNodeSender or CrossNodeReceiver each, with its own endpoint
 and timeout) and in each phase a list of syncs. The test drives the pace through files in a shared

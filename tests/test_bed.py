@@ -1,4 +1,4 @@
-"""The multi-host bed (hwsync.bed): namespaces as hosts, rate-limited links, processes inside, teardown and sweep."""
+"""The multi-host bed (hwsync_tools.bed): namespaces as hosts, rate-limited links, processes inside, teardown, sweep."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import pytest
 
 import bed_procs
 from bed_procs import TESTS, bed_or_skip, process_state
-from hwsync.bed import Bed, BedUnavailableError, HostProcessError, names, sweep
-from hwsync.bed import stream
-from hwsync.bed.stream import measure
-from hwsync.bed.subnets import default_candidates, in_use, networks_of, pick_subnet
+from hwsync_tools.bed import Bed, BedUnavailableError, HostProcessError, names, sweep
+from hwsync_tools.bed import stream
+from hwsync_tools.bed.stream import measure
+from hwsync_tools.bed.subnets import default_candidates, in_use, networks_of, pick_subnet
 
 PROCS = os.path.abspath(bed_procs.__file__)
 CONNECT = stream.target("connect_once")  # by path: the host process imports no torch
@@ -58,7 +58,7 @@ def test_refused_namespace_is_unavailable(monkeypatch):
     """Root in a container that may not make namespaces: BedUnavailableError naming the capabilities."""
     if os.geteuid() != 0:
         pytest.skip("needs root to reach the `ip netns add` call")
-    import hwsync.bed.hosts as hosts
+    import hwsync_tools.bed.hosts as hosts
 
     real = subprocess.run
 
@@ -145,7 +145,8 @@ def test_child_imports_the_hwsync_its_parent_imported(bed3, tmp_path):
     import hwsync
 
     (tmp_path / "hwsync").symlink_to(os.path.dirname(os.path.abspath(hwsync.__file__)))
-    code = (f"import json, sys; sys.path.insert(0, {str(tmp_path)!r}); import hwsync; from hwsync.bed import Bed\n"
+    code = (f"import json, sys; sys.path.insert(0, {str(tmp_path)!r}); import hwsync\n"
+            "from hwsync_tools.bed import Bed\n"
             f"with Bed(1) as bed: got = bed.start(0, {PROCS + ':import_hwsync'!r}).result(60)\n"
             "print(json.dumps([hwsync.__file__, got['hwsync']]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

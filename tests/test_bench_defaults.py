@@ -1,7 +1,7 @@
 """Every `hwsync bench` runs as a user types it, with its own defaults, at a tiny size (HWSYNC_BENCH_TINY=1), so
 that a documented command cannot break unseen.
 
-HWSYNC_BENCH_TINY=1 replaces only sizes, repeats and the length of a bench's sweep (hwsync/cli/bench/__init__.py);
+HWSYNC_BENCH_TINY=1 replaces only sizes, repeats and the length of a bench's sweep (hwsync_tools/bench/__init__.py);
 every other default, the table printed by default included, is the command's own. No figure is asserted (speed is
 for the benchmarks' tables): each run must exit 0 and print its table's rows, and the whole command tree must say
 the cpu fallback at most once. Where else commands run with their defaults: `hwsync info`, `hwsync roundtrip`,
@@ -19,8 +19,8 @@ import sys
 
 import pytest
 
-from hwsync.bed import unavailable_reason
 from hwsync.backend.registry import FALLBACK_LINE
+from hwsync_tools.bed import unavailable_reason
 
 
 def bench(*args: str, timeout: float = 300) -> str:

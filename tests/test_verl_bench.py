@@ -19,8 +19,8 @@ import pytest
 pytest.importorskip("verl", reason="verl is not installed in this environment: ci/test.sh runs these tests in "
                                    ".venv-verl, which ci/setup-verl.sh makes")
 
-from hwsync.cli.bench.transfer import model_spec  # noqa: E402
-from hwsync.cli.bench.verl_peer import sweep
+from hwsync_tools.bench.transfer import model_spec  # noqa: E402
+from hwsync_tools.bench.verl_peer import sweep
 from hwsync.sizes import MiB  # noqa: E402
 from hwsync.sync.spec import dtype_from_name  # noqa: E402
 
@@ -68,8 +68,8 @@ try:
     whole = True
 except ImportError:
     whole = False
-from hwsync.cli.bench.verl_bare import default_bucket_mb, import_verl
-from hwsync.cli.bench.verl_peer import load_verl_transfer
+from hwsync_tools.bench.verl_bare import default_bucket_mb, import_verl
+from hwsync_tools.bench.verl_peer import load_verl_transfer
 verl = import_verl()
 transfer = load_verl_transfer("cuda", 10)  # the GPU's case: verl's own CUDA platform, no CPU stand-in
 from verl.workers.rollout import utils

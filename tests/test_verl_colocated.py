@@ -148,7 +148,7 @@ def test_full_weights_trained_then_synced_equal_a_fresh_engine(bed):
 
 
 def test_verls_own_sender_refuses_the_same_tensors_at_the_same_bucket(bed):
-    from hwsync.cli.bench.verl_peer import load_verl_transfer
+    from hwsync_tools.bench.verl_peer import load_verl_transfer
 
     transfer = load_verl_transfer("cpu", timeout_s=2.0)  # verl's receiver gives up 2 s after verl's sender
     tensors = list(load_file(os.path.join(bed.root, "full-3", "model.safetensors")).items())

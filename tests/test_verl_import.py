@@ -20,7 +20,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
 
 
 def test_importing_hwsync_never_imports_verl():
-    done = _python("import sys, hwsync, hwsync.integrations, hwsync.cli, hwsync.cli.bench.transfer\n"
+    done = _python("import sys, hwsync, hwsync.integrations, hwsync.cli, hwsync_tools.bench.transfer\n"
                    "loaded = sorted(m for m in sys.modules if m == 'verl' or m.startswith('verl.'))\n"
                    "assert not loaded, loaded")
     assert done.returncode == 0, done.stderr[-2000:]

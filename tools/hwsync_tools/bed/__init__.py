@@ -9,9 +9,9 @@ Nothing of a bed lives in the machine's own network namespace; close() (also run
 SIGTERM/SIGHUP) deletes it, and a bed whose owner was SIGKILLed is swept by the next bed's start.
 """
 
-from hwsync.bed.hosts import Bed, BedError, BedUnavailableError, parse_rate, tbf_args, unavailable_reason
-from hwsync.bed.names import sweep
-from hwsync.bed.spawn import HostProcess, HostProcessError, start_in_host, wait_all
+from hwsync_tools.bed.hosts import Bed, BedError, BedUnavailableError, parse_rate, tbf_args, unavailable_reason
+from hwsync_tools.bed.names import sweep
+from hwsync_tools.bed.spawn import HostProcess, HostProcessError, start_in_host, wait_all
 
 __all__ = ["Bed", "BedError", "BedUnavailableError", "HostProcess", "HostProcessError", "parse_rate", "start_in_host",
            "sweep", "tbf_args", "unavailable_reason", "wait_all"]

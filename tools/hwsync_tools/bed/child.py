@@ -66,9 +66,11 @@ def main(workdir: str) -> int:
     if spec.get("hostname"):
         take_hostname(spec["hostname"])
     sys.path[:0] = spec.get("sys_path", [])
-    root = spec.get("hwsync_root")
-    if root and root not in sys.path:  # the parent's hwsync came from a folder the venv does not list (a checkout
-        sys.path.insert(0, root)  # run with -m from its root): this process imports that one, not the venv's
+    # the folders of the parent's hwsync and hwsync_tools: where one came from a folder the venv does not list (a
+    # checkout run with -m from its root), this process imports that one, not the venv's
+    for root in reversed(spec.get("roots", [])):
+        if root not in sys.path:
+            sys.path.insert(0, root)
     try:
         value = load_target(spec["target"])(*spec.get("args", []), **spec.get("kwargs", {}))
         result = {"ok": True, "value": value}

@@ -18,12 +18,12 @@ import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from hwsync.bed import names
-from hwsync.bed.common import INTERFACE_VARS, BedError, BedUnavailableError
-from hwsync.bed.subnets import default_candidates, in_use, pick_subnet
+from hwsync_tools.bed import names
+from hwsync_tools.bed.common import INTERFACE_VARS, BedError, BedUnavailableError
+from hwsync_tools.bed.subnets import default_candidates, in_use, pick_subnet
 
 if TYPE_CHECKING:
-    from hwsync.bed.spawn import HostProcess
+    from hwsync_tools.bed.spawn import HostProcess
 
 
 #: the bridge inside the switch namespace
@@ -241,9 +241,9 @@ class Bed:
     def start(self, host: int, target: str, *args: object, **kwargs: Any) -> HostProcess:
         """Run `target` ("module:function" or "/path/file.py:function") in a process of host `host`.
 
-        See hwsync.bed.spawn.start_in_host for the keyword options; the bed kills it at close().
+        See hwsync_tools.bed.spawn.start_in_host for the keyword options; the bed kills it at close().
         """
-        from hwsync.bed.spawn import start_in_host
+        from hwsync_tools.bed.spawn import start_in_host
 
         return start_in_host(self, host, target, *args, **kwargs)
 

@@ -19,14 +19,14 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from hwsync.bed.common import INTERFACE_VARS, BedError
+from hwsync_tools.bed.common import INTERFACE_VARS, BedError, hwsync_package
 
 if TYPE_CHECKING:
-    from hwsync.bed.hosts import Bed
+    from hwsync_tools.bed.hosts import Bed
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child.py")
-#: the folder holding the hwsync package this process imported: a child imports the same one
-HWSYNC_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: the folder holding this hwsync_tools package: a child imports the same one
+TOOLS_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: how much of a failed process's output its error carries
 LOG_TAIL_CHARS = 4000
 
@@ -129,7 +129,7 @@ def start_in_host(bed: Bed, host: int, target: str, *args: object, sys_path: Ite
     workdir = tempfile.mkdtemp(prefix=f"{bed.id}-h{host}-")
     spec = {"target": target, "args": list(args), "kwargs": kwargs, "sys_path": [os.path.abspath(p) for p in sys_path],
             "parent": os.getpid() if die_with_parent else 0, "hostname": bed.hostname(host) if own_hostname else "",
-            "hwsync_root": HWSYNC_ROOT}
+            "roots": [os.path.dirname(hwsync_package()), TOOLS_ROOT]}
     with open(os.path.join(workdir, "args.json"), "w") as f:
         json.dump(spec, f)
     child_env = dict(os.environ)

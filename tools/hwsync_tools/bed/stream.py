@@ -1,10 +1,10 @@
 """One plain TCP stream between two bed hosts: what a link gives a single Python socket.
 
 `sink` and `source` run inside hosts (stdlib only at the top: a child loads this file by path and
-imports no torch); `measure` starts both; `python -m hwsync.bed.stream` prints configured against
+imports no torch); `measure` starts both; `python -m hwsync_tools.bed.stream` prints configured against
 achieved rates:
 
-    python -m hwsync.bed.stream --rates none 1gbit 10gbit --seconds 3
+    python -m hwsync_tools.bed.stream --rates none 1gbit 10gbit --seconds 3
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ def _timing() -> ModuleType:
     """hwsync.timing, loaded by path where the hwsync package is not imported (importing it imports torch)."""
     if "hwsync.timing" in sys.modules:
         return sys.modules["hwsync.timing"]
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "timing.py")
+    from hwsync_tools.bed.common import hwsync_package  # stdlib only (this file is also loaded by path)
+
+    path = os.path.join(hwsync_package(), "timing.py")
     spec = importlib.util.spec_from_file_location("_hwbed_timing", path)
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
@@ -124,7 +126,7 @@ def measure(bed: Any, src: int, dst: int, seconds: float = 3.0, port: int = PORT
 
 def main(argv: list[str] | None = None) -> None:
     """Measure one stream per rate on a two-host bed; print configured and achieved rates."""
-    from hwsync.bed.hosts import Bed, parse_rate
+    from hwsync_tools.bed.hosts import Bed, parse_rate
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rates", nargs="+", default=["none", "1gbit", "10gbit"])

@@ -8,7 +8,7 @@ import random
 import subprocess
 from collections.abc import Iterable, Iterator
 
-from hwsync.bed.names import bed_namespaces
+from hwsync_tools.bed.names import bed_namespaces
 
 Net = ipaddress.IPv4Network
 

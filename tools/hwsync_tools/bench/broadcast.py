@@ -7,7 +7,7 @@ the same run: the same bytes stop-and-wait, the design peers ship (broadcast_sto
 buffer per rank, so packing, broadcast and load never overlap), and the host's own copy
 bandwidth, because figures from shared machines are only comparable as ratios.
 
-With `--hosts H --link RATE [RATE ...]` the ranks run instead in the hosts of a bed (hwsync.bed: network
+With `--hosts H --link RATE [RATE ...]` the ranks run instead in the hosts of a bed (hwsync_tools.bed: network
 namespaces, links limited to RATE; needs root), trainer on host 0 and engines on the others, and each row
 is compared with the link's line rate (broadcast_bed.py).
 """
@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from hwsync.cli.bench import tiny_defaults
-from hwsync.cli.bench.broadcast_model import state_dict as _model
-from hwsync.cli.bench.broadcast_stop_and_wait import measure as measure_stop_and_wait
 from hwsync.sync.options import CrossNodeOptions
+from hwsync_tools.bench import tiny_defaults
+from hwsync_tools.bench.broadcast_model import state_dict as _model
+from hwsync_tools.bench.broadcast_stop_and_wait import measure as measure_stop_and_wait
 
 
 def _receiver(endpoint: str, rank: int, size: int, buffers: int, runs: int, timeout_s: float, backend: str) -> None:
@@ -137,8 +137,8 @@ def run_bench_broadcast(args: argparse.Namespace) -> int:
     from hwsync.backend.registry import get_backend
 
     if args.hosts:
-        from hwsync.bed import unavailable_reason
-        from hwsync.cli.bench.broadcast_bed import print_bed_table, run_on_bed
+        from hwsync_tools.bed import unavailable_reason
+        from hwsync_tools.bench.broadcast_bed import print_bed_table, run_on_bed
 
         reason = unavailable_reason()
         if reason:
@@ -181,7 +181,7 @@ def run_bench_broadcast(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    """Standalone entry point (python -m hwsync.cli.bench.broadcast)."""
+    """Standalone entry point (python -m hwsync_tools.bench.broadcast)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_bench_broadcast_arguments(parser)
     return run_bench_broadcast(parser.parse_args())

@@ -1,4 +1,4 @@
-"""`hwsync bench broadcast --hosts H --link RATE`: full syncs across the hosts of a bed (hwsync.bed), against the line.
+"""`hwsync bench broadcast --hosts H --link RATE`: full syncs across the hosts of a bed, against the line.
 
 Host 0 is the trainer (sender 0, and sender 1 when striped), hosts 1..H-1 the engines (one receiver
 each); every host's link is limited to RATE in each direction. For each rate, senders (1, 2) and
@@ -7,7 +7,7 @@ benchmark state dict; the median. Per row: seconds, bytes, GB/s and that as a fr
 rate; what left the trainer host's interface per second (with several engine hosts the uplink
 carries each byte once per host); the CPU the ranks used per second of sync (the machine's ceiling
 is its core count); and, measured in the same bed, what one plain TCP stream gets on that link
-(hwsync.bed.stream): where a sync falls short of the line, these say whether the veth and tbf,
+(hwsync_tools.bed.stream): where a sync falls short of the line, these say whether the veth and tbf,
 the CPU, or the collective library is the limit.
 """
 
@@ -34,9 +34,9 @@ def bed_sender(rank: int, phases: list[dict], timeout_s: float) -> list[dict]:
     """Sender `rank` in host 0: for each phase it is part of, its syncs' seconds, uplink bytes and CPU seconds."""
     import torch
 
-    from hwsync.cli.bench.broadcast_model import state_dict as _model
     from hwsync.control.nic import interface_bytes
     from hwsync.disaggregated import CrossNodeSender
+    from hwsync_tools.bench.broadcast_model import state_dict as _model
 
     torch.set_num_threads(1)
     out: list[dict] = []
@@ -107,8 +107,8 @@ def _phases(bed: Any, configs: list[tuple[int, int]], size: int, bucket: int, ru
 
 def run_on_bed(args: argparse.Namespace) -> list[dict]:
     """Every (link, senders, engine hosts) configuration on a bed of args.hosts hosts; one row each."""
-    from hwsync.bed import Bed, parse_rate
-    from hwsync.bed.stream import measure as stream
+    from hwsync_tools.bed import Bed, parse_rate
+    from hwsync_tools.bed.stream import measure as stream
 
     if args.hosts < 2:
         raise SystemExit("--hosts needs at least 2 (a trainer host and an engine host)")
@@ -121,7 +121,7 @@ def run_on_bed(args: argparse.Namespace) -> list[dict]:
         with Bed(args.hosts, rate_bps=rate) as bed:
             line = stream(bed, 0, 1, seconds=2.0)["bps"]  # one TCP stream, before any rank takes the CPU
             phases = _phases(bed, configs, size, bucket, args.repeat + 1)
-            target = "hwsync.cli.bench.broadcast_bed:"
+            target = "hwsync_tools.bench.broadcast_bed:"
             public = [{k: v for k, v in p.items() if k != "secret"} for p in phases]
             # no interface variable: each rank binds what hwsync finds from the addresses, as the tests check
             ranks = [bed.start(0, target + "bed_sender", 0, phases, args.timeout, interface_vars=False)]

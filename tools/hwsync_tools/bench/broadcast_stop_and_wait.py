@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from hwsync.backend.interfaces import Communicator
-from hwsync.cli.bench.broadcast_model import state_dict
+from hwsync_tools.bench.broadcast_model import state_dict
 
 #: a piece of a bucket: (tensor index, byte offset in the tensor, bytes)
 Piece = tuple[int, int, int]

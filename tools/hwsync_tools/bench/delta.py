@@ -28,8 +28,8 @@ import statistics
 import time
 from typing import Any
 
-from hwsync.cli.bench import tiny_defaults
 from hwsync.sync.options import CrossNodeOptions, SenderOptions
+from hwsync_tools.bench import tiny_defaults
 
 #: the trainer host's address, port and the endpoint's secrets are made by the parent and passed to both hosts
 PORT = 29400
@@ -180,7 +180,7 @@ def _run_pair(bed: Any, lr: float, args: argparse.Namespace) -> dict[str, Any]:
     public, secret = curve_key_pair()
     address = bed.address(0)
     endpoint = f"tcp://{address}:{PORT}#{new_token()}#{public}"
-    target = "hwsync.cli.bench.delta:"
+    target = "hwsync_tools.bench.delta:"
     syncs = 1 + args.steps + FULL_SYNCS
     train = bed.start(0, target + "trainer", endpoint, secret, address, args.hidden, args.layers, lr, args.steps,
                       args.timeout, args.engine_dtype)
@@ -220,7 +220,7 @@ def _summary(run: dict[str, Any], rate_bps: float) -> dict[str, Any]:
 
 def run_bench_delta(args: argparse.Namespace) -> int:
     """Run every (LR, link) and print the table (or --json)."""
-    from hwsync.bed import Bed, parse_rate, unavailable_reason
+    from hwsync_tools.bed import Bed, parse_rate, unavailable_reason
 
     reason = unavailable_reason()
     if reason is not None:

@@ -22,10 +22,10 @@ from typing import Any, Callable
 
 import torch
 
-from hwsync.cli.bench import tiny_defaults
-from hwsync.cli.bench.transfer import model_spec
 from hwsync.delta import CHUNK_ELEMS, DeltaEncoder, apply_into, payload_bytes, tensor_digest, warm
 from hwsync.delta.header import BITMAP, BLOCKS, DENSE, SAME, STEPS
+from hwsync_tools.bench import tiny_defaults
+from hwsync_tools.bench.transfer import model_spec
 
 _LINKS_GBIT = (1, 10)
 #: the small tensors timed per tensor (a norm's weight each)
@@ -245,7 +245,7 @@ def run_bench_delta_codec(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m hwsync.cli.bench.delta_codec`."""
+    """`python -m hwsync_tools.bench.delta_codec`."""
     parser = argparse.ArgumentParser(prog="hwsync bench delta-codec", description=__doc__.splitlines()[0])
     add_bench_delta_codec_arguments(parser)
     return run_bench_delta_codec(parser.parse_args(argv))

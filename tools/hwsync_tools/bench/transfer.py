@@ -30,9 +30,12 @@ from typing import Any
 import torch
 import zmq
 
-from hwsync.cli.bench import tiny_defaults
-from hwsync.cli.bench.stop_and_wait import StopAndWait, await_reply, pack
-from hwsync.cli.bench.transfer_parts import (
+from hwsync.control.endpoints import private_ipc_dir, remove_ipc_dir
+from hwsync.sync.options import SenderOptions
+from hwsync.sync.spec import dtype_name
+from hwsync_tools.bench import tiny_defaults
+from hwsync_tools.bench.stop_and_wait import StopAndWait, await_reply, pack
+from hwsync_tools.bench.transfer_parts import (
     Spec,
     _receiver_main,
     bench_device,
@@ -43,9 +46,6 @@ from hwsync.cli.bench.transfer_parts import (
     counted,
     host_to_device_gbps,
 )
-from hwsync.control.endpoints import private_ipc_dir, remove_ipc_dir
-from hwsync.sync.options import SenderOptions
-from hwsync.sync.spec import dtype_name
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # a ~1.5B-parameter transformer (Qwen2.5-1.5B geometry): hidden, mlp, vocab, kv width, layers
@@ -298,7 +298,7 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
             or args.verl_syncs < 1:
         raise SystemExit("--syncs, --verl-syncs and --threads must be at least 1, --num-buffers at least 2")
     # a peer's module is imported first: without the peer installed the run stops before measuring anything
-    peer = importlib.import_module(f"hwsync.cli.bench.{args.peer}_peer") if args.peer else None
+    peer = importlib.import_module(f"hwsync_tools.bench.{args.peer}_peer") if args.peer else None
     try:
         r = measure(args)
         if peer is not None:
@@ -358,7 +358,7 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m hwsync.cli.bench.transfer`."""
+    """`python -m hwsync_tools.bench.transfer`."""
     parser = argparse.ArgumentParser(prog="hwsync bench transfer", description=__doc__.splitlines()[0])
     add_bench_transfer_arguments(parser)
     return run_bench_transfer(parser.parse_args(argv))

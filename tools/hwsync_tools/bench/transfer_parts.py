@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import zmq
 
-from hwsync.cli.bench.stop_and_wait import pack, stop_and_wait_receive
 from hwsync.sync.spec import dtype_from_name
+from hwsync_tools.bench.stop_and_wait import pack, stop_and_wait_receive
 
 Named = list[tuple[str, torch.Tensor]]
 Spec = list[tuple[str, list[int], str]]

@@ -28,11 +28,11 @@ from typing import Any
 import torch
 import zmq
 
-from hwsync.cli.bench.stop_and_wait import await_reply, pack
-from hwsync.cli.bench.verl_bare import default_bucket_mb, import_verl
 from hwsync.control.endpoints import private_ipc_dir, remove_ipc_dir
 from hwsync.sizes import MiB
 from hwsync.sync.spec import dtype_from_name
+from hwsync_tools.bench.stop_and_wait import await_reply, pack
+from hwsync_tools.bench.verl_bare import default_bucket_mb, import_verl
 
 if importlib.util.find_spec("verl") is None:
     raise SystemExit("hwsync bench transfer --peer verl needs verl: pip install 'hwsync[verl]', or run it in "
@@ -154,7 +154,7 @@ def sweep(largest_bytes: int, default_mb: int) -> list[int]:
 
 def measure_peer(args: Any, hwsync_s: float) -> dict[str, Any]:
     """verl's sender at each bucket size of the sweep (or --verl-bucket-mb) on the bench's state dict; ratios."""
-    from hwsync.cli.bench.transfer import bench_device, build, model_spec
+    from hwsync_tools.bench.transfer import bench_device, build, model_spec
 
     spec = model_spec(int(args.gb * 1e9), args.dtype, args.tensors)
     named = build(spec, bench_device()[0])

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from hwsync.cli.bench import tiny_defaults
 from hwsync.cli.toy_model import ToyModel, cpu_engine_env, engine_kwargs, engine_outputs, param_count, shutdown_engine
 from hwsync.integrations.vllm.worker import HwsyncWorkerExtension
+from hwsync_tools.bench import tiny_defaults
 
 METHODS = ("hwsync", "one-copy", "native", "reload", "safetensors", "floor")
 #: hwsync <= 1.3x the floor and <= 1.05x the page-cached reload; native <= 1.05x hwsync; save+reload >= 1.5x hwsync
