@@ -9,6 +9,8 @@ What a user needs is here (one screen: `hwsync.__all__`):
 - what a sync sends: (name, tensor) pairs, or a `TrainerModel` planned against the `EngineState` each
   receiver reports (`SyncMode`: full, merged or unmerged LoRA); `TensorSpec` / `manifest_from_module`
   announce tensors before any byte moves; `SharedParameters` keeps a module where receivers read it in place;
+- what a receiver says about its engine: `ReceiverState` (its `EngineState`, the dtypes it holds:
+  `engine_dtypes(model)`, its own values); what the sender gets: `ReceiverReport`;
 - `SyncStats`, what every sync returns; errors: the common ones here, every one in `hwsync.errors`.
 
 Elsewhere, each for its own reader: backend authors `hwsync.backend`; the planner's internals
@@ -26,6 +28,7 @@ from hwsync.disaggregated import CrossNodeReceiver, CrossNodeSender, LocalForwar
 from hwsync.errors import ClosedError, HwsyncError, ManifestError, SyncError, SyncTimeoutError  # noqa: E402
 from hwsync.sync.options import CrossNodeOptions, SenderOptions  # noqa: E402
 from hwsync.sync.planner import EngineState, SyncMode, TrainerModel  # noqa: E402
+from hwsync.sync.report import ReceiverReport, ReceiverState, engine_dtypes  # noqa: E402
 from hwsync.sync.shared_params import SharedParameters  # noqa: E402
 from hwsync.sync.spec import TensorSpec, manifest_from_module  # noqa: E402
 from hwsync.sync.stats import SyncStats  # noqa: E402
@@ -34,7 +37,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "WeightSender", "WeightReceiver", "CrossNodeSender", "CrossNodeReceiver", "LocalForwarder", "SenderOptions",
-    "CrossNodeOptions", "SyncStats",
+    "CrossNodeOptions", "ReceiverState", "ReceiverReport", "engine_dtypes", "SyncStats",
     "TrainerModel", "EngineState", "SyncMode", "TensorSpec", "manifest_from_module", "SharedParameters",
     "HwsyncError", "SyncError", "SyncTimeoutError", "ClosedError", "ManifestError",
 ]

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 
 import transfer_procs
 from hwsync.sync.options import SenderOptions
+from hwsync.sync.report import DtypeReport, ReceiverState
 
 CTX = mp.get_context("spawn")
 
@@ -258,7 +259,7 @@ def _receive(receiver: Any, held: dict[str, torch.Tensor], mode: str, engine: st
         for name, tensor in pairs:
             held[name] = tensor.clone()
 
-    state = {"dtypes": {"default": engine, "names": {}}} if engine is not None else None
+    state = ReceiverState(dtypes=DtypeReport(engine)) if engine is not None else None
     try:
         receiver.receive(load if mode in ("load", "mixed") else None, into=None if mode == "load" else into,
                          state=state)

@@ -9,7 +9,8 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from hwsync import WeightReceiver
+from hwsync import ReceiverState, WeightReceiver
+from hwsync.sync.report import DtypeReport
 from hwsync.backend.registry import get_backend
 from hwsync.sync.options import SenderOptions
 
@@ -37,7 +38,7 @@ def receiver_main(endpoint: str, mode: str, dtypes: dict | None, timeout_s: floa
     device = get_backend().device().torch_device()
     held: dict[str, torch.Tensor] = {}
     receiver = WeightReceiver(endpoint, timeout_s=timeout_s)
-    state = {"dtypes": dtypes} if dtypes is not None else None
+    state = ReceiverState(dtypes=DtypeReport.from_wire(dtypes)) if dtypes is not None else None
     results.put("up")
 
     def into(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -55,13 +56,18 @@ def receiver_main(endpoint: str, mode: str, dtypes: dict | None, timeout_s: floa
             flat = held[command["flip"]].view(-1).view(torch.uint8)
             flat[3] ^= 0x10
         try:
-            on_done = None
+            loader: object = load if mode == "load" else None
             if "fail_after" in command:  # this engine fails its sync late, after the others completed theirs
-                def on_done(after: float = command["fail_after"]) -> None:
-                    time.sleep(after)
-                    raise RuntimeError("this engine failed at the end of its sync (told to)")
-            stats = receiver.receive(load if mode == "load" else None, into=None if mode == "load" else into,
-                                     state=state, on_done=on_done)
+                class Failing:  # a Loader whose done() fails
+                    def load(self, pairs: list) -> None:
+                        if mode == "load":
+                            load(pairs)
+
+                    def done(self, after: float = command["fail_after"]) -> None:
+                        time.sleep(after)
+                        raise RuntimeError("this engine failed at the end of its sync (told to)")
+                loader = Failing()
+            stats = receiver.receive(loader, into=None if mode == "load" else into, state=state)
             results.put({"version": receiver.version, "digests": procs.digests(held), "bytes": stats.bytes,
                          "at": time.time()})
         except Exception as exc:  # noqa: BLE001 - reported to the test

@@ -162,7 +162,7 @@ def test_plan_chunks_big_tensors_and_keeps_small_ones_whole():
             assert len(pieces) == 1
     assert len(plan.pieces()[0]) == 4  # embed: 204 KB over 64 KiB buckets
     assert all(b.nbytes <= BUCKET for b in plan.buckets)
-    frame = plan.frame(pid=1, host="h", epoch=1, version=1, state={})
+    frame = plan.frame(pid=1, host="h", epoch=1, version=1, receivers=[])
     assert CollectivePlan.from_frame(decode(encode(frame), TO_RANK)) == plan
 
 
@@ -316,7 +316,7 @@ def _callable_sender(endpoint: str, out, where: tuple[str, int], rank: int, send
     out.put(("up", -rank))
     for v in versions:
         seen: list = []
-        tx.send(lambda state: seen.append(state.get("marker")) or _tensors(v), version=v)
+        tx.send(lambda report: seen.append(report.extra.get("marker")) or _tensors(v), version=v)
         out.put(("sender", rank, v, seen))
     tx.close()
 
@@ -330,7 +330,7 @@ def test_a_callable_source_gets_the_receivers_state_on_every_sender_rank(backend
         cluster.wait_up(2)
         for v in (0, 1):
             seen: list = []
-            cluster.tx.send(lambda state: seen.append(state.get("marker")) or _tensors(v), version=v)
+            cluster.tx.send(lambda report: seen.append(report.extra.get("marker")) or _tensors(v), version=v)
             assert seen == [70 + v]
         reports = cluster.reports(4)
         assert sorted(r[3] for r in reports if r[0] == "receiver") == ["ok", "ok"], reports

@@ -44,7 +44,7 @@ def _agent(endpoint: str, out, where: tuple[str, int]) -> None:
                                  timeout_s=TIMEOUT)
         out.put(("up",))
         for v in VERSIONS:
-            rx.receive(forward.load, on_start=forward.start, on_done=forward.finish)
+            rx.receive(forward)
             out.put(("agent", v, forward.result.tensors, forward.result.bytes))
         engine.join(TIMEOUT)
 

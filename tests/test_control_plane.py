@@ -21,6 +21,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from hwsync import WeightSender
+from hwsync.sync.report import ReceiverReport
 from hwsync.control.endpoints import Endpoint
 from hwsync.protocol import Abort, Accept, Complete, Done, Error, Gone, Ready, Release, encode
 from hwsync.protocol import MAX_PEER_FRAME_BYTES
@@ -140,7 +141,7 @@ def test_junk_is_dropped_and_logged_and_the_next_sync_is_exact(session, junk, ca
 
 def _forged(sync_ids: range) -> list[list[bytes]]:
     """Every frame a receiver may send, for every sync id a stranger could guess, without the token."""
-    frames: list = [Ready(token="not-the-token", proto=4, pid=1, host="h", state={}, doorbell=True, into=False,
+    frames: list = [Ready(token="not-the-token", proto=4, pid=1, host="h", report=ReceiverReport(), doorbell=True, into=False,
                           backend="cpu", transports=["shm"], instance="stranger"), Gone()]
     for s in [*sync_ids, None]:
         frames.append(Error(sync=s, kind="load", message="INJECTED"))

@@ -21,6 +21,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from hwsync import CrossNodeSender
+from hwsync.sync.report import ReceiverReport
 from hwsync.errors import ProtocolError
 from hwsync.control.endpoints import Endpoint
 from hwsync.protocol import PROTOCOL_VERSION, Error, Joined, PlanAccept, Pong, Progress, RankComplete, RankReady, Sent, encode
@@ -106,7 +107,7 @@ def test_junk_on_the_hub_is_dropped_and_logged(hub, junk, caplog, log_every_drop
 def _forged(sync_ids: range) -> list[list[bytes]]:
     """Every frame a rank may send, for every sync id a stranger could guess, without the token."""
     frames: list = [RankReady(token="not-the-token", proto=4, backend="cpu", role="receiver", rank=0, epoch=None,
-                              pid=1, host="h", address=None, state={}, attempt=1)]
+                              pid=1, host="h", address=None, report=ReceiverReport(), attempt=1)]
     for s in sync_ids:
         frames += [Joined(sync=s), PlanAccept(sync=s), Progress(k=0, sync=s), Sent(sync=s), Pong(n=1, sync=s),
                    RankComplete(version=s, stats={}, sync=s)]

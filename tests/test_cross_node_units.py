@@ -6,13 +6,15 @@ from __future__ import annotations
 import socket
 
 from hwsync.disaggregated.roster import PeerInfo, Roster, restart_refusal, wanted
+from hwsync.sync.report import ReceiverReport
 from hwsync.control.nic import listening
 from hwsync.protocol import TO_HUB, TO_RANK, Listening, RankReady, Start, Waiting, decode, encode
 
 
 def _peer(rank: int = 0, attempt: int = 1, *, epoch: int | None = 3, state: dict | None = None,
           identity: bytes = b"a") -> PeerInfo:
-    return PeerInfo("receiver", rank, identity, 1, "h", epoch, None, state or {}, "10.0.0.2", attempt)
+    return PeerInfo("receiver", rank, identity, 1, "h", epoch, None, ReceiverReport(extra=state or {}), "10.0.0.2",
+                    attempt)
 
 
 def test_the_newest_ready_of_a_rank_replaces_the_one_it_gave_up_on():
@@ -49,7 +51,7 @@ def test_the_frames_that_name_attempts_and_syncs_round_trip():
     for frame, frames in ((Start(attempt=2, sync=7), TO_RANK), (Waiting(attempt=1, missing="receiver 1"), TO_RANK),
                           (Listening(sync=4), TO_HUB),
                           (RankReady(token="t", proto=1, backend="cpu", role="receiver", rank=0, epoch=None, pid=1,
-                                     host="h", address=None, state={}, attempt=3), TO_HUB)):
+                                     host="h", address=None, report=ReceiverReport(), attempt=3), TO_HUB)):
         assert decode(encode(frame), frames) == frame
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hwsync import CrossNodeReceiver, CrossNodeSender
-from hwsync.sync.casting import engine_dtypes
+from hwsync.sync.report import ReceiverState, engine_dtypes
 from hwsync.disaggregated.plan import DELTA_GROUP_BUCKETS
 from hwsync.errors import SyncError
 from hwsync.sync.options import CrossNodeOptions
@@ -44,7 +44,7 @@ def _receiver(endpoint: str, out, where: tuple[str, int], rank: int, flip_before
 
     device = get_backend().device().torch_device()
     held = {n: torch.empty(t.shape, dtype=torch.bfloat16, device=device) for n, t in _source(1).items()}
-    state = {"dtypes": engine_dtypes(held.items())}
+    state = ReceiverState(dtypes=engine_dtypes(held.items()))
     with CrossNodeReceiver(endpoint, rank=rank, timeout_s=TIMEOUT) as rx:
         out.put(("up", rank))
         for step in range(1, STEPS + 1):
@@ -127,7 +127,7 @@ def _dying_receiver(endpoint: str, out, rank: int, die_at: int | None, steps: li
     import os
 
     held = {n: torch.empty(t.shape, dtype=torch.bfloat16) for n, t in _source(1).items()}
-    state = {"dtypes": engine_dtypes(held.items())}
+    state = ReceiverState(dtypes=engine_dtypes(held.items()))
 
     def into(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         if step == die_at and name == "w3":  # groups before it were applied, the rest not yet sent

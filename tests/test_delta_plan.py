@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from hwsync.sync.casting import EngineDtypes, engine_dtypes
+from hwsync.sync.report import DtypeReport, EngineDtypes, ReceiverReport, engine_dtypes
 from hwsync.sync.delta_receiver import ApplyDelta, ReceiverDeltas
 from hwsync.sync.delta_sender import SenderDeltas
 from hwsync.errors import ManifestError, ProtocolError
@@ -22,7 +22,7 @@ PAIRS = [("w", torch.arange(12, dtype=torch.float32).reshape(3, 4)), ("b", torch
 
 def _committed(deltas: SenderDeltas, delta: bool = True) -> SyncStats:
     stats = SyncStats()
-    sync = deltas.prepare(list(PAIRS), None, EngineDtypes([]), delta, [{"held": deltas.base_id}], stats)
+    sync = deltas.prepare(list(PAIRS), None, EngineDtypes([]), delta, [ReceiverReport(held=deltas.base_id)], stats)
     list(sync.source)
     deltas.commit()
     return stats
@@ -30,17 +30,17 @@ def _committed(deltas: SenderDeltas, delta: bool = True) -> SyncStats:
 
 def test_a_delta_needs_every_receiver_to_hold_the_baseline_and_says_why_not():
     deltas = SenderDeltas(load_backend("cpu").device())
-    assert deltas.decide([{}]) == (False, "the first sync: no baseline yet")
+    assert deltas.decide([ReceiverReport()]) == (False, "the first sync: no baseline yet")
     stats = _committed(deltas)
     assert stats.delta.mode == "full" and deltas.base_id is not None
-    ok, why = deltas.decide([{"held": deltas.base_id}, {"held": deltas.base_id}])
+    ok, why = deltas.decide([ReceiverReport(held=deltas.base_id), ReceiverReport(held=deltas.base_id)])
     assert ok and deltas.base_id in why
-    assert deltas.decide([{"held": deltas.base_id}, {}])[1].startswith("receiver 1 reports no complete sync")
-    assert "holds 'other:3'" in deltas.decide([{"held": "other:3"}])[1]
-    freed = EngineState(sleep_level=2, weights_freed=True, has_base=True).to_dict()
-    assert "freed its weights" in deltas.decide([{"held": deltas.base_id, "engine": freed}])[1]
-    changed = EngineState(sleep_level=0, weights_freed=False, has_base=True, base_intact=False).to_dict()
-    assert "found its weights changed" in deltas.decide([{"held": deltas.base_id, "engine": changed}])[1]
+    assert deltas.decide([ReceiverReport(held=deltas.base_id), ReceiverReport()])[1].startswith("receiver 1 reports no complete sync")
+    assert "holds 'other:3'" in deltas.decide([ReceiverReport(held="other:3")])[1]
+    freed = EngineState(sleep_level=2, weights_freed=True, has_base=True)
+    assert "freed its weights" in deltas.decide([ReceiverReport(held=deltas.base_id, engine=freed)])[1]
+    changed = EngineState(sleep_level=0, weights_freed=False, has_base=True, base_intact=False)
+    assert "found its weights changed" in deltas.decide([ReceiverReport(held=deltas.base_id, engine=changed)])[1]
 
 
 def test_a_full_sync_asked_for_renews_the_baseline_and_the_next_may_be_a_delta():
@@ -57,13 +57,13 @@ def test_a_failed_full_sync_drops_the_baseline_a_failed_delta_keeps_it():
     deltas = SenderDeltas(load_backend("cpu").device())
     _committed(deltas)
     held = deltas.base_id
-    deltas.prepare(list(PAIRS), None, EngineDtypes([]), True, [{"held": held}], SyncStats())
+    deltas.prepare(list(PAIRS), None, EngineDtypes([]), True, [ReceiverReport(held=held)], SyncStats())
     deltas.abort()  # a delta that failed
     assert deltas.base_id == held
-    sync = deltas.prepare(list(PAIRS), None, EngineDtypes([]), True, [{}], SyncStats())
+    sync = deltas.prepare(list(PAIRS), None, EngineDtypes([]), True, [ReceiverReport()], SyncStats())
     list(sync.source)  # a full one that streamed, then failed
     deltas.abort()
-    assert deltas.base_id is None and "did not complete" in deltas.decide([{}])[1]
+    assert deltas.base_id is None and "did not complete" in deltas.decide([ReceiverReport()])[1]
 
 
 def test_dropping_the_baseline_frees_it_and_the_next_delta_asked_for_is_full_saying_why():
@@ -72,7 +72,7 @@ def test_dropping_the_baseline_frees_it_and_the_next_delta_asked_for_is_full_say
     assert deltas.baseline_bytes == sum(t.numel() * t.element_size() for _, t in PAIRS)
     assert deltas.drop("dropped to free its memory") == sum(t.numel() * t.element_size() for _, t in PAIRS)
     assert deltas.baseline_bytes == 0 and deltas.base_id is None
-    plain = deltas.prepare(list(PAIRS), None, EngineDtypes([]), False, [{}], SyncStats())
+    plain = deltas.prepare(list(PAIRS), None, EngineDtypes([]), False, [ReceiverReport()], SyncStats())
     assert plain.wire is None, "a sync asking for no delta after a drop keeps no baseline (receivers drop theirs)"
     list(plain.source)
     deltas.commit()
@@ -84,11 +84,11 @@ def test_dropping_the_baseline_frees_it_and_the_next_delta_asked_for_is_full_say
 
 def test_a_full_sync_in_delta_mode_streams_the_baseline_it_cast_into():
     deltas = SenderDeltas(load_backend("cpu").device())
-    bf16 = EngineDtypes([{"dtypes": {"default": "bfloat16", "names": {"norm": "float32"}}}])
+    bf16 = EngineDtypes([ReceiverReport(dtypes=DtypeReport("bfloat16", {"norm": "float32"}))])
     masters = [("w", torch.randn(64, 64)), ("b", torch.randn(64))]
     norm = torch.randn(64)  # held in fp32 by the engine: no cast, so it streams as itself (a mapped source may)
     for _ in range(2):  # the first makes the baseline, the second casts into the same memory
-        sync = deltas.prepare([*masters, ("norm", norm)], None, bf16, True, [{}], SyncStats())  # full: none holds it
+        sync = deltas.prepare([*masters, ("norm", norm)], None, bf16, True, [ReceiverReport()], SyncStats())  # full: none holds it
         streamed = list(sync.source)
         deltas.commit()
         for (name, master), (streamed_name, tensor) in zip(masters, streamed):
@@ -102,24 +102,24 @@ def test_a_receiver_refuses_a_delta_from_another_base_and_holds_nothing_until_a_
     receiver = ReceiverDeltas()
     receiver.begin(DeltaField(None, "s:1"), None)
     receiver.complete()
-    assert receiver.report() == {"held": "s:1"}
+    assert receiver.held == "s:1"
     with pytest.raises(ProtocolError, match="holds 's:1'"):
         receiver.begin(DeltaField("s:0", "s:2", []), [])
-    assert receiver.report() == {}, "a sync that started (and failed) leaves nothing held"
+    assert receiver.held is None, "a sync that started (and failed) leaves nothing held"
 
 
 def test_engine_dtypes_cast_only_where_every_receiver_agrees_and_never_widen():
     report = engine_dtypes([("w", torch.zeros(2, dtype=torch.bfloat16)), ("n", torch.zeros(2)),
                             ("i", torch.zeros(2, dtype=torch.int64))])
-    assert report == {"default": "bfloat16", "names": {"n": "float32"}}
-    both = EngineDtypes([{"dtypes": report}, {"dtypes": report}])
+    assert report == DtypeReport("bfloat16", {"n": "float32"})
+    both = EngineDtypes([ReceiverReport(dtypes=report), ReceiverReport(dtypes=report)])
     assert both.target("w", torch.float32) == torch.bfloat16
     assert both.target("n", torch.float32) == torch.float32
     assert both.target("w", torch.float16) == torch.bfloat16  # the same width: as the loader would store it
     assert both.target("i", torch.int64) == torch.int64
-    narrow = EngineDtypes([{"dtypes": {"default": "float32", "names": {}}}])
+    narrow = EngineDtypes([ReceiverReport(dtypes=DtypeReport("float32"))])
     assert narrow.target("w", torch.bfloat16) == torch.bfloat16, "never widened: the loader does that exactly"
-    assert not EngineDtypes([{"dtypes": report}, {}]), "one receiver says nothing: nothing is cast"
+    assert not EngineDtypes([ReceiverReport(dtypes=report), ReceiverReport()]), "one receiver says nothing: nothing is cast"
     fp32 = torch.randn(1000)
     assert torch.equal(both.cast("w", fp32).view(torch.int16), torch.empty(1000, dtype=torch.bfloat16).copy_(fp32)
                        .view(torch.int16))
@@ -182,7 +182,7 @@ def test_a_streamed_delta_encodes_ahead_and_refuses_a_source_out_of_the_manifest
             taken.append(pair[0])
             yield pair
 
-    sync = deltas.prepare(source(), manifest, EngineDtypes([]), True, [{"held": deltas.base_id}], SyncStats(),
+    sync = deltas.prepare(source(), manifest, EngineDtypes([]), True, [ReceiverReport(held=deltas.base_id)], SyncStats(),
                           streamed=True)
     # the encodes started with the plan (they run while it goes out), the results come in the manifest's order
     assert sync.is_delta and sync.source is None and sync.encoded is not None and taken == ["w", "b"]
@@ -191,7 +191,7 @@ def test_a_streamed_delta_encodes_ahead_and_refuses_a_source_out_of_the_manifest
     backwards = list(reversed(PAIRS))
     with pytest.raises(ManifestError, match="tensor 0 of the source is 'b' of shape \\[4\\], but the manifest "
                                             "announced 'w'"):
-        deltas.prepare(backwards, manifest, EngineDtypes([]), True, [{"held": deltas.base_id}], SyncStats(),
+        deltas.prepare(backwards, manifest, EngineDtypes([]), True, [ReceiverReport(held=deltas.base_id)], SyncStats(),
                        streamed=True)
     deltas.abort()
 
@@ -209,7 +209,7 @@ def test_a_receiver_checks_changed_elements_and_digests_every_tensor_whole_at_ev
 
     def sync(lands_wrong: bool = False) -> tuple[str, str | None]:
         stats = SyncStats()
-        prepared = sender.prepare(list(model.items()), manifest, EngineDtypes([]), True, [receiver.report()], stats)
+        prepared = sender.prepare(list(model.items()), manifest, EngineDtypes([]), True, [ReceiverReport(held=receiver.held)], stats)
         receiver.begin(prepared.wire, prepared.targets)
         load, into = receiver.intake(None, lambda name, dtype, shape: held[name], device)
         assert prepared.source is not None
@@ -244,7 +244,7 @@ def test_a_receiver_checks_changed_elements_and_digests_every_tensor_whole_at_ev
     step()
     mode, error = sync()  # the third delta since the full sync: every tensor digested whole
     assert mode == "delta" and error is not None and "u does not have the sender's digest" in error, error
-    assert "the whole tensor" in error and receiver.report() == {}
+    assert "the whole tensor" in error and receiver.held is None
     assert sync() == ("full", None) and torch.equal(held["u"], model["u"]), "healed by the full sync"
     step()
     assert sync() == ("delta", None)

@@ -9,10 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from hwsync.sync.casting import EngineDtypes
 from hwsync.sync.encode_ahead import EncodeAhead
 from hwsync.delta.room import FIRST_SLAB, MIN_RESERVE, RESERVE_SHARE, PayloadRoom
 from hwsync.sync.delta_sender import SenderDeltas
+from hwsync.sync.report import EngineDtypes, ReceiverReport
+from hwsync.sync.stats import DeltaStats
 from hwsync.sync.spec import TensorSpec
 from hwsync.backend.registry import load_backend
 from hwsync.sync.stats import SyncStats
@@ -54,7 +55,7 @@ def test_the_first_delta_after_a_full_sync_writes_into_the_room_made_ready_for_i
 
     def sync() -> list[torch.Tensor]:
         stats = SyncStats()
-        prepared = deltas.prepare(list(model.items()), manifest, EngineDtypes([]), True, [{"held": deltas.base_id}],
+        prepared = deltas.prepare(list(model.items()), manifest, EngineDtypes([]), True, [ReceiverReport(held=deltas.base_id)],
                                   stats)
         assert prepared.source is not None
         payloads = [t for _, t in prepared.source]
@@ -91,7 +92,7 @@ def test_an_ended_streamed_encode_waits_for_the_encodes_still_running():
         wrote.append(value)  # where a payload would be written into the room
 
     spec = TensorSpec("w", "float32", (1,))
-    ahead = EncodeAhead(iter([(spec, slow, (1,)), (spec, slow, (2,))]), pool, {}, {}, expected=None, min_jobs=2)
+    ahead = EncodeAhead(iter([(spec, slow, (1,)), (spec, slow, (2,))]), pool, {}, DeltaStats("delta"), expected=None, min_jobs=2)
     assert started.wait(5)
     ahead.close()  # the sync failed: the next one may reuse the room only once nothing writes into it
     assert wrote == [1], "close returned while an encode still ran (the second, not started, is cancelled)"

@@ -18,7 +18,8 @@ import pytest
 from test_control_plane import TRANSPORTS, Session, log_every_drop  # noqa: F401 - log_every_drop is a fixture
 
 #: a Ready as a stranger would make it: every field there, no token
-READY = {"t": "ready", "proto": 6, "pid": 1, "host": "h", "state": {}, "doorbell": False, "into": False,
+REPORT = {"engine": None, "dtypes": None, "held": None, "memory": None, "extra": {}}
+READY = {"t": "ready", "proto": 6, "pid": 1, "host": "h", "report": REPORT, "doorbell": False, "into": False,
          "backend": "cpu", "transports": ["shm"], "instance": "x"}
 
 HOSTILE = {
@@ -32,8 +33,11 @@ HOSTILE = {
     "map as proto": {**READY, "token": "wrong", "proto": {"v": 6}},
     "map as pid": {**READY, "token": "wrong", "pid": {}},
     "huge pid": {**READY, "token": "wrong", "pid": (1 << 64) - 1},
-    "non-str state keys": {**READY, "token": "wrong", "state": {1: 2, None: 3}},
-    "nan in state": {**READY, "token": "wrong", "state": {"memory": float("nan")}},
+    "non-str extra keys": {**READY, "token": "wrong", "report": {**REPORT, "extra": {1: 2, None: 3}}},
+    "nan in memory": {**READY, "token": "wrong", "report": {**REPORT, "memory": {"rank": 0, "free": float("nan"),
+                                                                                  "total": 1, "allocated": 0,
+                                                                                  "reserved": 0}}},
+    "a report without its keys": {**READY, "token": "wrong", "report": {"engine": None}},
 }
 
 

@@ -8,6 +8,9 @@ import msgpack
 import pytest
 
 from hwsync.sync.spec import TensorSpec
+from hwsync.backend.memory import RankMemory
+from hwsync.sync.planner import EngineState
+from hwsync.sync.report import DtypeReport, ReceiverReport
 from hwsync.protocol.delta import DeltaField
 from hwsync.protocol import (
     TO_HUB,
@@ -53,7 +56,11 @@ def _example(cls):
     kwargs = {}
     for f in dataclasses.fields(cls):
         kind = str(f.type)
-        if "DeviceSegment" in kind:
+        if "ReceiverReport" in kind:
+            report = ReceiverReport(EngineState(sleep_level=1, weights_freed=False, has_base=True), DtypeReport("bfloat16"),
+                                    "s:1", RankMemory(0, 1, 2, 0, 0), {"k": [1, "v"]})
+            kwargs[f.name] = [report] if kind.startswith("list") else report
+        elif "DeviceSegment" in kind:
             kwargs[f.name] = [DEVICE_SEGMENT]
         elif "DeviceRef" in kind:
             kwargs[f.name] = [DEVICE_REF]
@@ -155,7 +162,9 @@ def test_entries_come_back_as_entries_and_manifests_as_specs():
 
 
 def test_ready_and_error_keep_their_fields():
-    ready = Ready(token="t", proto=4, pid=1, host="h", state={"engine": {"sleep_level": 0}}, doorbell=True, into=False,
+    ready = Ready(token="t", proto=4, pid=1, host="h", doorbell=True, into=False,
+                  report=ReceiverReport(EngineState(sleep_level=0, weights_freed=False, has_base=True), DtypeReport("bfloat16"),
+                                        "s:1", RankMemory(0, 1, 2, 0, 0), {"k": [1]}),
                   backend="cpu", transports=["shm"], instance="r1")
     assert decode(encode(ready), TO_SENDER) == ready
     error = Error(sync=None, kind="load", message="boom")

@@ -13,6 +13,8 @@ import multiprocessing as mp
 import torch
 
 from hwsync import WeightReceiver, WeightSender
+from hwsync.sync.planner import EngineState
+from hwsync.sync.report import ReceiverState
 from hwsync.sync.options import SenderOptions
 
 
@@ -159,8 +161,14 @@ def receive_with_states(endpoint: str, states: list[dict], q) -> None:
                 names.append(name)
                 nbytes[0] += t.numel() * t.element_size()
 
-        stats = receiver.receive(load, state={"engine": state},
-                                 check_manifest=lambda specs: announced.extend(s.name for s in specs))
+        class Collect:  # a Loader: the manifest as announced, and each bucket's tensors
+            load = staticmethod(load)
+
+            @staticmethod
+            def accept(version: int, specs: list) -> None:
+                announced.extend(s.name for s in specs or [])
+
+        stats = receiver.receive(Collect(), state=ReceiverState(engine=EngineState.from_dict(state)))
         q.put({"names": names, "announced": announced, "bytes": nbytes[0], "transport_bytes": stats.bytes})
     receiver.close()
 

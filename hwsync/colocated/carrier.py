@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import os
 import socket
-from typing import Any
+from dataclasses import replace
 
 import zmq
 
@@ -31,6 +31,7 @@ from hwsync.protocol import MAX_SENDER_FRAME_BYTES, PROTOCOL_VERSION, Accept, Co
 from hwsync.sizes import DEFAULT_NUM_BUFFERS
 from hwsync.sync.options import SenderOptions
 from hwsync.sync.prepared import Prepared
+from hwsync.sync.report import ReceiverReport
 from hwsync.sync.shared_params import LIVE, live_segments
 from hwsync.sync.stats import SyncStats
 
@@ -95,12 +96,12 @@ class SharedBuffers:
         """This sync's stats: its transport and buffers."""
         return SyncStats(version=version, num_buffers=self.num_buffers, transport=self.transport.name)
 
-    def gather(self, stats: SyncStats) -> list[dict[str, Any]]:
-        """The receivers of this sync, once every one said Ready; their reported states."""
+    def gather(self, stats: SyncStats) -> list[ReceiverReport]:
+        """The receivers of this sync, once every one said Ready; their reports."""
         self._syncs += 1
         self._receivers = SyncReceivers(self._control, self._control.await_ready(self.num_receivers, stats),
                                         self._syncs)
-        return [p.state for p in self._receivers.peers]
+        return [p.report for p in self._receivers.peers]
 
     def stream(self, sync: Prepared, version: int, stats: SyncStats) -> None:
         """Offer the sync to every receiver, then stream its tensors through the buffers."""
@@ -243,7 +244,7 @@ def bucket_geometry(transport: Transport, device: Device, peers: list[Peer], sta
     if not auto:
         return bucket_bytes, num_buffers
     rows = [local_memory(device, rank=0)] + [
-        {**p.state["memory"], "rank": i + 1} for i, p in enumerate(peers) if "memory" in p.state]
+        replace(p.report.memory, rank=i + 1) for i, p in enumerate(peers) if p.report.memory is not None]
     choice = choose_bucket_bytes(MemoryReport.from_rows(device.torch_type, rows), num_buffers)
     stats.bucket_reason = choice.reason
     log.info("hwsync bucket size: %s", choice.reason)

@@ -22,8 +22,6 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -40,9 +38,10 @@ from hwsync.colocated.refs import SharedReader
 from hwsync.control.endpoints import Endpoint, Lifetime, peer_alive, remove_ipc_dir
 from hwsync.errors import ProtocolError, SyncError
 from hwsync.protocol import PROTOCOL_VERSION, Accept, Bucket, Complete, Done, Frame, Offer, Ready, Refs, Release, decode
-from hwsync.sync.bucket import BucketReader, IntoFn, LoadFn, StartFn
+from hwsync.sync.bucket import BucketReader, IntoFn, LoadFn
 from hwsync.sync.delta_receiver import ReceiverDeltas
-from hwsync.sync.spec import TensorSpec
+from hwsync.sync.loader import Hooks, Loader
+from hwsync.sync.report import ReceiverReport, ReceiverState
 from hwsync.sync.stats import DeltaStats, SyncStats
 from hwsync.timing import CLOSE_LINGER_S, DEFAULT_TIMEOUT_S, ERROR_LINGER_S
 
@@ -79,41 +78,30 @@ class WeightReceiver:
             self._backend = get_backend()
         return self._backend
 
-    def receive(
-        self,
-        load: LoadFn | None = None,
-        *,
-        into: IntoFn | None = None,
-        on_start: StartFn | None = None,
-        on_done: Callable[[], None] | None = None,
-        check_manifest: Callable[[list[TensorSpec]], None] | None = None,
-        state: dict[str, Any] | None = None,
-    ) -> SyncStats:
+    def receive(self, loader: Loader | LoadFn | None = None, *, into: IntoFn | None = None,
+                state: ReceiverState | dict[str, Any] | None = None) -> SyncStats:
         """Receive one sync; raises SyncError (the sender is told) if it fails.
 
-        `load(pairs)` is called with each bucket's complete tensors. `into(name, dtype, shape)` may
-        return the caller's own contiguous tensor of that dtype and shape: the bytes are copied
-        straight into it; tensors it returns None for go to `load`. `check_manifest(manifest)` may
-        refuse the sync before any byte moves; `on_start(version, manifest)` runs just before it is
-        accepted, `on_done()` after the last tensor. `state` is reported to the sender (what the
-        engine holds, e.g. its sleep level), which plans from it.
+        `loader`: a Loader (hwsync.sync.loader: `load(pairs)` with each bucket's complete tensors; optionally
+        `into`, `accept(version, manifest)` before any byte moves, raising to refuse the sync, and `done()` after
+        the last tensor), or a plain load function. `into(name, dtype, shape)` may return the caller's own
+        contiguous tensor of that dtype and shape: the bytes are copied straight into it; tensors it returns None
+        for go to `load`. `state` (a ReceiverState, or a dict of the caller's own values) is reported to the
+        sender, which plans from it.
         """
-        if load is None and into is None:
-            raise ValueError("receive() needs load (called with each bucket's tensors), into (naming "
-                             "destination tensors), or both")
+        hooks = Hooks.of(loader, into)
         with self._lifetime.call("receive"):
-            return self._receive(load, into, on_start, on_done, check_manifest, state)
+            return self._receive(hooks, state)
 
-    def _receive(self, load: LoadFn | None, into: IntoFn | None, on_start: StartFn | None,
-                 on_done: Callable[[], None] | None, check_manifest: Callable[[list[TensorSpec]], None] | None,
-                 state: dict[str, Any] | None) -> SyncStats:
+    def _receive(self, hooks: Hooks, state: ReceiverState | dict[str, Any] | None) -> SyncStats:
+        load, into = hooks.load, hooks.into
         start = time.perf_counter()
         stats, sync, control = SyncStats(), None, self._control
         try:
             # everything the Ready needs first (the device's memory figures may start its runtime): the connection
             # and the Ready then go out back to back, so the sender learns who connected almost at once
             ready = Ready(token=control.endpoint.token, proto=PROTOCOL_VERSION, pid=os.getpid(),
-                          host=socket.gethostname(), state=self._state(state), doorbell=doorbell_supported(),
+                          host=socket.gethostname(), report=self._report(state), doorbell=doorbell_supported(),
                           into=into is not None, backend=self.backend.name,
                           transports=sorted(self.backend.transports()), instance=self._instance)
             control.connect()
@@ -125,14 +113,14 @@ class WeightReceiver:
                 raise ProtocolError(f"the offer names process {offer.pid} as its sender, but the sender that welcomed "
                                     f"this receiver is process {control.sender[0]}; refused")
             control.sender = (offer.pid, offer.host)
-            self._accept(offer, check_manifest, stats)
-            if on_start is not None:
-                on_start(offer.version, offer.manifest)
+            self._accept(offer, stats)
+            if hooks.accept is not None:  # the engine checks the manifest and begins: no byte has moved
+                hooks.accept(offer.version, offer.manifest)
             control.send(Accept(sync=offer.sync))
             self._receive_buckets(offer, *self._deltas.intake(load, into, self.backend.device()), stats)
-            if on_done is not None:
+            if hooks.done is not None:
                 t0 = time.perf_counter()
-                on_done()
+                hooks.done()
                 stats.load_s += time.perf_counter() - t0
             self._deltas.complete()
             self.version = offer.version
@@ -144,18 +132,18 @@ class WeightReceiver:
             raise
         return stats
 
-    def _state(self, state: dict[str, Any] | None) -> dict[str, Any]:
-        """The caller's state plus this device's memory, which a sender may size buckets from."""
-        out = {**(state or {}), **self._deltas.report()}
-        if "memory" not in out:
-            try:
-                out["memory"] = asdict(local_memory(self.backend.device()))
-            except Exception as exc:  # noqa: BLE001 - memory is advisory: never fail a sync over it
-                log.debug("hwsync: no memory figures for the sender: %s", exc)
-        return out
+    def _report(self, state: ReceiverState | dict[str, Any] | None) -> ReceiverReport:
+        """What the Ready reports: the caller's state, the delta baseline held, and this device's memory (which a
+        sender may size "auto" buckets from)."""
+        said = ReceiverState.of(state)
+        try:
+            memory = local_memory(self.backend.device())
+        except Exception as exc:  # noqa: BLE001 - memory is advisory: never fail a sync over it
+            log.debug("hwsync: no memory figures for the sender: %s", exc)
+            memory = None
+        return ReceiverReport(said.engine, said.dtypes, self._deltas.held, memory, said.extra)
 
-    def _accept(self, offer: Offer, check_manifest: Callable[[list[TensorSpec]], None] | None,
-                stats: SyncStats) -> None:
+    def _accept(self, offer: Offer, stats: SyncStats) -> None:
         """Check the offer and map what it names (buffers, doorbell, shared segments); the Accept is sent after."""
         if offer.proto != PROTOCOL_VERSION:
             raise ProtocolError(
@@ -184,8 +172,6 @@ class WeightReceiver:
         self._deltas.begin(offer.delta, offer.manifest)  # a delta only on what this receiver holds
         if self._deltas.is_delta:
             stats.delta = DeltaStats("delta", check=self._deltas.check)
-        if offer.manifest is not None and check_manifest is not None:
-            check_manifest(offer.manifest)
         stats.version = offer.version
         stats.bucket_bytes = offer.bucket_bytes
         stats.num_buffers = offer.num_buffers

@@ -22,6 +22,7 @@ from hwsync.control.endpoints import CloseSignal, Endpoint, peer_alive, raise_if
 from hwsync.control.sockets import ConnectionLog, Gate, Reply, bind_control, reply_on
 from hwsync.errors import ClosedError, ProtocolError, RemoteError, SyncTimeoutError
 from hwsync.protocol import TO_SENDER, Abort, Error, Frame, Gone, Ready, cut, encode
+from hwsync.sync.report import ReceiverReport
 from hwsync.sync.stats import SyncStats
 from hwsync.timing import CLOSE_LINGER_S
 
@@ -205,7 +206,8 @@ class Peer:
     host: str | None
     #: the WeightReceiver's own id: a reconnection of the same receiver replaces its old identity
     instance: str = ""
-    state: dict[str, Any] = field(default_factory=dict)
+    #: what it reported in its Ready (what the sender plans from)
+    report: ReceiverReport = field(default_factory=ReceiverReport)
     #: whether it can read buckets from a shared doorbell
     doorbell: bool = False
     #: whether it copies straight into its own tensors (receive(into=...))
@@ -250,7 +252,7 @@ class PeerTable:
                                    f"{self._transport!r} (backend {self._backend!r}); set HWSYNC_BACKEND alike on both "
                                    "sides, or give the sender a transport both have", fatal=True)
             return
-        peer = Peer(identity, ready.pid, ready.host, ready.instance, ready.state, ready.doorbell, ready.into)
+        peer = Peer(identity, ready.pid, ready.host, ready.instance, ready.report, ready.doorbell, ready.into)
         for other in [p for p in self.bound.values() if p.instance == peer.instance and p.identity != identity]:
             self.waiting.pop(other.identity, None)  # the same receiver reconnected: its old connection is gone
             if other.identity not in self.in_sync:  # (frames of a sync it failed may still come on it)

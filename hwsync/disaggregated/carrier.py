@@ -19,7 +19,6 @@ the wire.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from hwsync.backend.interfaces import Backend
 from hwsync.control.endpoints import CloseSignal, new_token
@@ -35,15 +34,13 @@ from hwsync.protocol.delta import DeltaField
 from hwsync.sizes import DEFAULT_BUCKET_BYTES, DEFAULT_NUM_BUFFERS
 from hwsync.sync.options import CrossNodeOptions
 from hwsync.sync.prepared import Prepared
+from hwsync.sync.report import ReceiverReport
 from hwsync.sync.stats import SyncStats
 
 
-def receiver_states(frame: PlanFrame) -> list[dict]:
-    """The receivers' reported states a PlanFrame carries (sender 0 planned from them; so does every rank)."""
-    states = frame.state.get("receivers")
-    if not isinstance(states, list) or not all(isinstance(s, dict) for s in states):
-        raise SyncError("sender 0's plan carries no list of receiver states; run the same hwsync on every rank")
-    return states
+def receiver_states(frame: PlanFrame) -> list[ReceiverReport]:
+    """The receivers' reports a PlanFrame carries (sender 0 planned from them; so does every rank)."""
+    return list(frame.receivers)
 
 
 class _RankBase:
@@ -110,12 +107,12 @@ class HubCarrier(_RankBase):
         self._group = SenderGroup(0, backend, self.hub, self.num_buffers, options.timeout_s)
         self._peers: list[PeerInfo] = []
 
-    def gather(self, stats: SyncStats) -> list[dict[str, Any]]:
-        """Every other rank's ready (senders and receivers); the receivers' reported states."""
+    def gather(self, stats: SyncStats) -> list[ReceiverReport]:
+        """Every other rank's ready (senders and receivers); the receivers' reports."""
         t0 = time.perf_counter()
         self._peers = self.hub.gather(self.num_senders - 1, self.num_receivers)
         stats.wait_s += time.perf_counter() - t0
-        return [p.state for p in self._receivers()]
+        return [p.report for p in self._receivers()]
 
     def _receivers(self) -> list[PeerInfo]:
         return [p for p in self._peers if p.role == "receiver"]
@@ -146,7 +143,7 @@ class HubCarrier(_RankBase):
         # the receivers' states travel with the plan: every sender rank resolves its source from them alike
         assert group.epoch is not None
         hub.send(plan.frame(**this_process(), epoch=group.epoch, version=version,
-                            state={"receivers": [p.state for p in receivers]}, delta=wire))
+                            receivers=[p.report for p in receivers], delta=wire))
         hub.wait_for(PlanAccept, receivers, "waiting for the receivers to accept the plan")
         hub.send(Go())
         hub.begin_data(sizes, group.nic)
@@ -227,8 +224,8 @@ class RankCarrier(_RankBase):
         """Id of this rank's group (changes only when it is rebuilt), or None."""
         return self.group.epoch if self.group.comm is not None else None
 
-    def gather(self, stats: SyncStats) -> list[dict[str, Any]]:
-        """Ready to sender 0; join new groups where it announces them; its plan and the receivers' states."""
+    def gather(self, stats: SyncStats) -> list[ReceiverReport]:
+        """Ready to sender 0; join new groups where it announces them; its plan and the receivers' reports."""
         link, group = self.link, self.group
         t0 = time.perf_counter()
         link.ready("sender", self.rank, self.epoch, address=self.candidate_address())

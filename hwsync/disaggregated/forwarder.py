@@ -8,10 +8,10 @@ receive buffer's views to the local sync and returns only once it has packed the
 views are never used after the collective receiver reuses its buffer.
 
     forward = LocalForwarder(lambda src, version, manifest: sender.send(src, version=version, manifest=manifest))
-    receiver.receive(forward.load, on_start=forward.start, on_done=forward.finish)
+    receiver.receive(forward)            # a Loader: accept() starts the local sync, load() feeds it, done() ends it
 
 The local sync runs on a thread of its own, on the device current in the thread that calls
-`start` (the receiver's), so the local sender's buffers land there.
+`accept` (the receiver's), so the local sender's buffers land there.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from hwsync.sync.spec import TensorSpec
 from hwsync.timing import DEFAULT_TIMEOUT_S, FORWARD_SLICE_S
 
 #: runs one local sync from (source, version, manifest), e.g. a WeightSender.send or VllmWeightSync.sync
-LocalSync = Callable[[Iterator[tuple[str, torch.Tensor]], int, list[TensorSpec]], Any]
+LocalSync = Callable[[Iterator[tuple[str, torch.Tensor]], int, "list[TensorSpec] | None"], Any]
 
 _END = object()
 
@@ -51,8 +51,8 @@ class LocalForwarder:
         #: what the last local sync returned (its SyncStats for a WeightSender)
         self.result: Any = None
 
-    def start(self, version: int, manifest: list[TensorSpec]) -> None:
-        """Begin the local sync of `version` (the receiver's on_start hook)."""
+    def accept(self, version: int, manifest: list[TensorSpec] | None) -> None:
+        """Begin the local sync of `version` (a Loader's accept: the receiver calls it before any byte moves)."""
         if self._thread is not None:
             self.cancel()  # the previous collective sync broke midway
         self._items, self._taken, self._error, self.result = queue.Queue(), threading.Semaphore(0), None, None
@@ -63,7 +63,7 @@ class LocalForwarder:
             yield item
             self._taken.release()  # asked for the next one: the local sync has packed this one
 
-    def _main(self, version: int, manifest: list[TensorSpec]) -> None:
+    def _main(self, version: int, manifest: list[TensorSpec] | None) -> None:
         try:
             self.result = self._run(self._source(), version, manifest)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the receiver's thread
@@ -73,7 +73,7 @@ class LocalForwarder:
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """The receiver's load callback: returns once the local sync has packed every tensor."""
         if self._thread is None:
-            raise SyncError("LocalForwarder.load before start(); pass on_start=forward.start to receive()")
+            raise SyncError("LocalForwarder.load before accept(); pass the forwarder itself to receive()")
         for item in tensors:
             self._items.put(item)
             deadline = time.monotonic() + self.timeout_s
@@ -91,8 +91,9 @@ class LocalForwarder:
             self._items.put(_END)
             thread.join(self.timeout_s)
 
-    def finish(self) -> None:
-        """End the local sync and wait for it (the receiver's on_done hook); raises what it raised."""
+    def done(self) -> None:
+        """End the local sync and wait for it (a Loader's done: the receiver calls it after the last tensor); raises
+        what it raised."""
         thread, self._thread = self._thread, None
         if thread is None:
             return

@@ -281,7 +281,7 @@ class Hub:
                                        "cannot meet; set HWSYNC_BACKEND alike on every rank", fatal=True)
             return
         peer = PeerInfo(frame.role, frame.rank, identity, frame.pid, frame.host, frame.epoch, frame.address,
-                        frame.state, self._peer_ip, frame.attempt)
+                        frame.report, self._peer_ip, frame.attempt)
         current = next((p for p in self.peers if p.key == peer.key), None) if self.active else None
         if current is not None:
             self._again(current, peer)

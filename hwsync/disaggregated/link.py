@@ -52,6 +52,7 @@ from hwsync.protocol import (
     encode,
     refused_reason,
 )
+from hwsync.sync.report import ReceiverReport
 from hwsync.timing import CONTROL_SLICE_S
 
 log = logging.getLogger("hwsync")
@@ -90,7 +91,7 @@ class Link:
         self._sock.send(check_size(encode(frame), MAX_PEER_FRAME_BYTES, f"this rank's {frame.T} frame"))
 
     def ready(self, role: str, rank: int, epoch: int | None, *, address: str | None = None,
-              state: dict[str, Any] | None = None) -> None:
+              report: ReceiverReport | None = None) -> None:
         """Announce this rank for the next sync (a new attempt: every frame of an earlier one is stale from here on)."""
         self.reported, self.refused, self.hub_waits_for = None, False, None
         self._inbox.clear()
@@ -99,7 +100,7 @@ class Link:
         self.sync = None  # until the hub's Start for this attempt names the sync
         self._send(RankReady(token=self.endpoint.token, proto=PROTOCOL_VERSION, backend=self.backend, role=role,
                              rank=rank, epoch=epoch, pid=os.getpid(), host=socket.gethostname(), address=address,
-                             state=state or {}, attempt=self.attempt))
+                             report=report or ReceiverReport(), attempt=self.attempt))
 
     def next(self, kinds: tuple[type[Frame], ...], what: str, worker: CollectiveWorker | None = None) -> Any:
         """The next frame of `kinds` from the hub (others are dropped); raises on abort or silence.

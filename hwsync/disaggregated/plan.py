@@ -10,12 +10,12 @@ the same rule as the same-host sender's (bucket.BucketPacker), so BucketReader r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from hwsync.errors import ManifestError
 from hwsync.protocol import BucketSpec, Entry, PlanFrame
 from hwsync.protocol.delta import DeltaField
 from hwsync.sync.bucket import BucketPacker, Closed
+from hwsync.sync.report import ReceiverReport
 from hwsync.sync.spec import TensorSpec
 
 
@@ -48,11 +48,12 @@ class CollectivePlan:
                 out[position[entry.name]].append((k, entry))
         return out
 
-    def frame(self, *, pid: int, host: str, epoch: int, version: int, state: dict[str, Any],
+    def frame(self, *, pid: int, host: str, epoch: int, version: int, receivers: list[ReceiverReport],
               delta: DeltaField | None = None) -> PlanFrame:
         """The PlanFrame that announces this plan."""
         return PlanFrame(pid=pid, host=host, epoch=epoch, version=version, bucket_bytes=self.bucket_bytes,
-                         num_senders=self.num_senders, manifest=self.manifest, buckets=self.buckets, state=state,
+                         num_senders=self.num_senders, manifest=self.manifest, buckets=self.buckets,
+                         receivers=receivers,
                          delta=delta)
 
     @classmethod

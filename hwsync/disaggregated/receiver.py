@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,9 +36,10 @@ from hwsync.disaggregated.worker import CollectiveWorker
 from hwsync.errors import SyncError, SyncTimeoutError
 from hwsync.protocol import Commit, Go, Joined, PlanAccept, PlanFrame, Progress, RankComplete, Setup
 from hwsync.sizes import DEFAULT_NUM_BUFFERS, MIN_NUM_BUFFERS
-from hwsync.sync.bucket import BucketReader, IntoFn, LoadFn, StartFn
+from hwsync.sync.bucket import BucketReader, IntoFn, LoadFn
 from hwsync.sync.delta_receiver import ApplyDelta, Applying, ReceiverDeltas
-from hwsync.sync.spec import TensorSpec
+from hwsync.sync.loader import Hooks, Loader
+from hwsync.sync.report import ReceiverReport, ReceiverState
 from hwsync.sync.stats import DeltaStats, SyncStats
 from hwsync.timing import DEFAULT_TIMEOUT_S, FAILED_JOIN_S, WORKER_JOIN_S
 
@@ -80,33 +80,25 @@ class CrossNodeReceiver:
         #: the current sync's data phase: when it began, bytes loaded, bytes in all (for a timeout's message)
         self._data: list[float] = []
 
-    def receive(
-        self,
-        load: LoadFn | None = None,
-        *,
-        into: IntoFn | None = None,
-        on_start: StartFn | None = None,
-        on_done: Callable[[], None] | None = None,
-        check_manifest: Callable[[list[TensorSpec]], None] | None = None,
-        state: dict[str, Any] | None = None,
-    ) -> SyncStats:
+    def receive(self, loader: Loader | LoadFn | None = None, *, into: IntoFn | None = None,
+                state: ReceiverState | dict[str, Any] | None = None) -> SyncStats:
         """Receive one sync; returns once every rank confirmed it, raises SyncError naming a failed rank.
 
-        The same arguments as WeightReceiver.receive: `load(pairs)` gets each bucket's complete
-        tensors, `into(name, dtype, shape)` may name the caller's own tensor to copy straight into;
-        `check_manifest(manifest)` may refuse the sync before any byte moves, `on_start(version,
-        manifest)` runs just before it is accepted (LocalForwarder.start), `on_done()` after the last
-        tensor; `state` is what sender 0 plans from (a TrainerModel, or a callable source).
+        The same arguments as WeightReceiver.receive: a Loader (or a load function) that gets each bucket's
+        complete tensors and may `accept(version, manifest)` before any byte moves (a LocalForwarder is one),
+        `into(name, dtype, shape)` naming the caller's own tensors to copy straight into; `state` is what sender 0
+        plans from (a TrainerModel, or a callable source).
         """
-        if load is None and into is None:
-            raise ValueError("receive() needs load (called with each bucket's tensors), into (naming "
-                             "destination tensors), or both")
+        hooks = Hooks.of(loader, into)
+        load, into = hooks.load, hooks.into
         start = time.perf_counter()
         stats = SyncStats(transport=f"collective/{self.backend.name}")
         link = self._link
         try:
             self._data = []
-            link.ready("receiver", self.rank, self.group_epoch, state={**(state or {}), **self._deltas.report()})
+            said = ReceiverState.of(state)
+            link.ready("receiver", self.rank, self.group_epoch,
+                       report=ReceiverReport(said.engine, said.dtypes, self._deltas.held, None, said.extra))
             frame = link.next((Setup, PlanFrame), "waiting for sender 0's plan")
             if isinstance(frame, Setup):
                 self._join(frame)
@@ -120,10 +112,8 @@ class CrossNodeReceiver:
             self._deltas.begin(frame.delta, targets)  # a delta only on what this receiver holds
             if self._deltas.is_delta:
                 stats.delta = DeltaStats("delta", check=self._deltas.check)
-            if check_manifest is not None:
-                check_manifest(targets)
-            if on_start is not None:
-                on_start(version, targets)
+            if hooks.accept is not None:  # the engine checks the manifest and begins: no byte has moved
+                hooks.accept(version, targets)
             stats.version, stats.bucket_bytes, stats.num_buffers = version, plan.bucket_bytes, self.num_buffers
             link.send(PlanAccept())
             link.next((Go,), "waiting for sender 0's go", self._worker)
@@ -133,9 +123,9 @@ class CrossNodeReceiver:
                 self._stream_groups(plan, frame.delta.groups, load, stats)
             else:
                 self._stream(plan, load, into, stats)
-            if on_done is not None:
+            if hooks.done is not None:
                 t0 = time.perf_counter()
-                on_done()
+                hooks.done()
                 stats.load_s += time.perf_counter() - t0
             self.version, self.incomplete = version, False
             stats.total_s = time.perf_counter() - start

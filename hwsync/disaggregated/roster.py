@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hwsync.sync.report import ReceiverReport
+
 #: a rank's place in a sync: ("sender", s) for s >= 1, or ("receiver", r)
 Key = tuple[str, int]
 
@@ -30,7 +32,8 @@ class PeerInfo:
     host: str | None
     epoch: int | None
     address: str | None = None
-    state: dict[str, Any] = field(default_factory=dict)
+    #: what it reported with its ready (a receiver's: what sender 0 plans from; a sender rank's is empty)
+    report: ReceiverReport = field(default_factory=ReceiverReport)
     #: the address its control connection came from (a host name alone may not tell nodes apart)
     ip: str | None = None
     #: which of its readies this is (the rank counts them; the hub's Start names the one it took)
@@ -101,7 +104,7 @@ def restart_refusal(current: PeerInfo, again: PeerInfo, *, acted: bool, groups_a
     None if it can (it sent nothing in this sync, and its new ready fits what the sync already decided)."""
     if acted:
         return "it had already taken part in this sync"
-    if again.state != current.state:
+    if again.report != current.report:
         return "its reported state changed, and the sync was planned from the old one"
     if not groups_announced and again.epoch != current.epoch:
         return (f"it now holds group epoch {again.epoch}, not the {current.epoch} this sync uses, and no new groups "

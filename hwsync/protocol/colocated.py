@@ -1,7 +1,7 @@
 """Frames of the same-host path (hwsync.colocated), and the Welcome, Refused, Error and Abort frames both paths share.
 
     receiver                              sender
-    Ready {token, proto, state, ...}  ->
+    Ready {token, proto, report, ...}  ->
                                       <-  Welcome {pid, host}  (at once; or Refused {reason}: not served)
                                       <-  Offer {geometry, handles, manifest, first, doorbell, rank}
     Accept (or Error: refused)        ->
@@ -33,18 +33,19 @@ from hwsync.protocol.layout import (
     entries_within,
     refs_within,
 )
+from hwsync.sync.report import ReceiverReport
 from hwsync.sync.spec import TensorSpec
 
 
 @frame("ready")
 class Ready(Frame):
-    """A receiver is ready for the next sync; `state` is what the sender may plan from."""
+    """A receiver is ready for the next sync; `report` is what the sender plans from (hwsync.sync.report)."""
 
     token: str
     proto: int
     pid: Count
     host: str
-    state: Map
+    report: ReceiverReport
     doorbell: bool
     into: bool
     #: the receiver's backend and the transports it can open: the sender refuses one that lacks its own

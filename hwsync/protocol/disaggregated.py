@@ -32,6 +32,7 @@ from __future__ import annotations
 from hwsync.protocol.delta import DeltaField, check_plan_delta
 from hwsync.protocol.fields import BadFrame, Count, Frame, Map, frame
 from hwsync.protocol.layout import BucketSpec
+from hwsync.sync.report import ReceiverReport
 from hwsync.sync.spec import TensorSpec
 
 
@@ -48,7 +49,8 @@ class RankReady(Frame):
     pid: Count
     host: str
     address: str | None
-    state: Map
+    #: a receiver's report (hwsync.sync.report); a sender rank's is empty
+    report: ReceiverReport
     #: this connection's count of readies (1, 2, ...): the hub's Start names the one it took
     attempt: Count
 
@@ -154,8 +156,8 @@ class PlanFrame(Frame):
     num_senders: Count
     manifest: list[TensorSpec]
     buckets: list[BucketSpec]
-    #: the receivers' reported state, for a callable source on every sender rank
-    state: Map
+    #: the receivers' reports, in rank order: every sender rank resolves its source from them as sender 0 did
+    receivers: list[ReceiverReport]
     #: a sender in delta mode (hwsync.protocol.delta): a delta sync has groups of the manifest's tensors instead of
     #: buckets, streamed by sender 0
     delta: DeltaField | None = None

@@ -18,14 +18,12 @@ import torch
 
 from hwsync.errors import DestinationError
 from hwsync.protocol import Entry
-from hwsync.sync.spec import TensorSpec, dtype_from_name
+from hwsync.sync.spec import dtype_from_name
 
 #: into(name, dtype, shape): the caller's own tensor to receive straight into, or None
 IntoFn = Callable[[str, torch.dtype, tuple[int, ...]], "torch.Tensor | None"]
 #: load(pairs): a receiver's callback, called with each bucket's complete (name, tensor) pairs
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
-#: on_start(version, manifest): a receiver's hook once the sync is announced, before any byte moves
-StartFn = Callable[[int, "list[TensorSpec] | None"], None]
 
 #: byte alignment of every entry: enough for any dtype view and for device copy engines
 ALIGN = 256

@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any
 
 import torch
 
@@ -87,10 +86,6 @@ class ReceiverDeltas:
         #: the tensors a full sync in delta mode wrote (destinations and kept copies), digested once it completes
         self._written: dict[str, torch.Tensor] = {}
         self._digesting: Future[dict[str, int]] | None = None
-
-    def report(self) -> dict[str, Any]:
-        """What goes into the receiver's state for the sender: the id it holds (nothing when none)."""
-        return {"held": self.held} if self.held is not None else {}
 
     def begin(self, wire: DeltaField | None, targets: list[TensorSpec] | None) -> None:
         """A sync starts; `wire` is its offer's or plan's delta field. Whatever it was, nothing is held until it

@@ -1,7 +1,7 @@
 """A sender's side of delta syncs: the baseline it keeps, whether a sync may be a delta, and what it then sends.
 
 The baseline is what every receiver holds after the last committed sync, per tensor in the dtype
-it travels in (the engine's: hwsync.sync.casting), under an id (`<sender>:<n>`) that receivers report
+it travels in (the engine's: hwsync.sync.report, EngineDtypes), under an id (`<sender>:<n>`) that receivers report
 back. A sync is a delta from the baseline only when every receiver of the sync reports that id as
 what it holds, completely (a receiver tracks it itself, and drops it at the start of any sync until
 that sync completes and checks out), its engine says it kept its weights, and the sender still has
@@ -23,7 +23,6 @@ import os
 import secrets
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import torch
 
@@ -37,19 +36,14 @@ from hwsync.delta.patch import advance
 from hwsync.delta.room import RESERVE_SHARE, PayloadRoom
 from hwsync.errors import DuplicateTensorError, ManifestError
 from hwsync.protocol.delta import DeltaField
-from hwsync.sync.casting import EngineDtypes
 from hwsync.sync.delta_baseline import Baseline
 from hwsync.sync.encode_ahead import EncodeAhead, Job
-from hwsync.sync.planner import EngineState
 from hwsync.sync.prepared import Prepared
+from hwsync.sync.report import EngineDtypes, ReceiverReport
 from hwsync.sync.spec import NamedTensors, TensorSpec, dtype_from_name, dtype_name, named_tensor
 from hwsync.sync.stats import DeltaStats, SyncStats
 
 log = logging.getLogger("hwsync")
-
-#: the key of a receiver's state under which it reports the baseline id it holds
-HELD_KEY = "held"
-
 
 def dense(tensor: torch.Tensor, dtype: torch.dtype) -> Delta:
     """The whole tensor in `dtype` as a dense delta (its digest computed)."""
@@ -101,30 +95,25 @@ class SenderDeltas:
         self.settle()
         return self.baseline.held_bytes + self.baseline.spare_bytes
 
-    def decide(self, states: Sequence[Mapping[str, Any]]) -> tuple[bool, str]:
+    def decide(self, reports: Sequence[ReceiverReport]) -> tuple[bool, str]:
         """(whether this sync is a delta, why), from every receiver's report."""
         if self.base_id is None:
             return False, self._lost
-        for rank, state in enumerate(states):
-            held = state.get(HELD_KEY)
+        for rank, report in enumerate(reports):
+            held = report.held
             if held != self.base_id:
                 why = "reports no complete sync of this sender (restarted, or its last sync failed)" if held is None \
                     else f"holds {held!r}, not this sender's baseline {self.base_id!r}"
                 return False, f"receiver {rank} {why}"
-            engine = state.get("engine")
-            if isinstance(engine, Mapping):
-                try:
-                    parsed = EngineState.from_dict(engine)
-                except ValueError:
-                    continue
-                if parsed.base_discarded:
-                    return False, f"receiver {rank}'s engine freed its weights in a level-2 sleep"
-                if parsed.base_intact is False:
-                    return False, f"receiver {rank}'s engine found its weights changed since its last sync"
+            engine = report.engine
+            if engine is not None and engine.base_discarded:
+                return False, f"receiver {rank}'s engine freed its weights in a level-2 sleep"
+            if engine is not None and engine.base_intact is False:
+                return False, f"receiver {rank}'s engine found its weights changed since its last sync"
         return True, f"every receiver holds {self.base_id} complete"
 
     def prepare(self, pairs: NamedTensors, manifest: list[TensorSpec] | None, dtypes: EngineDtypes,
-                delta: bool, states: Sequence[Mapping[str, Any]], stats: SyncStats, *, streamed: bool = False
+                delta: bool, reports: Sequence[ReceiverReport], stats: SyncStats, *, streamed: bool = False
                 ) -> Prepared:
         """This sync's stream, manifest and wire announcement: a delta when `delta` and every receiver allows it.
 
@@ -146,7 +135,7 @@ class SenderDeltas:
         if not self.active:
             self._pending = Prepared(dtypes.pairs(pairs), dtypes.manifest(manifest), dtypes.manifest(manifest), None)
             return self._pending
-        use, reason = self.decide(states) if delta else (False, "this sync asked for a full sync (delta=False)")
+        use, reason = self.decide(reports) if delta else (False, "this sync asked for a full sync (delta=False)")
         note = DeltaStats("delta" if use else "full", reason, self.base_id if use else None)
         stats.delta = self._note = note
         if not use:

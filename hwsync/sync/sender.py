@@ -1,7 +1,7 @@
 """One pipeline runs every sync, whichever the path, and a Sender runs it: what both senders share.
 
 The steps, in order: gather the receivers' reports (the carrier), resolve the source (a TrainerModel is
-planned against what every engine reports, a callable is called with the first receiver's state), onload
+planned against what every engine reports, a callable is called with the first receiver's report), onload
 the parameters the caller named, prepare (cast each tensor to the dtype the engines hold; then, only when
 the sync is a delta, encode it against the baseline), stream through the carrier, wait until every receiver
 confirmed and commit (the carrier), and only then move the delta baseline. A failure at any step aborts the
@@ -20,17 +20,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from hwsync.backend.interfaces import Backend, Device
 from hwsync.control.endpoints import CloseSignal, Lifetime
-from hwsync.sync.casting import EngineDtypes
 from hwsync.sync.options import SenderOptions
 from hwsync.sync.planner import TrainerModel, plan_for_engines
 from hwsync.sync.prepared import Prepared
+from hwsync.sync.report import EngineDtypes, ReceiverReport
 from hwsync.sync.spec import NamedTensors, TensorSource, TensorSpec, with_manifest
 from hwsync.sync.stats import PlanStats, SyncStats
 
@@ -56,8 +56,8 @@ class Carrier(Protocol):
         """This sync's stats, with what the carrier knows before it starts (its transport, its buffers)."""
         ...
 
-    def gather(self, stats: SyncStats) -> list[dict[str, Any]]:
-        """Wait until every receiver (and every other sender rank) is ready; each receiver's reported state."""
+    def gather(self, stats: SyncStats) -> list[ReceiverReport]:
+        """Wait until every receiver (and every other sender rank) is ready; each receiver's report."""
         ...
 
     def stream(self, sync: Prepared, version: int, stats: SyncStats) -> None:
@@ -81,21 +81,21 @@ class Carrier(Protocol):
         ...
 
 
-def resolve_source(source: TensorSource | TrainerModel, states: Sequence[Mapping[str, Any]],
+def resolve_source(source: TensorSource | TrainerModel, reports: Sequence[ReceiverReport],
                    manifest: list[TensorSpec] | None, stats: SyncStats) -> tuple[NamedTensors, list[TensorSpec] | None]:
-    """What one sync sends, for either sender: a TrainerModel is planned against every receiver's reported state
-    (its reason in stats.plan), a callable is called with the first receiver's state, anything else is the
+    """What one sync sends, for either sender: a TrainerModel is planned against every receiver's report (its
+    reason in stats.plan), a callable is called with the first receiver's report (ReceiverReport), anything else is the
     (name, tensor) pairs themselves; with the manifest that announces them (the caller's wins)."""
     if isinstance(source, TrainerModel):
         t0 = time.perf_counter()
-        plan = plan_for_engines([state.get("engine") for state in states] or [None], source)
+        plan = plan_for_engines([r.engine for r in reports] or [None], source)
         stats.plan_s = time.perf_counter() - t0
         summary = plan.to_dict()
         stats.plan = PlanStats(summary["send"], summary["mode"], summary["reason"], summary["engine"])
         log.info("hwsync plan: %s", plan.reason)
         return plan.tensors(), plan.manifest() if manifest is None else manifest
     if callable(source):
-        return source(dict(states[0]) if states else {}), manifest
+        return source(reports[0] if reports else ReceiverReport()), manifest
     return source, manifest
 
 
@@ -116,13 +116,13 @@ class SyncPipeline:
             onload: torch.nn.Module | Iterable[torch.Tensor] | None, delta: bool, stats: SyncStats) -> None:
         """One sync, start to commit; raises (after aborting the carrier) if any step fails."""
         try:
-            states = self.carrier.gather(stats)
-            pairs, manifest = resolve_source(source, states, manifest, stats)
+            reports = self.carrier.gather(stats)
+            pairs, manifest = resolve_source(source, reports, manifest, stats)
             if self.carrier.needs_manifest:  # the collective carrier plans its buckets before the first tensor
                 pairs, manifest = with_manifest(pairs, manifest, "sender 0 plans the buckets before the first "
                                                                  "tensor is produced")
             with self._onload(onload, stats):
-                sync = self._prepare(pairs, manifest, EngineDtypes(states), delta, states, stats)
+                sync = self._prepare(pairs, manifest, EngineDtypes(reports), delta, reports, stats)
                 self.carrier.stream(sync, version, stats)
             self.carrier.confirm(version, stats)
         except BaseException as exc:
@@ -142,13 +142,13 @@ class SyncPipeline:
         return onload_during(onload, self.device, stats)
 
     def _prepare(self, pairs: Iterable[tuple[str, torch.Tensor]], manifest: list[TensorSpec] | None,
-                 dtypes: EngineDtypes, delta: bool, states: list[dict[str, Any]], stats: SyncStats) -> Prepared:
+                 dtypes: EngineDtypes, delta: bool, reports: list[ReceiverReport], stats: SyncStats) -> Prepared:
         """Cast for the engines; a delta (or, once deltas were asked for, a full sync that renews the baseline)
         goes through the delta policy."""
         if not delta and self._deltas is None:
             targets = dtypes.manifest(manifest)
             return Prepared(dtypes.pairs(pairs), targets, targets, None, uncast=pairs)
-        return self.delta_policy().prepare(pairs, manifest, dtypes, delta, states, stats,
+        return self.delta_policy().prepare(pairs, manifest, dtypes, delta, reports, stats,
                                            streamed=self.carrier.streams_deltas)
 
     def delta_policy(self) -> SenderDeltas:
@@ -239,14 +239,14 @@ class Sender:
              ) -> SyncStats:
         """Send one sync; returns when every receiver has it, raises SyncError otherwise.
 
-        `source`: (name, tensor) pairs (any lazy iterable), a function of the first receiver's reported state
-        returning them, or a TrainerModel, planned against every receiver's state. `manifest` announces the tensors
-        before any byte moves. `onload`: parameters to bring from host memory to the device for the sync, and back.
-        A tensor the source yielded must stay as it was until this returns (`stable_sources=False` for a source
-        that reuses a staging buffer); the caller's tensors are its own again once it returns. `delta`: for this
-        sync, send only what changed (None: `options.delta`); it is a delta only where every receiver holds the
-        sender's baseline, else full, and `stats.delta` says why. Tensors go in the dtype the receivers' engines
-        hold them in, where they report it (hwsync.sync.casting).
+        `source`: (name, tensor) pairs (any lazy iterable), a function of the first receiver's report
+        (hwsync.ReceiverReport) returning them, or a TrainerModel, planned against every receiver's report.
+        `manifest` announces the tensors before any byte moves. `onload`: parameters to bring from host memory to
+        the device for the sync, and back. A tensor the source yielded must stay as it was until this returns
+        (`stable_sources=False` for a source that reuses a staging buffer); the caller's tensors are its own again
+        once it returns. `delta`: for this sync, send only what changed (None: `options.delta`); it is a delta only
+        where every receiver holds the sender's baseline, else full, and `stats.delta` says why. Tensors go in the
+        dtype the receivers' engines hold them in, where they report it (hwsync.sync.report: EngineDtypes).
         """
         with self._lifetime.call("send"):
             start = time.perf_counter()

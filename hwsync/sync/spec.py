@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
 from hwsync.errors import ManifestError, SourceError
+
+if TYPE_CHECKING:  # the report is made of specs: it imports this module
+    from hwsync.sync.report import ReceiverReport
 
 #: every torch dtype with a fixed element size, by the name that travels on the wire
 WIRE_DTYPES: dict[str, torch.dtype] = {
@@ -97,7 +100,7 @@ def manifest_from_module(module: torch.nn.Module) -> list[TensorSpec]:
 # -- sources: (name, tensor) pairs, the checks every item passes, and their manifests ------------------------
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 #: what a sender's send() accepts: the tensors, or a function of the receivers' reported state giving them
-TensorSource = Union[NamedTensors, Callable[[dict[str, Any]], NamedTensors]]
+TensorSource = Union[NamedTensors, Callable[["ReceiverReport"], NamedTensors]]
 
 
 #: the torch dtypes the wire has a name for (a set: this check runs once per tensor of every sync)

@@ -166,17 +166,20 @@ class RolloutSide:
             while True:
                 last = False
 
-                def on_start(version: int, manifest: list[TensorSpec] | None) -> None:
-                    nonlocal last
-                    last = manifest is not None and len(manifest) > 0 and manifest[-1].name == END
+                class Window:  # a Loader: hands each bucket on; the manifest says whether the window is the last
+                    @staticmethod
+                    def accept(version: int, manifest: list[TensorSpec] | None) -> None:
+                        nonlocal last
+                        last = manifest is not None and len(manifest) > 0 and manifest[-1].name == END
 
-                def load(tensors: Bucket) -> None:
-                    bucket = [(name, t) for name, t in tensors if name != END]
-                    if bucket:
-                        handoff.put(bucket)
-                        device.synchronize()  # the consumer's copies out of the buffer, before it is reused
+                    @staticmethod
+                    def load(tensors: Bucket) -> None:
+                        bucket = [(name, t) for name, t in tensors if name != END]
+                        if bucket:
+                            handoff.put(bucket)
+                            device.synchronize()  # the consumer's copies out of the buffer, before it is reused
 
-                stats.append(receiver.receive(load, on_start=on_start))
+                stats.append(receiver.receive(Window()))
                 if last:
                     return stats
         finally:

@@ -43,6 +43,7 @@ from hwsync.integrations.vllm.kernels import (
 )
 from hwsync.integrations.vllm.loader_check import check_announced
 from hwsync.sync.planner import EngineState
+from hwsync.sync.report import DtypeReport, ReceiverState
 from hwsync.sync.spec import TensorSpec
 from hwsync.sync.stats import SyncStats
 
@@ -199,17 +200,19 @@ class LayerwiseLoad:
         #: whether base weights went to the model: until the sync completes, the base is a mix of old and new
         self.loaded_base = False
 
-    def run(self, receiver: WeightReceiver, state: dict[str, Any]) -> SyncStats:
+    def run(self, receiver: WeightReceiver, state: ReceiverState) -> SyncStats:
         """Receive one sync through `receiver` (reporting `state` to the sender) into the target."""
         try:
-            return receiver.receive(self.load, check_manifest=self.accept, on_done=self.done, state=state)
+            return receiver.receive(self, state=state)  # a Loader: accept, load, done
         finally:
             # on failure too: restores the layers no bucket reached and unwraps the loaders, so the
             # engine stays runnable (receiver.incomplete says its weights are a mix)
             self.reload.finalize()
 
-    def accept(self, announced: list[TensorSpec]) -> None:
+    def accept(self, version: int, announced: list[TensorSpec] | None) -> None:
         """Check the announced manifest (the adapter's part, then the base's) before any bucket arrives."""
+        if announced is None:  # nothing announced: each bucket's names are checked as they load
+            return
         base = announced if self.adapter is None else self.adapter.accept(announced)
         if base or self.adapter is None:
             self._skip = self.checks.skipped(self.target, base, self.allow_partial)
@@ -337,7 +340,7 @@ class WorkerSync:
             delivery = AdapterDelivery(self.adapters, target.model, target.vllm_config, adapter)
         sync = LayerwiseLoad(target, self.manifests, allow_partial=allow_partial, adapter=delivery)
         try:
-            stats = sync.run(receiver, self.state(target, check_base=plans))
+            stats = sync.run(receiver, receiver_state(self.state(target, check_base=plans)))
         except BaseException:
             if sync.loaded_base:  # the base is a mix of old and new until a complete sync: base_check says so
                 self._broken[id(target.model)] = _BROKEN_BASE
@@ -369,3 +372,12 @@ class WorkerSync:
         if self.receiver is not None:
             self.receiver.close()
         self.receiver = self.endpoint = None
+
+
+def receiver_state(status: dict[str, Any]) -> ReceiverState:
+    """What a worker's status (WorkerSync.state) tells the sender: its checked EngineState and the dtypes its model
+    holds, typed; the rest (versions, the check's finding, LoRA adapters) as the receiver's own values."""
+    engine, dtypes = status.get("engine"), status.get("dtypes")
+    extra = {k: v for k, v in status.items() if k not in ("engine", "dtypes")}
+    return ReceiverState(engine=None if engine is None else EngineState.from_dict(engine),
+                         dtypes=None if dtypes is None else DtypeReport.from_wire(dtypes), extra=extra)

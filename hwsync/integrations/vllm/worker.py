@@ -30,7 +30,7 @@ import torch
 from hwsync.errors import HwsyncError
 from hwsync.integrations.vllm.adapters import AdapterSpec
 from hwsync.integrations.vllm.ascend import default_nz_off, nz_refusal
-from hwsync.integrations.vllm.loading import Target, WorkerSync
+from hwsync.integrations.vllm.loading import Target, WorkerSync, receiver_state
 from hwsync.sync.spec import TensorSpec
 from hwsync.timing import DEFAULT_TIMEOUT_S
 
@@ -69,13 +69,14 @@ def target_of(model: torch.nn.Module, model_config: Any, vllm_config: Any) -> De
 def refuse(worker: WorkerSync, endpoint: str, timeout_s: float, reason: str) -> None:
     """Refuse the sender's sync through the protocol (it is told `reason` at once, no weight is touched); raises."""
 
-    def refused(*_: Any) -> None:
-        raise HwsyncError(reason)
+    class Refuse:  # a Loader that refuses the sync as it is announced
+        def load(self, tensors: list[tuple[str, Any]]) -> None:
+            raise HwsyncError(reason)
 
-    def check(_: list[TensorSpec]) -> None:
-        refused()
+        def accept(self, version: int, manifest: list[TensorSpec] | None) -> None:
+            raise HwsyncError(reason)
 
-    worker.connect(endpoint, timeout_s).receive(refused, check_manifest=check, state=worker.state())
+    worker.connect(endpoint, timeout_s).receive(Refuse(), state=receiver_state(worker.state()))
     raise HwsyncError(reason)  # receive raised already; a sender that announced nothing and sent nothing ends here
 
 
