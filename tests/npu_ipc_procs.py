@@ -283,7 +283,8 @@ def sender_step(version: int, fraction: float) -> dict[str, Any]:
     stats = STATE["wsender"].send(list(params.items()), version=version)
     digests = {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
                for n, t in params.items()}
-    return {"transport": stats.transport, "bytes": stats.bytes, "notes": _plain(stats.notes), "digests": digests}
+    delta = {"mode": stats.delta.mode, "reason": stats.delta.reason} if stats.delta else {}
+    return {"transport": stats.transport, "bytes": stats.bytes, "delta": delta, "digests": digests}
 
 
 def sender_close() -> list[str]:

@@ -622,7 +622,7 @@ def test_a_device_trainers_fp32_masters_against_a_host_baseline(engine):
     host."""
     if importlib.util.find_spec("hwsync_sim") is None:
         pytest.skip("the sim backend is not installed: pip install -e tests/plugins/hwsync_sim")
-    from hwsync.registry import load_backend
+    from hwsync.backend.registry import load_backend
 
     device = load_backend("sim").device().torch_device()
     gen = torch.Generator().manual_seed(12)

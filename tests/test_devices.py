@@ -57,8 +57,8 @@ def test_the_forwarders_local_sync_runs_on_the_device_of_the_thread_that_starts_
         return list(source)
 
     forward = LocalForwarder(local_sync, timeout_s=10, device=sim_on_1)
-    forward.start(1, [])
-    forward.finish()
+    forward.accept(1, [])
+    forward.done()
     assert seen.get(timeout=5) == 1
 
 

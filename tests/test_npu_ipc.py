@@ -118,11 +118,11 @@ def test_whole_syncs_and_deltas_go_through_the_npu_backend(pair, delta):
             assert ok, got
             assert got["version"] == version and got["digests"] == sent["digests"], f"step {version}"
             assert sent["transport"] == "npu_ipc"
-            mode = sent["notes"].get("delta", {}).get("mode")
+            mode = sent["delta"].get("mode")
             if version == 1:
                 full_bytes = sent["bytes"]
             elif delta:
-                assert mode == "delta" and sent["bytes"] < full_bytes / 4, sent["notes"].get("delta")
+                assert mode == "delta" and sent["bytes"] < full_bytes / 4, sent["delta"]
         assert "share" in sender.call("sender_close")
     finally:
         receiver.call("receiver_close")

@@ -184,7 +184,7 @@ def test_lora_base_from_the_checkpoint_when_verl_says_the_engine_has_it(bed):
     plans, served, adapters = [], [], []
     for step in (1, 2):
         trainer.train(2)
-        plans.append(bed.update(trainer, step)["notes"]["plan"]["send"])
+        plans.append(bed.update(trainer, step)["plan"]["send"])
         served.append(bed.served())
         adapters.append(bed.saved(trainer, f"lora-auto-{step}"))
     assert plans == ["base_then_adapters", "adapters_only"]
@@ -202,7 +202,7 @@ def test_lora_base_verl_hands_over_goes_only_when_the_engine_lacks_it(bed):
         if step == 3:
             trainer.forget_base()  # verl's flag says base missing again: verl hands it over, the engine has it
         trainer.train(2)
-        plans.append(bed.update(trainer, step)["notes"]["plan"]["send"])
+        plans.append(bed.update(trainer, step)["plan"]["send"])
         served.append(bed.served())
         adapters.append(bed.saved(trainer, f"lora-dummy-{step}"))
     assert plans == ["base_then_adapters", "adapters_only", "adapters_only"]

@@ -156,19 +156,19 @@ def receive_with_states(endpoint: str, states: list[dict], q) -> None:
         announced: list[str] = []
         nbytes = [0]
 
-        def load(pairs):
+        def count(pairs):
             for name, t in pairs:
                 names.append(name)
                 nbytes[0] += t.numel() * t.element_size()
 
         class Collect:  # a Loader: the manifest as announced, and each bucket's tensors
-            load = staticmethod(load)
+            load = staticmethod(count)
 
             @staticmethod
             def accept(version: int, specs: list) -> None:
                 announced.extend(s.name for s in specs or [])
 
-        stats = receiver.receive(Collect(), state=ReceiverState(engine=EngineState.from_dict(state)))
+        stats = receiver.receive(Collect(), state=ReceiverState(engine=EngineState.from_dict(state) if state else None))
         q.put({"names": names, "announced": announced, "bytes": nbytes[0], "transport_bytes": stats.bytes})
     receiver.close()
 

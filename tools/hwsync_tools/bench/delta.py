@@ -120,14 +120,15 @@ def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, 
                 t0, cpu0 = time.perf_counter(), cpu_s()
                 stats = tx.send(list(model.state_dict().items()), version=version, delta=delta)
                 cpu = cpu_s() - cpu0
-                note = stats.notes.get("delta", {})
-                peer = (stats.peer or {}).get("receivers", [{}])[0]
-                out[path].append({"step": step, "mode": note.get("mode"), "seconds": time.perf_counter() - t0,
-                                  "bytes": stats.bytes, "density": note.get("density"), "diff_s": note.get("diff_s"),
-                                  "apply_s": stats.load_s, "wait_s": stats.wait_s, "pack_s": stats.pack_s,
-                                  "baseline_bytes": note.get("baseline_bytes"), "reason": note.get("reason"),
-                                  "check": peer.get("notes", {}).get("delta_check"), "cpu_s": cpu,
-                                  "owned_bytes": note.get("owned_bytes"), "owned_s": note.get("owned_s")})
+                note = stats.delta
+                peer = ((stats.peer or {}).get("receivers") or [stats.peer or {}])[0]
+                out[path].append({"step": step, "mode": note and note.mode, "seconds": time.perf_counter() - t0,
+                                  "bytes": stats.bytes, "density": note and note.density,
+                                  "diff_s": note and note.diff_s, "apply_s": stats.load_s, "wait_s": stats.wait_s,
+                                  "pack_s": stats.pack_s, "baseline_bytes": note and note.baseline_bytes,
+                                  "reason": note and note.reason, "check": (peer.get("delta") or {}).get("check"),
+                                  "cpu_s": cpu, "owned_bytes": note and note.owned_bytes,
+                                  "owned_s": note and note.owned_s})
 
         sync(0, 0, True)  # the first: full, it makes the baseline
         for step in range(1, steps + 1):
@@ -153,21 +154,34 @@ def engine(endpoint: str | None, hidden: int, layers: int, syncs: int, timeout_s
 
     from hwsync import CrossNodeReceiver, WeightReceiver
     from hwsync.delta import warm
-    from hwsync.sync.casting import engine_dtypes
+    from hwsync.sync.report import ReceiverState, engine_dtypes
 
     warm.wait()  # compile (or load) the host kernels before anything is timed
     with torch.device("meta"):
         shapes = LlamaForCausalLM(_config(hidden, layers)).state_dict()
     held = {name: torch.empty(t.shape, dtype=getattr(torch, engine_dtype)) for name, t in shapes.items()}
-    state = {"dtypes": engine_dtypes(held.items())}
+    state = ReceiverState(dtypes=engine_dtypes(held.items()))
     seconds, cpu, began = [], [], [0.0]
+
+    class Engine:  # a Loader: writes into the held tensors, and marks the CPU clock when a sync's plan arrives
+        @staticmethod
+        def load(tensors: list) -> None:
+            raise AssertionError("every tensor has a destination")
+
+        @staticmethod
+        def into(name: str, dtype: Any, shape: Any) -> Any:
+            return held.get(name)
+
+        @staticmethod
+        def accept(version: int, manifest: Any) -> None:
+            began[0] = cpu_s()
+
     receiver = WeightReceiver(local, timeout_s=timeout_s) if local else \
         CrossNodeReceiver(str(endpoint), rank=0, timeout_s=timeout_s)
     with receiver:
         for _ in range(syncs):
             # CPU from the plan on: not the wait for the sender, nor the digest of a full sync run meanwhile
-            stats = receiver.receive(into=lambda name, dtype, shape: held.get(name), state=state,
-                                     on_start=lambda version, manifest: began.__setitem__(0, cpu_s()))
+            stats = receiver.receive(Engine(), state=state)
             seconds.append(stats.total_s)
             cpu.append(cpu_s() - began[0])
     return {"syncs": len(seconds), "receive_s": seconds, "cpu_s": cpu}
