@@ -43,7 +43,7 @@ ERROR_LINGER_S = 1.0
 #: a peer whose frames are dropped (no token, malformed) is logged at most once per this many seconds
 DROP_LOG_INTERVAL_S = 10.0
 
-#: the bed's plain TCP stream (hwsync.bed.stream): how long one attempt to connect to its sink may take ...
+#: the bed's plain TCP stream (hwsync_tools.bed.stream): how long one attempt to connect to its sink may take ...
 BED_CONNECT_ATTEMPT_S = 2.0
 #: ... and the pause between attempts while the sink is still starting
 BED_CONNECT_RETRY_S = 0.05
