@@ -17,6 +17,10 @@ from hwsync.sync.planner import (
     TrainerModel,
     plan_sync,
 )
+from hwsync.sync.report import ReceiverReport
+from hwsync.sync.sender import resolve_source
+from hwsync.sync.spec import Source, TensorSpec
+from hwsync.sync.stats import SyncStats
 
 BASE_NAMES = ["embed.weight", "layers.0.q.weight", "layers.0.v.weight", "lm_head.weight"]
 ADAPTER_NAMES = ["layers.0.q.lora_A", "layers.0.q.lora_B"]
@@ -267,3 +271,39 @@ def test_plan_manifest_is_exactly_what_it_sends():
     assert plan_sync(EngineState(0, False, True), model).manifest() is None
     full = TrainerModel(SyncMode.FULL, base=list, base_manifest=base_specs)
     assert plan_sync(None, full).manifest() == base_specs
+
+
+class Checkpoint:
+    """A Source of the user's own: its manifest from metadata, and a fresh iteration every time it is asked."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+
+    def manifest(self) -> list[TensorSpec]:
+        return [TensorSpec("a", "float32", (2,)), TensorSpec("b", "float32", (3,))]
+
+    def tensors(self):
+        self.opened += 1
+        return iter([("a", torch.zeros(2)), ("b", torch.ones(3))])
+
+
+def test_a_source_is_asked_afresh_every_sync_and_announces_its_manifest():
+    source = Checkpoint()
+    assert isinstance(source, Source)
+    for sync in (1, 2):
+        stats = SyncStats()
+        pairs, manifest = resolve_source(source, [], None, stats)
+        assert [n for n, _ in pairs] == ["a", "b"] and source.opened == sync
+        assert [s.name for s in manifest] == ["a", "b"] and stats.plan is None
+    mine = [TensorSpec("a", "float32", (2,))]
+    assert resolve_source(source, [], mine, SyncStats())[1] is mine  # the caller's manifest wins
+
+
+def test_a_trainer_model_is_a_source_planned_against_the_receivers_reports():
+    model, base, adapters = make_model(SyncMode.LORA_UNMERGED)
+    assert isinstance(model, Source)
+    assert [n for n, _ in model.tensors()] == BASE_NAMES + ADAPTER_NAMES  # an engine of unknown state: every part
+    holds = ReceiverReport(engine=EngineState(sleep_level=0, weights_freed=False, has_base=True))
+    stats = SyncStats()
+    pairs, _ = resolve_source(model, [holds], None, stats)
+    assert [n for n, _ in pairs] == ADAPTER_NAMES and stats.plan is not None and stats.plan.send == "adapters_only"

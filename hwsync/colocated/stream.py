@@ -68,6 +68,8 @@ class BucketStream:
         #: the trainer's device segments (None: device tensors go packed)
         self.mapped = mapped if refs_to is not None else None
         self._device_refs: list[DeviceRef] = []
+        self._device_ref_segments: set[int] = set()  # the segments the batch's device refs name (a set: batches of
+        # thousands of refs were checked against every earlier ref, quadratic)
         #: the open bucket's device copies, launched together when it is posted
         self._copies = CopyBatch()
         #: whether the source leaves each tensor as it was until the sync ends (see the module doc)
@@ -130,7 +132,8 @@ class BucketStream:
         else:
             assert placed is not None
             ident, offset = placed
-            if all(r.segment != ident for r in self._device_refs):
+            if ident not in self._device_ref_segments:
+                self._device_ref_segments.add(ident)
                 self._refs_wire += _EXPORT_WIRE_BYTES  # it may carry the segment's export
             self._device_refs.append(DeviceRef(name, dtype, tuple(tensor.shape), ident, offset))
             kind = "mapped"
@@ -165,6 +168,7 @@ class BucketStream:
             receivers.broadcast(Refs(sync=self.sync, segments=self._segments, refs=self._refs, device_segments=[],
                                      device_refs=[]))
         self._segments, self._refs, self._device_refs, self._refs_bytes, self._refs_wire = [], [], [], 0, 0
+        self._device_ref_segments = set()
 
     def _take(self) -> int:
         index, previous = self.pool.take(self.seq)

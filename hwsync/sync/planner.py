@@ -154,6 +154,14 @@ class TrainerModel:
         elif self.adapters is None:
             raise PlanError("mode lora_unmerged always sends the adapters; pass them as `adapters`")
 
+    def manifest(self) -> list[TensorSpec] | None:
+        """What a sync to an engine of unknown state sends (a sender plans against its receivers' reports instead)."""
+        return plan_sync(None, self).manifest()
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The tensors a sync to an engine of unknown state sends: every part (a sender plans against reports)."""
+        return plan_sync(None, self).tensors()
+
 
 def engine_holds_base(engine: EngineState | None, base_version: Version | None = None) -> tuple[bool, str]:
     """Whether the engine holds the current base, and why, as a sentence fragment."""

@@ -31,7 +31,7 @@ from hwsync.sync.options import SenderOptions
 from hwsync.sync.planner import TrainerModel, plan_for_engines
 from hwsync.sync.prepared import Prepared
 from hwsync.sync.report import EngineDtypes, ReceiverReport
-from hwsync.sync.spec import NamedTensors, TensorSource, TensorSpec, with_manifest
+from hwsync.sync.spec import NamedTensors, Source, TensorSource, TensorSpec, with_manifest
 from hwsync.sync.stats import PlanStats, SyncStats
 
 if TYPE_CHECKING:  # made at the first sync that asks for a delta: a full sync never imports it
@@ -84,8 +84,9 @@ class Carrier(Protocol):
 def resolve_source(source: TensorSource | TrainerModel, reports: Sequence[ReceiverReport],
                    manifest: list[TensorSpec] | None, stats: SyncStats) -> tuple[NamedTensors, list[TensorSpec] | None]:
     """What one sync sends, for either sender: a TrainerModel is planned against every receiver's report (its
-    reason in stats.plan), a callable is called with the first receiver's report (ReceiverReport), anything else is the
-    (name, tensor) pairs themselves; with the manifest that announces them (the caller's wins)."""
+    reason in stats.plan), another Source is asked for a fresh iteration and its manifest, a callable is called with
+    the first receiver's report (ReceiverReport), anything else is the (name, tensor) pairs themselves; with the
+    manifest that announces them (the caller's wins)."""
     if isinstance(source, TrainerModel):
         t0 = time.perf_counter()
         plan = plan_for_engines([r.engine for r in reports] or [None], source)
@@ -94,6 +95,8 @@ def resolve_source(source: TensorSource | TrainerModel, reports: Sequence[Receiv
         stats.plan = PlanStats(summary["send"], summary["mode"], summary["reason"], summary["engine"])
         log.info("hwsync plan: %s", plan.reason)
         return plan.tensors(), plan.manifest() if manifest is None else manifest
+    if isinstance(source, Source):
+        return source.tensors(), source.manifest() if manifest is None else manifest
     if callable(source):
         return source(reports[0] if reports else ReceiverReport()), manifest
     return source, manifest

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
 
 import torch
 
@@ -99,8 +99,24 @@ def manifest_from_module(module: torch.nn.Module) -> list[TensorSpec]:
 
 # -- sources: (name, tensor) pairs, the checks every item passes, and their manifests ------------------------
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
-#: what a sender's send() accepts: the tensors, or a function of the receivers' reported state giving them
-TensorSource = Union[NamedTensors, Callable[["ReceiverReport"], NamedTensors]]
+
+
+@runtime_checkable
+class Source(Protocol):
+    """What a sync sends, described before a tensor is read: send() asks it afresh every sync (a TrainerModel is one,
+    planned against the receivers' reports first)."""
+
+    def manifest(self) -> list[TensorSpec] | None:
+        """The tensors the next iteration yields (name, dtype, shape, in order), from metadata only; None: unknown."""
+        ...
+
+    def tensors(self) -> NamedTensors:
+        """A fresh iteration over this sync's (name, tensor) pairs."""
+        ...
+
+
+#: what a sender's send() accepts: a Source, the tensors, or a function of the receivers' reported state giving them
+TensorSource = Union[Source, NamedTensors, Callable[["ReceiverReport"], NamedTensors]]
 
 
 #: the torch dtypes the wire has a name for (a set: this check runs once per tensor of every sync)
