@@ -97,7 +97,8 @@ def _new_file(nbytes: int) -> tuple[str, mmap.mmap]:
         os.close(fd)
 
 
-def _unlink_all() -> None:
+def unlink_all() -> None:
+    """Remove this process's segment files from /dev/shm (at exit, or before an os._exit)."""
     for segment in _segments:
         if not segment.name.startswith(PREFIX):
             continue  # torch's own file: torch removes it
@@ -107,7 +108,7 @@ def _unlink_all() -> None:
             pass
 
 
-atexit.register(_unlink_all)
+atexit.register(unlink_all)
 
 
 def _address(buffer: mmap.mmap) -> int:

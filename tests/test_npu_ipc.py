@@ -10,10 +10,12 @@ this cannot show: the runtime's mapping across chips, asynchrony, speed (docs/as
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 from npu_ipc_procs import StandInProcess
+from npu_torch_standin import PREFIX
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +28,10 @@ def pair() -> Iterator[tuple[StandInProcess, StandInProcess]]:
     finally:
         sender.close()
         receiver.close()
+    # the stand-in's NPU memory is files in /dev/shm: a process that ends leaves none of them
+    left = [name for name in os.listdir("/dev/shm") for pid in (sender.pid, receiver.pid)
+            if name.startswith(f"{PREFIX}{pid}-")]
+    assert not left, left
 
 
 def test_the_npu_backend_is_selected_and_npu_ipc_is_usable_with_the_stand_in(pair):
