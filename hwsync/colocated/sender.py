@@ -47,29 +47,6 @@ class WeightSender(Sender):
         """The bound address alone (no token, no key): what logs and errors name."""
         return self._carrier.address
 
-    @property
-    def bucket_bytes(self) -> int:
-        """Bytes a bucket holds (chosen at the first send where the options left it to the transport or "auto")."""
-        return self._carrier.bucket_bytes
-
-    @property
-    def num_buffers(self) -> int:
-        """Buckets in flight."""
-        return self._carrier.num_buffers
-
-    @property
-    def timeout_s(self) -> float:
-        """Seconds any wait may take (options.timeout_s)."""
-        return self.options.timeout_s
-
-    @property
-    def stable_sources(self) -> bool:
-        """Whether sources keep each tensor's memory until send() returns (options.stable_sources)."""
-        return self.options.stable_sources
-
-    def __enter__(self) -> "WeightSender":
-        return self
-
 
 def _resolve_transport(backend: Backend, transport: str | Transport | None) -> Transport:
     if isinstance(transport, Transport):

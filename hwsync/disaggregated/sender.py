@@ -85,25 +85,7 @@ class CrossNodeSender(Sender):
         group = self._carrier.group
         return group.epoch if group.comm is not None else None
 
-    @property
-    def bucket_bytes(self) -> int:
-        """Bytes a bucket holds."""
-        return self._carrier.bucket_bytes
-
-    @property
-    def num_buffers(self) -> int:
-        """Buckets in flight per sender rank."""
-        return self._carrier.num_buffers
-
-    @property
-    def timeout_s(self) -> float:
-        """Seconds any wait may take (options.timeout_s)."""
-        return self.options.timeout_s
-
     def _run(self, source: TensorSource | TrainerModel, version: int, manifest: list[TensorSpec] | None,
              onload: torch.nn.Module | Iterable[torch.Tensor] | None, delta: bool, stats: SyncStats) -> None:
         # sender 0 decides whether a sync is a delta and sends it alone; the other ranks never keep a baseline
         super()._run(source, version, manifest, onload, delta and self.rank == 0, stats)
-
-    def __enter__(self) -> "CrossNodeSender":
-        return self

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, Self
 
 import torch
 
@@ -51,6 +51,10 @@ class Carrier(Protocol):
     streams_deltas: bool
     #: whether the carrier plans from the manifest before the first tensor is produced (a lazy source needs one)
     needs_manifest: bool
+    #: bytes a bucket holds (a same-host carrier chooses it at its first sync where the options left it open)
+    bucket_bytes: int
+    #: buckets in flight (across nodes: per sender rank)
+    num_buffers: int
 
     def new_stats(self, version: int) -> SyncStats:
         """This sync's stats, with what the carrier knows before it starts (its transport, its buffers)."""
@@ -219,6 +223,26 @@ class Sender:
         return self.options.delta
 
     @property
+    def bucket_bytes(self) -> int:
+        """Bytes a bucket holds (chosen at the first send where the options left it to the transport or "auto")."""
+        return self._pipeline.carrier.bucket_bytes
+
+    @property
+    def num_buffers(self) -> int:
+        """Buckets in flight (across nodes: per sender rank)."""
+        return self._pipeline.carrier.num_buffers
+
+    @property
+    def timeout_s(self) -> float:
+        """Seconds any wait may take (options.timeout_s)."""
+        return self.options.timeout_s
+
+    @property
+    def stable_sources(self) -> bool:
+        """Whether sources keep each tensor's memory until send() returns (options.stable_sources)."""
+        return self.options.stable_sources
+
+    @property
     def delta_baseline_bytes(self) -> int:
         """Memory the delta baseline holds: host memory, or the device's with delta_on_device (0 without one)."""
         deltas = self._pipeline.deltas
@@ -243,7 +267,8 @@ class Sender:
         """Send one sync; returns when every receiver has it, raises SyncError otherwise.
 
         `source`: (name, tensor) pairs (any lazy iterable), a function of the first receiver's report
-        (hwsync.ReceiverReport) returning them, or a TrainerModel, planned against every receiver's report.
+        (hwsync.ReceiverReport) returning them, a Source (asked for its manifest and a fresh iteration), or a
+        TrainerModel, planned against every receiver's report.
         `manifest` announces the tensors before any byte moves. `onload`: parameters to bring from host memory to
         the device for the sync, and back. A tensor the source yielded must stay as it was until this returns
         (`stable_sources=False` for a source that reuses a staging buffer); the caller's tensors are its own again
@@ -274,7 +299,7 @@ class Sender:
         self._pipeline.close()
         self._pipeline.carrier.close()
 
-    def __enter__(self) -> "Sender":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
