@@ -26,7 +26,7 @@ import torch
 
 from hwsync.sync.options import CrossNodeOptions
 from hwsync_tools.bench import tiny_defaults
-from hwsync_tools.bench.broadcast_model import state_dict as _model
+from hwsync_tools.bench.broadcast_model import end_ranks, state_dict as _model
 from hwsync_tools.bench.broadcast_stop_and_wait import measure as measure_stop_and_wait
 
 
@@ -86,12 +86,7 @@ def measure(senders: int, receivers: int, size: int, bucket: int, buffers: int, 
                 if v > 0:  # the first sync builds the groups
                     seconds.append(stats.total_s)
         finally:
-            for p in procs:
-                p.join(timeout_s)
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-    failed = [p.exitcode for p in procs if p.exitcode != 0]
+            failed = end_ranks(procs, timeout_s)
     if failed:
         raise RuntimeError(f"a rank failed (exit codes {failed}): see its output above")
     best = statistics.median(seconds)

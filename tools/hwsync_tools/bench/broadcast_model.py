@@ -1,6 +1,10 @@
-"""The benchmark state dict of `hwsync bench broadcast` (broadcast.py on one host, broadcast_bed.py on a bed)."""
+"""The benchmark state dict of `hwsync bench broadcast` (broadcast.py on one host, broadcast_bed.py on a bed), and
+the end of its rank processes."""
 
 from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Sequence
 
 import torch
 
@@ -17,3 +21,13 @@ def state_dict(total: int) -> list[tuple[str, torch.Tensor]]:
         left -= n * 4
         i += 1
     return out
+
+
+def end_ranks(procs: Sequence[mp.process.BaseProcess], timeout_s: float) -> list[int | None]:
+    """Wait for each rank process (killed after `timeout_s`); the exit codes that were not 0."""
+    for p in procs:
+        p.join(timeout_s)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    return [p.exitcode for p in procs if p.exitcode != 0]

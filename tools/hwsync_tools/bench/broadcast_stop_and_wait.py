@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from hwsync.backend.interfaces import Communicator
-from hwsync_tools.bench.broadcast_model import state_dict
+from hwsync_tools.bench.broadcast_model import end_ranks, state_dict
 
 #: a piece of a bucket: (tensor index, byte offset in the tensor, bytes)
 Piece = tuple[int, int, int]
@@ -155,14 +155,9 @@ def measure(senders: int, receivers: int, size: int, bucket: int, repeat: int, t
         (comm,), device = _groups(backend_name, addresses, None, [0], 1 + receivers, timeout_s)
         seconds = _send(comm, device, 0, senders, size, bucket, runs)[1:]  # the first sync connects the groups
     finally:
-        for p in procs:
-            p.join(timeout_s)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        failed = end_ranks(procs, timeout_s)
         if comm is not None:
             comm.destroy()  # last: its process hosts the group's store
-    failed = [p.exitcode for p in procs if p.exitcode != 0]
     if failed:
         raise RuntimeError(f"a stop-and-wait rank failed (exit codes {failed}): see its output above")
     best = statistics.median(seconds)
