@@ -327,11 +327,3 @@ def receiver_close() -> None:
     """Close the WeightReceiver."""
     STATE.pop("wreceiver").close()
 
-
-def _plain(value: Any) -> Any:
-    """A stats note as plain values (msgpack-safe for the pipe)."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
