@@ -26,19 +26,30 @@ _run_pre_torch_hooks()
 
 from hwsync.colocated import WeightReceiver, WeightSender  # noqa: E402
 from hwsync.disaggregated import CrossNodeReceiver, CrossNodeSender, LocalForwarder  # noqa: E402
-from hwsync.errors import ClosedError, HwsyncError, ManifestError, SyncError, SyncTimeoutError  # noqa: E402
+from hwsync.errors import (  # noqa: E402
+    ClosedError,
+    HwsyncError,
+    ManifestError,
+    NotAppliedError,
+    StagingMemoryError,
+    SyncError,
+    SyncTimeoutError,
+)
 from hwsync.sync.options import CrossNodeOptions, SenderOptions  # noqa: E402
 from hwsync.sync.planner import EngineState, SyncMode, TrainerModel  # noqa: E402
 from hwsync.sync.report import ReceiverReport, ReceiverState, engine_dtypes  # noqa: E402
 from hwsync.sync.shared_params import SharedParameters  # noqa: E402
 from hwsync.sync.spec import Source, TensorSpec, manifest_from_module  # noqa: E402
+from hwsync.sync.staging import StageOptions  # noqa: E402
 from hwsync.sync.stats import SyncStats  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "WeightSender", "WeightReceiver", "CrossNodeSender", "CrossNodeReceiver", "LocalForwarder", "SenderOptions",
+    "StageOptions",
     "CrossNodeOptions", "ReceiverState", "ReceiverReport", "engine_dtypes", "SyncStats",
     "Source", "TrainerModel", "EngineState", "SyncMode", "TensorSpec", "manifest_from_module", "SharedParameters",
     "HwsyncError", "SyncError", "SyncTimeoutError", "ClosedError", "ManifestError",
+    "NotAppliedError", "StagingMemoryError",
 ]

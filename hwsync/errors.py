@@ -41,6 +41,16 @@ class DeltaCheckError(SyncError):
     and the next sync is full."""
 
 
+class StagingMemoryError(SyncError):
+    """A receiver that stages lacks the memory for the version offered; refused before a byte moved, and no
+    receiver of the sync applies it."""
+
+
+class NotAppliedError(SyncError):
+    """A staged sync failed before its commit: no receiver that stages applied the version, each keeps the
+    previous one; the message names the receiver that failed and why."""
+
+
 class SourceError(HwsyncError, ValueError):
     """What the caller passed as a sync's source is unusable; the message names the item and the fix."""
 

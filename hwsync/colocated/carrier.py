@@ -12,10 +12,13 @@ every wait here watches) ends a running sync with an abort every receiver hears 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import socket
+import time
+from collections.abc import Iterator
 from dataclasses import replace
 
 import zmq
@@ -27,13 +30,25 @@ from hwsync.colocated.mapped import MappedSources
 from hwsync.colocated.sender_control import Peer, SenderControl, SyncReceivers
 from hwsync.colocated.stream import BucketLink, BucketStream, BufferPool, DoorbellLink, FrameLink
 from hwsync.control.endpoints import CloseSignal, new_token, private_ipc_dir, remove_ipc_dir
-from hwsync.protocol import MAX_SENDER_FRAME_BYTES, PROTOCOL_VERSION, Accept, Complete, Done, Offer, check_size, encode
+from hwsync.errors import NotAppliedError, SyncError
+from hwsync.protocol import (
+    MAX_SENDER_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    Accept,
+    Applied,
+    Apply,
+    Complete,
+    Done,
+    Offer,
+    check_size,
+    encode,
+)
 from hwsync.sizes import DEFAULT_NUM_BUFFERS
 from hwsync.sync.options import SenderOptions
 from hwsync.sync.prepared import Prepared
 from hwsync.sync.report import ReceiverReport
 from hwsync.sync.shared_params import LIVE, live_segments
-from hwsync.sync.stats import SyncStats
+from hwsync.sync.stats import StageStats, SyncStats
 
 
 class SharedBuffers:
@@ -110,6 +125,10 @@ class SharedBuffers:
         if self._buffers is None:
             self._open_buffers(receivers.peers, stats)
         stats.bucket_bytes = self.bucket_bytes
+        with applied_by_none([p for p in receivers.peers if p.stage], version):
+            self._stream(receivers, sync, version, stats)
+
+    def _stream(self, receivers: SyncReceivers, sync: Prepared, version: int, stats: SyncStats) -> None:
         link = self._offer(receivers, version, sync, stats)
         assert self._buffers is not None and self._pool is not None
         here = socket.gethostname()  # references into our segments only for receivers that can map them
@@ -165,20 +184,45 @@ class SharedBuffers:
         return DoorbellLink(bell, receivers)
 
     def confirm(self, version: int, stats: SyncStats) -> None:
-        """Done to every receiver; their Completes (each one's stats) end the sync."""
+        """Done to every receiver; their Completes (each one's stats) end the sync. Receivers that stage said staged:
+        once every receiver did, Apply goes to them, and their Applied ends the sync."""
         receivers = self._receivers
         assert receivers is not None
         receivers.broadcast(Done(sync=receivers.sync, buckets=stats.buckets, tensors=stats.tensors, bytes=stats.bytes))
-        replies = receivers.await_each(Complete, "waiting for receivers to finish loading", stats)
+        stagers = [p for p in receivers.peers if p.stage]
+        with applied_by_none(stagers, version):
+            replies = receivers.await_each(Complete, "waiting for receivers to finish loading" if not stagers else
+                                           "waiting for receivers to stage and check the sync", stats)
         if self._mapped is not None:
             self._mapped.complete()  # every receiver's copies from our device memory have run
         reports = [r.stats for r in replies]
+        if stagers:
+            reports = self._commit(receivers, stagers, reports, stats)
         if self._pool is not None and self._pool.adaptive:
             stats.notes["pool"] = self._pool.to_dict()
         stats.peer = reports[0] if len(reports) == 1 else {"receivers": reports}
         stats.load_s = max((r.get("load_s", 0.0) for r in reports), default=0.0)
         self._control.end_sync(failed=False)
         self._receivers = None
+
+    def _commit(self, receivers: SyncReceivers, stagers: list[Peer], reports: list[dict],
+                stats: SyncStats) -> list[dict]:
+        """Every receiver staged the sync: Apply to those that stage, and their Applied (with their figures)."""
+        t0 = time.perf_counter()
+        data = encode(Apply(sync=receivers.sync))
+        for peer in stagers:
+            self._control.send_to(peer, data)
+        applied = receivers.await_each(Applied, "waiting for receivers to apply the staged sync", stats, peers=stagers)
+        staged = dict(zip([p.identity for p in stagers], applied))
+        merged = [report if peer.identity not in staged else {**report, **staged[peer.identity].stats}
+                  for peer, report in zip(receivers.peers, reports)]
+        each = [StageStats.from_dict(r.get("stage")) for r in merged if isinstance(r.get("stage"), dict)]
+        stats.stage = StageStats(receivers=len(stagers), held_bytes=max((s.held_bytes for s in each), default=0),
+                                 new_bytes=max((s.new_bytes for s in each), default=0),
+                                 stage_s=max((s.stage_s for s in each), default=0.0),
+                                 apply_s=max((s.apply_s for s in each), default=0.0),
+                                 commit_s=time.perf_counter() - t0)
+        return merged
 
     def fail(self, exc: BaseException) -> None:
         """Abort every receiver (one that failed first ignores it), then release the buffers.
@@ -223,6 +267,20 @@ class SharedBuffers:
         if self._owns_ipc_dir:
             remove_ipc_dir(self.address)
             self._owns_ipc_dir = False
+
+
+@contextlib.contextmanager
+def applied_by_none(stagers: list[Peer], version: int) -> Iterator[None]:
+    """A receiver's failure before Apply went out (died, refused, timed out): where receivers stage, NotAppliedError
+    says none of them applied `version`. The sender's own errors (its source, close()) pass as they are."""
+    try:
+        yield
+    except SyncError as exc:
+        if not stagers:
+            raise
+        raise NotAppliedError(f"version {version} was applied by no receiver that stages "
+                              f"({', '.join(map(str, stagers))}); each keeps its previous version. "
+                              f"{type(exc).__name__}: {exc}") from exc
 
 
 # -- bucket geometry: what the transport prefers for how receivers take tensors, or what memory allows -----

@@ -37,12 +37,27 @@ from hwsync.colocated.receiver_control import ReceiverControl
 from hwsync.colocated.refs import SharedReader
 from hwsync.control.endpoints import Endpoint, Lifetime, peer_alive, remove_ipc_dir
 from hwsync.errors import ProtocolError, SyncError
-from hwsync.protocol import PROTOCOL_VERSION, Accept, Bucket, Complete, Done, Frame, Offer, Ready, Refs, Release, decode
+from hwsync.protocol import (
+    PROTOCOL_VERSION,
+    Accept,
+    Applied,
+    Apply,
+    Bucket,
+    Complete,
+    Done,
+    Frame,
+    Offer,
+    Ready,
+    Refs,
+    Release,
+    decode,
+)
 from hwsync.sync.bucket import BucketReader, IntoFn, LoadFn
 from hwsync.sync.delta_receiver import ReceiverDeltas
 from hwsync.sync.loader import Hooks, Loader
 from hwsync.sync.report import ReceiverReport, ReceiverState
-from hwsync.sync.stats import DeltaStats, SyncStats
+from hwsync.sync.staging import StageOptions, StagingArea
+from hwsync.sync.stats import DeltaStats, StageStats, SyncStats
 from hwsync.timing import CLOSE_LINGER_S, DEFAULT_TIMEOUT_S, ERROR_LINGER_S
 
 log = logging.getLogger("hwsync")
@@ -50,7 +65,8 @@ log = logging.getLogger("hwsync")
 class WeightReceiver:
     """The same-host path's receiver: connects to a WeightSender's endpoint and receives syncs into `load` or `into`."""
 
-    def __init__(self, endpoint: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, backend: Backend | None = None) -> None:
+    def __init__(self, endpoint: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, backend: Backend | None = None,
+                 stage: StageOptions | bool | None = None) -> None:
         sweep_dead_owners()  # what killed hwsync processes of this host left behind (once per process)
         self.timeout_s = timeout_s
         self._backend = backend
@@ -70,6 +86,11 @@ class WeightReceiver:
         self._reader = BucketReader()
         #: what this receiver holds of its sender's baseline, and the copies it keeps to apply deltas on
         self._deltas = ReceiverDeltas()
+        #: stage=: each sync is staged while the engine keeps serving, and applied only on the sender's Apply
+        self._stage_options = StageOptions.of(stage)
+        self._staging: StagingArea | None = None
+        #: the version staged and awaiting the sender's Apply, or None
+        self.staged: int | None = None
 
     @property
     def backend(self) -> Backend:
@@ -83,11 +104,13 @@ class WeightReceiver:
         """Receive one sync; raises SyncError (the sender is told) if it fails.
 
         `loader`: a Loader (hwsync.sync.loader: `load(pairs)` with each bucket's complete tensors; optionally
-        `into`, `accept(version, manifest)` before any byte moves, raising to refuse the sync, and `done()` after
-        the last tensor), or a plain load function. `into(name, dtype, shape)` may return the caller's own
-        contiguous tensor of that dtype and shape: the bytes are copied straight into it; tensors it returns None
-        for go to `load`. `state` (a ReceiverState, or a dict of the caller's own values) is reported to the
-        sender, which plans from it.
+        `into`, `accept(version, manifest)` before any byte moves, raising to refuse the sync, `done()` after the
+        last tensor, and `pause()`, a context manager a staging receiver applies inside), or a plain load function.
+        A receiver made with `stage=` receives into its staging area while the engine keeps serving, and applies
+        (copies `into`, or calls `load`) only once the sender says every receiver staged the sync. `into(name,
+        dtype, shape)` may return the caller's own contiguous tensor of that dtype and shape: the bytes are copied
+        straight into it; tensors it returns None for go to `load`. `state` (a ReceiverState, or a dict of the
+        caller's own values) is reported to the sender, which plans from it.
         """
         hooks = Hooks.of(loader, into)
         with self._lifetime.call("receive"):
@@ -97,13 +120,15 @@ class WeightReceiver:
         load, into = hooks.load, hooks.into
         start = time.perf_counter()
         stats, sync, control = SyncStats(), None, self._control
+        staging = self._staging_area()
         try:
             # everything the Ready needs first (the device's memory figures may start its runtime): the connection
             # and the Ready then go out back to back, so the sender learns who connected almost at once
             ready = Ready(token=control.endpoint.token, proto=PROTOCOL_VERSION, pid=os.getpid(),
                           host=socket.gethostname(), report=self._report(state), doorbell=doorbell_supported(),
-                          into=into is not None, backend=self.backend.name,
-                          transports=sorted(self.backend.transports()), instance=self._instance)
+                          into=into is not None or staging is not None, backend=self.backend.name,
+                          transports=sorted(self.backend.transports()), instance=self._instance,
+                          stage=staging is not None)
             control.connect()
             control.send(ready)
             offer = control.await_frame(Offer, None, "waiting for the sender's offer", stats)
@@ -114,10 +139,16 @@ class WeightReceiver:
                                     f"this receiver is process {control.sender[0]}; refused")
             control.sender = (offer.pid, offer.host)
             self._accept(offer, stats)
+            if staging is not None:  # what staging will hold, checked before a byte moves
+                stats.stage = StageStats(receivers=1, new_bytes=staging.begin(offer.manifest, offer.version))
             if hooks.accept is not None:  # the engine checks the manifest and begins: no byte has moved
                 hooks.accept(offer.version, offer.manifest)
             control.send(Accept(sync=offer.sync))
-            self._receive_buckets(offer, *self._deltas.intake(load, into, self.backend.device()), stats)
+            if staging is None:
+                self._receive_buckets(offer, *self._deltas.intake(load, into, self.backend.device()), stats)
+            else:  # every tensor into the staging area (a delta applies and is checked there)
+                self._receive_buckets(offer, *self._deltas.intake(None, staging.into, self.backend.device()), stats)
+                self._await_apply(offer, staging, hooks, start, stats)
             if hooks.done is not None:
                 t0 = time.perf_counter()
                 hooks.done()
@@ -126,11 +157,32 @@ class WeightReceiver:
             self.version = offer.version
             self.incomplete = False
             stats.total_s = time.perf_counter() - start
-            control.send(Complete(sync=sync, stats=stats.to_dict()))
+            control.send(Complete(sync=sync, stats=stats.to_dict()) if staging is None else
+                         Applied(sync=sync, stats=stats.to_dict()))
         except BaseException as exc:
             self._fail(sync, exc)
             raise
         return stats
+
+    def _staging_area(self) -> StagingArea | None:
+        if self._stage_options is not None and self._staging is None:
+            self._staging = StagingArea(self.backend.device(), self._stage_options)
+        return self._staging
+
+    def _await_apply(self, offer: Offer, staging: StagingArea, hooks: Hooks, start: float, stats: SyncStats) -> None:
+        """Staged and checked: say so, wait for the sender's Apply (every receiver staged), then apply inside the
+        engine's pause. An Abort instead (another receiver failed) raises: nothing was applied."""
+        assert stats.stage is not None
+        stats.stage.stage_s = time.perf_counter() - start
+        stats.stage.held_bytes = staging.held_bytes
+        self.staged = offer.version
+        self._control.send(Complete(sync=offer.sync, stats=stats.to_dict()))
+        self._control.await_frame(Apply, offer.sync, "waiting for the sender's commit (every receiver staged)", stats)
+        self.staged = None
+        self.incomplete = True  # until every staged tensor is in the engine
+        result = staging.apply(hooks.load, hooks.into, hooks.pause() if hooks.pause is not None else None)
+        stats.stage.apply_s = result.apply_s
+        stats.load_s += result.apply_s
 
     def _report(self, state: ReceiverState | dict[str, Any] | None) -> ReceiverReport:
         """What the Ready reports: the caller's state, the delta baseline held, and this device's memory (which a
@@ -195,7 +247,8 @@ class WeightReceiver:
                     raise SyncError(f"the sync ended with tensors incomplete: {self._reader.pending()[:5]}")
                 self._shared.finish(views, stats)  # queued reads of shared memory end before our Complete
                 return
-            self.incomplete = True
+            if self._staging is None:  # a staging receiver's engine is untouched until the Apply
+                self.incomplete = True
             if isinstance(frame, Refs):
                 views = self._shared.receive(frame, offer.pid, load, into, stats) or views
                 continue
@@ -270,8 +323,12 @@ class WeightReceiver:
             self._control.send(Release(sync=offer.sync, buf=buf, seq=seq))
 
     def _fail(self, sync: int | None, exc: BaseException) -> None:
-        """Report the failure to the sender (unless it came from there), then drop buffers and socket."""
+        """Report the failure to the sender (unless it came from there), then drop buffers and socket (and staging:
+        the engine keeps the version it serves, and the next sync is whole)."""
         self._control.report_failure(sync, exc)
+        self.staged = None
+        if self._staging is not None:
+            self._staging.release()
         log.warning("hwsync receive failed: %s", exc)
         sender = self._control.sender
         dead = sender[0] is not None and not peer_alive(*sender)
@@ -308,6 +365,8 @@ class WeightReceiver:
         self._close_buffers()
         self._reader.clear()  # reassembly scratch may live in device memory
         self._deltas.clear()
+        if self._staging is not None:
+            self._staging.release()
         self._control.close(CLOSE_LINGER_S)
         if not self._ctx.closed:
             self._ctx.term()

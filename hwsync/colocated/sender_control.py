@@ -156,7 +156,7 @@ class SyncReceivers:
     def recv(self, what: str) -> Received:
         """The next frame of one of the sync's receivers; an error frame of this sync raises."""
         identity, frame = self.control.recv(what, self.peers)
-        self.raise_if_error(frame)
+        self.raise_if_error(frame, identity)
         return identity, frame
 
     def poll(self, what: str) -> list[Received]:
@@ -166,27 +166,32 @@ class SyncReceivers:
         """
         self.control.closing.check(what)
         frames = self.control.drain()
-        for _identity, frame in frames:
-            self.raise_if_error(frame)
+        for identity, frame in frames:
+            self.raise_if_error(frame, identity)
         raise_if_exited([(p.pid, p.host) for p in self.peers], what=what, endpoint=self.control.address)
         return frames
 
-    def await_each(self, kind: type[Frame], what: str, stats: SyncStats) -> list[Any]:
-        """The frame of `kind` of this sync from every receiver, in rank order."""
+    def await_each(self, kind: type[Frame], what: str, stats: SyncStats,
+                   peers: list[Peer] | None = None) -> list[Any]:
+        """The frame of `kind` of this sync from every receiver (or each of `peers`), in rank order."""
         t0 = time.perf_counter()
+        peers = self.peers if peers is None else peers
+        wanted = {p.identity for p in peers}
         replies: dict[bytes, Any] = {}
-        while len(replies) < len(self.peers):
+        while len(replies) < len(wanted):
             identity, frame = self.recv(what)
-            if isinstance(frame, kind) and getattr(frame, "sync", None) == self.sync:
+            if isinstance(frame, kind) and getattr(frame, "sync", None) == self.sync and identity in wanted:
                 replies[identity] = frame
         stats.wait_s += time.perf_counter() - t0
-        return [replies[p.identity] for p in self.peers]
+        return [replies[p.identity] for p in peers]
 
-    def raise_if_error(self, frame: Frame) -> None:
-        """An error frame of this sync (or of none) raises ProtocolError or RemoteError with its message."""
+    def raise_if_error(self, frame: Frame, identity: bytes | None = None) -> None:
+        """An error frame of this sync (or of none) raises ProtocolError or RemoteError with its message (and the
+        receiver's pid and host)."""
         if isinstance(frame, Error) and frame.sync in (self.sync, None):
             cls = ProtocolError if frame.kind == "protocol" else RemoteError
-            raise cls(f"receiver failed: {frame.message}")
+            peer = next((p for p in self.peers if p.identity == identity), None)
+            raise cls(f"receiver failed: {frame.message}" if peer is None else f"{peer} failed: {frame.message}")
 
     def abort(self, exc: BaseException) -> None:
         """Tell every receiver the sync failed, and why (one that failed first ignores it)."""
@@ -210,8 +215,10 @@ class Peer:
     report: ReceiverReport = field(default_factory=ReceiverReport)
     #: whether it can read buckets from a shared doorbell
     doorbell: bool = False
-    #: whether it copies straight into its own tensors (receive(into=...))
+    #: whether it copies straight into its own tensors (receive(into=...), or a staging area)
     into: bool = False
+    #: whether it stages: its Complete means staged, and it applies on the sync's Apply
+    stage: bool = False
 
     def __str__(self) -> str:
         return f"receiver pid {self.pid} on {self.host}"
@@ -252,7 +259,8 @@ class PeerTable:
                                    f"{self._transport!r} (backend {self._backend!r}); set HWSYNC_BACKEND alike on both "
                                    "sides, or give the sender a transport both have", fatal=True)
             return
-        peer = Peer(identity, ready.pid, ready.host, ready.instance, ready.report, ready.doorbell, ready.into)
+        peer = Peer(identity, ready.pid, ready.host, ready.instance, ready.report, ready.doorbell, ready.into,
+                    ready.stage)
         for other in [p for p in self.bound.values() if p.instance == peer.instance and p.identity != identity]:
             self.waiting.pop(other.identity, None)  # the same receiver reconnected: its old connection is gone
             if other.identity not in self.in_sync:  # (frames of a sync it failed may still come on it)

@@ -12,7 +12,9 @@
                                           interleaved with the buckets; no release: they are the trainer's own
                                           memory, left alone until the sync's Complete)
                                       <-  Done {buckets, tensors, bytes}
-    Complete {stats}                  ->
+    Complete {stats}                  ->  (a receiver that stages: staged and checked, nothing applied yet)
+                                      <-  Apply  (receivers that stage, once every receiver sent Complete)
+    Applied {stats}                   ->  (the engine holds the version)
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class Ready(Frame):
     transports: list[str]
     #: a random id of the WeightReceiver, the same on each connection it makes (it reconnects after a failure)
     instance: str
+    #: the receiver stages: its Complete means staged and checked, and it applies only on the sender's Apply
+    stage: bool = False
 
 
 @frame("welcome")
@@ -97,6 +101,21 @@ class Release(Frame):
 @frame("complete")
 class Complete(Frame):
     """The receiver loaded the whole sync; `stats` are its own figures."""
+
+    sync: Count
+    stats: Map
+
+
+@frame("apply")
+class Apply(Frame):
+    """Every receiver of the sync staged it: apply it now (to receivers that stage)."""
+
+    sync: Count
+
+
+@frame("applied")
+class Applied(Frame):
+    """The receiver applied the staged sync: its engine holds the version; `stats` are its figures."""
 
     sync: Count
     stats: Map

@@ -2,13 +2,16 @@
 
 A `Loader` loads each bucket's complete tensors; it may also name destinations to copy straight into
 (`into`), check the announced manifest and begin the sync before any byte moves (`accept`: raise to refuse
-it, which the sender is told), and end it after the last tensor (`done`). A receiver takes one object,
-`receive(loader, state=...)`; a plain load function works too, and `into=` names destinations for either.
+it, which the sender is told), and end it after the last tensor (`done`). A receiver that stages applies
+a committed version inside the loader's `pause()` (a context manager: the engine's safe point), if any.
+A receiver takes one object, `receive(loader, state=...)`; a plain load function works too, and `into=`
+names destinations for either.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -24,7 +27,7 @@ AcceptFn = Callable[[int, "list[TensorSpec] | None"], None]
 @runtime_checkable
 class Loader(Protocol):
     """Takes a sync's tensors on the engine's side. Optional, found by name: `into(name, dtype, shape)`,
-    `accept(version, manifest)`, `done()`."""
+    `accept(version, manifest)`, `done()`, `pause()`."""
 
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Each bucket's complete (name, tensor) pairs: views valid during the call only (copy what you keep)."""
@@ -39,6 +42,8 @@ class Hooks:
     into: IntoFn | None
     accept: AcceptFn | None
     done: Callable[[], None] | None
+    #: a staging receiver applies a committed version inside this context (the engine's pause), when given
+    pause: Callable[[], AbstractContextManager[object]] | None = None
 
     @classmethod
     def of(cls, loader: Loader | LoadFn | None, into: IntoFn | None) -> Hooks:
@@ -50,7 +55,7 @@ class Hooks:
             hooks = cls(loader, into, None, None)
         else:
             hooks = cls(loader.load, into or _optional(loader, "into"), _optional(loader, "accept"),
-                        _optional(loader, "done"))
+                        _optional(loader, "done"), _optional(loader, "pause"))
         if hooks.load is None and hooks.into is None:
             raise ValueError("receive() needs load (called with each bucket's tensors), into (naming "
                              "destination tensors), or both")

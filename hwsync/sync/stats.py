@@ -40,6 +40,30 @@ class DeltaStats:
 
 
 @dataclass
+class StageStats:
+    """A sync that receivers staged: the memory staging held and how long applying it paused the engine."""
+
+    #: receivers that staged the sync (a receiver: 1)
+    receivers: int = 0
+    #: bytes the staging area holds (the sender: the largest of any receiver's), and what this sync newly allocated
+    held_bytes: int = 0
+    new_bytes: int = 0
+    #: seconds from the offer until staged and checked (a receiver's; the sender: the slowest receiver's)
+    stage_s: float = 0.0
+    #: seconds the apply took inside the engine's pause (the sender: the longest of any receiver's)
+    apply_s: float = 0.0
+    #: the sender's seconds from sending Apply until every receiver applied
+    commit_s: float = 0.0
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> StageStats:
+        """From a receiver's reported stats (missing figures are 0)."""
+        data = data or {}
+        return cls(**{k: data[k] for k in ("receivers", "held_bytes", "new_bytes", "stage_s", "apply_s", "commit_s")
+                      if isinstance(data.get(k), (int, float))})
+
+
+@dataclass
 class PlanStats:
     """What a TrainerModel's plan decided for one sync: what it sends, in which mode, and why."""
 
@@ -95,6 +119,8 @@ class SyncStats:
     peer: dict[str, Any] = field(default_factory=dict)
     #: a sender in delta mode: whether this sync was a delta, why, and what it cost (a receiver: how it checked)
     delta: DeltaStats | None = None
+    #: receivers that stage: what staging held and how long the apply paused the engine
+    stage: StageStats | None = None
     #: a TrainerModel's plan for this sync
     plan: PlanStats | None = None
     #: what onload= moved

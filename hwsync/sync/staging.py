@@ -1,0 +1,198 @@
+"""Staging: a receiver takes version v into memory of its own while its engine keeps serving v-1, and applies it
+only when the sender says every receiver of the sync staged it (the commit).
+
+The staging area keeps one tensor per name, reused from sync to sync while the name's dtype and shape stay: after
+a commit it holds exactly what the engine was given, so a delta applies on it in place (its digest checked there,
+before any weight the engine reads changes) and needs no memory beyond it. A sync that fails or is aborted before
+its commit releases the whole area (the receiver then holds no known version: the sender's next sync is whole).
+
+What the area holds is checked against free memory before a byte moves, when the offer announces its tensors: a
+shortfall raises StagingMemoryError naming the host and the bytes missing, never an out-of-memory midway.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from hwsync.backend.interfaces import Device
+from hwsync.errors import StagingMemoryError
+from hwsync.sync.bucket import IntoFn, LoadFn, matching_destination
+from hwsync.sync.spec import TensorSpec, dtype_from_name, dtype_name
+
+log = logging.getLogger("hwsync")
+
+#: host memory left free beyond what staging takes (the engine and the OS keep working): a share of the total
+HOST_HEADROOM = 0.05
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """A receiver that stages: where its staging memory lives and how much it may hold."""
+
+    #: stage on the receiving device (when it fits) instead of host memory
+    on_device: bool = False
+    #: the most bytes the staging area may hold; a sync needing more is refused before a byte moves
+    max_bytes: int | None = None
+
+    @classmethod
+    def of(cls, stage: StageOptions | bool | None) -> StageOptions | None:
+        """From what a receiver was given: True is the defaults, False or None is no staging."""
+        if stage is None or stage is False:
+            return None
+        if stage is True:
+            return cls()
+        if not isinstance(stage, StageOptions):
+            raise TypeError(f"stage= takes True, False or a StageOptions, got {type(stage).__name__}")
+        return stage
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    """What applying a staged version did: bytes copied into the engine's tensors or handed to its loader."""
+
+    tensors: int
+    bytes: int
+    apply_s: float
+
+
+class StagingArea:
+    """One receiver's staging memory: a tensor per name, filled during the stage, applied at the commit."""
+
+    def __init__(self, device: Device, options: StageOptions) -> None:
+        self.device, self.options = device, options
+        self._where = device.torch_device() if options.on_device else torch.device("cpu")
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._pinned: set[str] = set()
+        #: the names this sync staged, in the order they came
+        self._staged: list[str] = []
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the staging area holds now."""
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+    @property
+    def staged(self) -> int:
+        """Tensors this sync staged so far."""
+        return len(self._staged)
+
+    def begin(self, manifest: list[TensorSpec] | None, version: int) -> int:
+        """A sync starts (no byte has moved): check its announced tensors fit; the bytes it will newly allocate."""
+        self._staged = []
+        if manifest is None:
+            return 0  # not announced: each tensor is checked as it is allocated
+        needed = sum(spec.nbytes for spec in manifest if not self._reusable(spec.name, spec.dtype, spec.shape))
+        self._check_room(needed, f"staging version {version} ({len(manifest)} tensors)")
+        return needed
+
+    def into(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The staging tensor for one incoming tensor (reused while its dtype and shape stay)."""
+        tensor = self._tensors.get(name)
+        if tensor is None or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+            self._drop(name)
+            nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            self._check_room(nbytes, f"staging {name!r} ({dtype_name(dtype)} of shape {list(shape)})")
+            tensor = torch.empty(shape, dtype=dtype, device=self._where)
+            if self._where.type == "cpu" and self.device.pin_host_memory(tensor):
+                self._pinned.add(name)
+            self._tensors[name] = tensor
+        self._staged.append(name)
+        return tensor
+
+    def apply(self, load: LoadFn | None, into: IntoFn | None,
+              pause: AbstractContextManager[object] | None = None) -> ApplyResult:
+        """Hand this sync's staged tensors to the engine: copied into what `into` names, the rest to `load`, all
+        inside `pause` (the engine's safe point); returns once the copies have run."""
+        names, nbytes = list(dict.fromkeys(self._staged)), 0
+        t0 = time.perf_counter()
+        with pause if pause is not None else nullcontext():
+            whole: list[tuple[str, torch.Tensor]] = []
+            for name in names:
+                staged = self._tensors[name]
+                nbytes += staged.numel() * staged.element_size()
+                dest = matching_destination(name, staged.dtype, tuple(staged.shape),
+                                            into(name, staged.dtype, tuple(staged.shape)) if into else None)
+                if dest is None:
+                    whole.append((name, staged))
+                else:
+                    dest.copy_(staged, non_blocking=dest.device.type != "cpu")
+            if whole:
+                if load is None:
+                    raise ValueError(f"into() returned None for {whole[0][0]!r} and no load was given; return "
+                                     "a destination for every tensor or pass load")
+                load(whole)
+            if self.device.torch_type != "cpu" and self.device.runtime_in_use():
+                self.device.synchronize()  # the copies into the engine's tensors have run when the pause ends
+        self._staged = []
+        return ApplyResult(len(names), nbytes, time.perf_counter() - t0)
+
+    def release(self) -> None:
+        """Free every staging tensor (a sync failed or was aborted before its commit)."""
+        for name in list(self._tensors):
+            self._drop(name)
+        self._staged = []
+
+    def _reusable(self, name: str, dtype: str, shape: tuple[int, ...]) -> bool:
+        tensor = self._tensors.get(name)
+        return tensor is not None and tensor.dtype == dtype_from_name(dtype) and tuple(tensor.shape) == tuple(shape)
+
+    def _drop(self, name: str) -> None:
+        tensor = self._tensors.pop(name, None)
+        if tensor is not None and name in self._pinned:
+            self._pinned.discard(name)
+            self.device.unpin_host_memory(tensor)
+
+    def _check_room(self, needed: int, what: str) -> None:
+        """StagingMemoryError unless `needed` more bytes fit in the cap and in free memory (with headroom)."""
+        if needed <= 0:
+            return
+        host = socket.gethostname()
+        cap = self.options.max_bytes
+        if cap is not None and self.held_bytes + needed > cap:
+            raise StagingMemoryError(
+                f"{what} on {host} (pid {os.getpid()}) needs {_mib(needed)} more staging memory, and the staging "
+                f"area already holds {_mib(self.held_bytes)} of its max_bytes={_mib(cap)} (short by "
+                f"{_mib(self.held_bytes + needed - cap)}); raise StageOptions.max_bytes or receive without staging")
+        free, total = _free_memory(self.device, self._where)
+        room = free - int(total * HOST_HEADROOM) if self._where.type == "cpu" else free
+        if needed > room:
+            where = "host memory" if self._where.type == "cpu" else f"{self._where} memory"
+            raise StagingMemoryError(
+                f"{what} on {host} (pid {os.getpid()}) needs {_mib(needed)} of {where}, and {_mib(max(room, 0))} "
+                f"is free beyond the headroom kept (short by {_mib(needed - max(room, 0))}); free memory, "
+                + ("stage in host memory (StageOptions(on_device=False))" if self._where.type != "cpu"
+                   else "stage on the device (StageOptions(on_device=True))") + ", or receive without staging")
+
+
+def _free_memory(device: Device, where: torch.device) -> tuple[int, int]:
+    if where.type != "cpu":
+        return device.mem_get_info(where.index)
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
+        return info["MemAvailable"], info["MemTotal"]
+    except (OSError, KeyError, ValueError):  # not Linux: what sysconf says
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
+
+
+def _mib(n: int) -> str:
+    """Bytes as a person reads them: B below 1 KiB, then KiB, MiB, GiB."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,174 @@
+"""Staged syncs on the same-host path: receivers stage while their engines keep answering requests, and apply only
+once every receiver staged the version; a failure before that leaves every engine on the previous version, bit-exact.
+
+Engines are real processes (staged_procs.py) that answer requests on a thread of their own throughout each sync:
+each request digests the whole model under the engine's pause lock, so a request that saw a mix of versions, or a
+staged byte before the commit, shows up as a digest of no version.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import staged_procs
+import torch
+
+from hwsync import NotAppliedError, StageOptions, StagingMemoryError, WeightSender
+from hwsync.backend.owners import sweep_dead_owners
+from hwsync.backend.registry import load_backend
+from hwsync.sync.options import SenderOptions
+from hwsync.sync.spec import TensorSpec
+from hwsync.sync.staging import StagingArea
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def version_digest(version: int) -> str:
+    """The digest of the whole model at `version` (0: an engine that holds nothing yet)."""
+    return staged_procs.model_digest(staged_procs.stepped(version)) if version else ""
+
+
+def _send(sender: WeightSender, engines: list, version: int, **command) -> list[dict]:
+    for _proc, commands, _results in engines:
+        commands.put({"receive": True, **command.get("each", {})})
+    try:
+        sender.send(list(staged_procs.stepped(version).items()), version=version)
+    finally:
+        replies = [results.get(timeout=60) for _proc, _commands, results in engines]
+    return replies
+
+
+def _stop(engines: list) -> None:
+    for proc, commands, _results in engines:
+        if proc.is_alive():
+            commands.put({"stop": True})
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _served_only(reply: dict, *versions: int) -> None:
+    """Every request the engine answered during the sync saw one of `versions` whole (and it answered some)."""
+    allowed = {version_digest(v) for v in versions}
+    assert reply["requests"] > 0, "the engine answered no request during the sync"
+    assert set(reply["answered"]) <= allowed, f"a request saw no version whole: {reply['answered']}"
+
+
+@pytest.mark.parametrize("mode", ["into", "load"])
+def test_staged_syncs_full_then_delta_are_exact_and_the_engine_serves_throughout(backend, mode):
+    with WeightSender(num_receivers=2, options=SenderOptions(bucket_bytes=1 << 14, delta=True, timeout_s=30)) as s:
+        engines = [staged_procs.start(s.endpoint, mode) for _ in range(2)]
+        try:
+            for version in (1, 2, 3):
+                for _proc, commands, _results in engines:
+                    commands.put({"receive": True})
+                stats = s.send(list(staged_procs.stepped(version).items()), version=version)
+                replies = [results.get(timeout=60) for _proc, _commands, results in engines]
+                assert stats.stage is not None and stats.stage.receivers == 2
+                assert stats.stage.apply_s > 0 and stats.stage.held_bytes > 0
+                assert stats.delta is not None and stats.delta.mode == ("full" if version == 1 else "delta")
+                for reply in replies:
+                    assert "error" not in reply, reply
+                    assert reply["version"] == version and reply["digest"] == version_digest(version)
+                    assert reply["applies"] == version  # one pause per sync, the apply inside it
+                    _served_only(reply, version - 1, version)
+                    if version > 1:  # a delta applies on the staged copy: it allocates nothing
+                        assert reply["stage"]["new_bytes"] == 0
+        finally:
+            _stop(engines)
+
+
+def test_a_receiver_killed_after_staging_applies_nowhere_and_the_next_sync_commits(backend):
+    with WeightSender(num_receivers=2, options=SenderOptions(bucket_bytes=1 << 14, delta=True, timeout_s=30)) as s:
+        engines = [staged_procs.start(s.endpoint) for _ in range(2)]
+        try:
+            assert all(r["version"] == 1 for r in _send(s, engines, 1))
+            doomed, survivor = engines
+            doomed[1].put({"receive": True, "die_after_staging": True})
+            survivor[1].put({"receive": True, "slow_to_say_staged": 1.0})  # the doomed one dies before it says so
+            with pytest.raises(NotAppliedError, match=f"receiver pid {doomed[0].pid}|process {doomed[0].pid}") as info:
+                s.send(list(staged_procs.stepped(2).items()), version=2)
+            assert "applied by no receiver that stages" in str(info.value)
+            reply = survivor[2].get(timeout=60)
+            assert "aborted" in reply["error"] and reply["version"] == 1
+            assert reply["digest"] == version_digest(1) and not reply["incomplete"]  # v1, bit-exact
+            assert reply["staging_bytes"] == 0  # released
+            _served_only(reply, 1)
+            doomed[0].join(timeout=30)
+            assert doomed[0].exitcode == -signal.SIGKILL
+            engines = [survivor, staged_procs.start(s.endpoint)]
+            for reply in _send(s, engines, 3):  # whole (the survivor holds no staged base), and exact
+                assert reply["version"] == 3 and reply["digest"] == version_digest(3) and reply["delta"] is None  # full
+        finally:
+            _stop(engines)
+
+
+def test_a_digest_mismatch_on_one_receiver_applies_nowhere(backend):
+    env = {"HWSYNC_DELTA_FULL_CHECK_EVERY": "1"}  # every delta digested whole: a flipped byte anywhere is caught
+    with WeightSender(num_receivers=2, options=SenderOptions(bucket_bytes=1 << 14, delta=True, timeout_s=30)) as s:
+        engines = [staged_procs.start(s.endpoint, env=env) for _ in range(2)]
+        try:
+            _send(s, engines, 1)
+            bad, good = engines
+            bad[1].put({"receive": True, "flip": "w3"})  # its staged base changed behind hwsync's back
+            good[1].put({"receive": True})
+            with pytest.raises(NotAppliedError, match=f"pid {bad[0].pid}.*DeltaCheckError: w3"):
+                s.send(list(staged_procs.stepped(2).items()), version=2)
+            for reply in (bad[2].get(timeout=60), good[2].get(timeout=60)):
+                assert reply["version"] == 1 and reply["digest"] == version_digest(1), reply
+                _served_only(reply, 1)
+            for reply in _send(s, engines, 3):
+                assert reply["version"] == 3 and reply["digest"] == version_digest(3)
+        finally:
+            _stop(engines)
+
+
+def test_a_sender_killed_mid_stage_leaves_every_engine_on_the_previous_version(backend):
+    commands, out = staged_procs.CTX.Queue(), staged_procs.CTX.Queue()
+    sender = staged_procs.CTX.Process(target=staged_procs.sender_main, args=(commands, out, 2, 3), daemon=True)
+    sender.start()
+    endpoint = out.get(timeout=90)
+    engines = [staged_procs.start(endpoint, timeout_s=20) for _ in range(2)]
+    try:
+        for _proc, engine_commands, _results in engines:
+            engine_commands.put({"receive": True})
+        commands.put(1)
+        assert out.get(timeout=60) == 1
+        assert all(results.get(timeout=60)["version"] == 1 for _p, _c, results in engines)
+        for _proc, engine_commands, _results in engines:
+            engine_commands.put({"receive": True})
+        commands.put(2)
+        assert out.get(timeout=60) == "stalling"  # some tensors of v2 are staged
+        os.kill(sender.pid, signal.SIGKILL)
+        for _proc, _commands, results in engines:
+            reply = results.get(timeout=60)
+            assert "error" in reply and reply["version"] == 1 and reply["digest"] == version_digest(1), reply
+            assert not reply["incomplete"] and reply["staging_bytes"] == 0
+            _served_only(reply, 1)
+    finally:
+        sender.kill()
+        _stop(engines)
+        sender.join(10)
+        sweep_dead_owners(force=True)  # the killed sender's segments (its resource tracker is this process's)
+
+
+def test_staging_beyond_its_cap_is_refused_before_a_byte_moves_naming_the_host_and_the_shortfall():
+    host = load_backend("cpu").device()
+    area = StagingArea(host, StageOptions(max_bytes=1 << 20))
+    specs = [TensorSpec("a", "float32", (512, 256)), TensorSpec("b", "float32", (512, 256))]  # 1 MiB in all
+    assert area.begin(specs, 1) == 1 << 20
+    for spec in specs:
+        area.into(spec.name, torch.float32, spec.shape)
+    assert area.begin(specs, 2) == 0  # the same specs: reused
+    grown = [*specs, TensorSpec("c", "float32", (4,))]
+    with pytest.raises(StagingMemoryError, match=r"staging version 3 \(3 tensors\) on .* needs 16 B more .*"
+                                                 r"max_bytes=1.0 MiB \(short by 16 B\)"):
+        area.begin(grown, 3)
+    area.release()
+    assert area.held_bytes == 0
+    huge = StagingArea(host, StageOptions())
+    with pytest.raises(StagingMemoryError, match=r"needs .* of host memory, and .* is free beyond the headroom "
+                                                 r"kept \(short by"):
+        huge.begin([TensorSpec("x", "uint8", (1 << 50,))], 4)
