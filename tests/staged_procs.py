@@ -16,17 +16,20 @@ import torch
 import torch.multiprocessing as mp
 import transfer_procs as procs
 
-from hwsync import WeightReceiver
+from hwsync import CrossNodeReceiver, WeightReceiver
 from hwsync.backend.registry import get_backend
-from hwsync.protocol import Complete
+from hwsync.protocol import Complete, RankComplete
 
 CTX = mp.get_context("spawn")
 
 
-def start(endpoint: str, mode: str = "into", timeout_s: float = 30.0, env: dict[str, str] | None = None):
-    """A staging engine process: (process, command queue, result queue); it is up when this returns."""
+def start(endpoint: str, mode: str = "into", timeout_s: float = 30.0, env: dict[str, str] | None = None,
+          rank: int | None = None):
+    """A staging engine process: (process, command queue, result queue); it is up when this returns. `rank`: a
+    CrossNodeReceiver of that rank, None: a WeightReceiver."""
     commands, results = CTX.Queue(), CTX.Queue()
-    proc = CTX.Process(target=engine_main, args=(endpoint, mode, timeout_s, env or {}, commands, results), daemon=True)
+    proc = CTX.Process(target=engine_main, args=(endpoint, mode, timeout_s, env or {}, rank, commands, results),
+                       daemon=True)
     proc.start()
     assert results.get(timeout=90) == "up"
     return proc, commands, results
@@ -79,7 +82,8 @@ class Engine:
         self._thread.join()
 
 
-def engine_main(endpoint: str, mode: str, timeout_s: float, env: dict[str, str], commands, results) -> None:
+def engine_main(endpoint: str, mode: str, timeout_s: float, env: dict[str, str], rank: int | None, commands,
+                results) -> None:
     """Receive one sync per command: {"receive": True}, optionally {"die_after_staging": True} (SIGKILL right after
     this engine says staged), {"slow_to_say_staged": seconds}, {"flip": name} (a byte of its staged copy changes
     behind hwsync's back first) or {"stop": True}. Each result: the version, the model's digest, and the digests of the
@@ -87,21 +91,26 @@ def engine_main(endpoint: str, mode: str, timeout_s: float, env: dict[str, str],
     os.environ.update(env)
     torch.set_num_threads(1)
     engine = Engine(mode, get_backend().device().torch_device())
-    receiver = WeightReceiver(endpoint, timeout_s=timeout_s, stage=True)
+    if rank is None:
+        receiver = WeightReceiver(endpoint, timeout_s=timeout_s, stage=True)
+        channel, staged_frame = receiver._control, Complete
+    else:
+        receiver = CrossNodeReceiver(endpoint, rank=rank, timeout_s=timeout_s, stage=True)
+        channel, staged_frame = receiver._link, RankComplete
     results.put("up")
-    send = receiver._control.send
+    send = channel.send
     while not (command := commands.get()).get("stop"):
-        receiver._control.send = send
+        channel.send = send
         if command.get("die_after_staging") or command.get("slow_to_say_staged"):
             def send_and_then(frame, send=send, die=command.get("die_after_staging"),
                               delay=command.get("slow_to_say_staged", 0.0)):
-                if isinstance(frame, Complete):  # staged and checked
+                if isinstance(frame, staged_frame):  # staged and checked
                     time.sleep(delay)  # the other receivers say so first
                 send(frame)
-                if die and isinstance(frame, Complete):  # said so: killed before every receiver did (no Apply)
+                if die and isinstance(frame, staged_frame):  # said so: killed before every receiver did (no Apply)
                     os.kill(os.getpid(), signal.SIGKILL)
 
-            receiver._control.send = send_and_then
+            channel.send = send_and_then
         if "flip" in command:
             staged = receiver._staging._tensors[command["flip"]]
             staged.view(-1).view(torch.uint8)[3] ^= 0x10

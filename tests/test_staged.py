@@ -15,10 +15,10 @@ import pytest
 import staged_procs
 import torch
 
-from hwsync import NotAppliedError, StageOptions, StagingMemoryError, WeightSender
+from hwsync import CrossNodeSender, NotAppliedError, StageOptions, StagingMemoryError, SyncError, WeightSender
 from hwsync.backend.owners import sweep_dead_owners
 from hwsync.backend.registry import load_backend
-from hwsync.sync.options import SenderOptions
+from hwsync.sync.options import CrossNodeOptions, SenderOptions
 from hwsync.sync.spec import TensorSpec
 from hwsync.sync.staging import StagingArea
 
@@ -30,7 +30,7 @@ def version_digest(version: int) -> str:
     return staged_procs.model_digest(staged_procs.stepped(version)) if version else ""
 
 
-def _send(sender: WeightSender, engines: list, version: int, **command) -> list[dict]:
+def _send(sender: WeightSender | CrossNodeSender, engines: list, version: int, **command) -> list[dict]:
     for _proc, commands, _results in engines:
         commands.put({"receive": True, **command.get("each", {})})
     try:
@@ -172,3 +172,44 @@ def test_staging_beyond_its_cap_is_refused_before_a_byte_moves_naming_the_host_a
     with pytest.raises(StagingMemoryError, match=r"needs .* of host memory, and .* is free beyond the headroom "
                                                  r"kept \(short by"):
         huge.begin([TensorSpec("x", "uint8", (1 << 50,))], 4)
+
+
+# -- across nodes: CrossNodeReceiver(stage=...), sender 0's commit only once every rank staged --------------------
+
+
+@pytest.mark.cpu_is_enough("the commit is the hub's frames; the staging area is the same-host path's, run on the sim")
+@pytest.mark.parametrize("failure", ["digest mismatch", "killed after staging"])
+def test_cross_node_stages_commit_everywhere_or_nowhere(backend, failure):
+    env = {"HWSYNC_DELTA_FULL_CHECK_EVERY": "1"}
+    options = CrossNodeOptions(timeout_s=30, bucket_bytes=1 << 14, delta=True)
+    with CrossNodeSender("tcp://127.0.0.1:0", num_receivers=2, group_host="127.0.0.1", options=options) as s:
+        engines = [staged_procs.start(s.endpoint, env=env, rank=rank) for rank in range(2)]
+        try:
+            for version in (1, 2):
+                replies = _send(s, engines, version)
+                for reply in replies:
+                    assert reply["version"] == version and reply["digest"] == version_digest(version), reply
+                    _served_only(reply, version - 1, version)
+                    assert reply["stage"]["apply_s"] > 0
+            bad, good = engines
+            if failure == "digest mismatch":
+                bad[1].put({"receive": True, "flip": "w3"})
+                good[1].put({"receive": True})
+            else:
+                bad[1].put({"receive": True, "die_after_staging": True})
+                good[1].put({"receive": True, "slow_to_say_staged": 1.0})
+            with pytest.raises(SyncError, match="receiver 0|rank 0"):
+                s.send(list(staged_procs.stepped(3).items()), version=3)
+            survivors = [good] if failure != "digest mismatch" else engines
+            for _proc, _commands, results in survivors:
+                reply = results.get(timeout=60)
+                assert "error" in reply and reply["version"] == 2 and reply["digest"] == version_digest(2), reply
+                assert not reply["incomplete"] and reply["staging_bytes"] == 0
+                _served_only(reply, 2)
+            if failure != "digest mismatch":
+                bad[0].join(timeout=30)
+                engines = [staged_procs.start(s.endpoint, env=env, rank=0), good]
+            for reply in _send(s, engines, 4):
+                assert reply["version"] == 4 and reply["digest"] == version_digest(4), reply
+        finally:
+            _stop(engines)

@@ -40,7 +40,8 @@ from hwsync.sync.bucket import BucketReader, IntoFn, LoadFn
 from hwsync.sync.delta_receiver import ApplyDelta, Applying, ReceiverDeltas
 from hwsync.sync.loader import Hooks, Loader
 from hwsync.sync.report import ReceiverReport, ReceiverState
-from hwsync.sync.stats import DeltaStats, SyncStats
+from hwsync.sync.staging import StageOptions, StagingArea
+from hwsync.sync.stats import DeltaStats, StageStats, SyncStats
 from hwsync.timing import DEFAULT_TIMEOUT_S, FAILED_JOIN_S, WORKER_JOIN_S
 
 log = logging.getLogger("hwsync")
@@ -51,7 +52,8 @@ class CrossNodeReceiver:
     groups."""
 
     def __init__(self, endpoint: str, *, rank: int, num_buffers: int = DEFAULT_NUM_BUFFERS,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, backend: Backend | None = None) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, backend: Backend | None = None,
+                 stage: StageOptions | bool | None = None) -> None:
         if rank < 0:
             raise ValueError(f"rank={rank}: receiver ranks count from 0")
         if num_buffers < MIN_NUM_BUFFERS:
@@ -79,6 +81,12 @@ class CrossNodeReceiver:
         self.incomplete = False
         #: the current sync's data phase: when it began, bytes loaded, bytes in all (for a timeout's message)
         self._data: list[float] = []
+        #: stage=: each sync is staged while the engine serves, and applied only once sender 0 commits it (every
+        #: rank staged it)
+        options = StageOptions.of(stage)
+        self._staging = StagingArea(self.backend.device(), options) if options is not None else None
+        #: the version staged and awaiting the commit, or None
+        self.staged: int | None = None
 
     def receive(self, loader: Loader | LoadFn | None = None, *, into: IntoFn | None = None,
                 state: ReceiverState | dict[str, Any] | None = None) -> SyncStats:
@@ -112,6 +120,10 @@ class CrossNodeReceiver:
             self._deltas.begin(frame.delta, targets)  # a delta only on what this receiver holds
             if self._deltas.is_delta:
                 stats.delta = DeltaStats("delta", check=self._deltas.check)
+            staging = self._staging
+            if staging is not None:  # what staging will hold, checked before a byte moves
+                stats.stage = StageStats(receivers=1, new_bytes=staging.begin(targets, version))
+                load, into = None, staging.into
             if hooks.accept is not None:  # the engine checks the manifest and begins: no byte has moved
                 hooks.accept(version, targets)
             stats.version, stats.bucket_bytes, stats.num_buffers = version, plan.bucket_bytes, self.num_buffers
@@ -123,24 +135,43 @@ class CrossNodeReceiver:
                 self._stream_groups(plan, frame.delta.groups, load, stats)
             else:
                 self._stream(plan, load, into, stats)
-            if hooks.done is not None:
-                t0 = time.perf_counter()
-                hooks.done()
-                stats.load_s += time.perf_counter() - t0
-            self.version, self.incomplete = version, False
+            if staging is None:
+                self._done(hooks, stats)
+                self.version, self.incomplete = version, False
             stats.total_s = time.perf_counter() - start
+            if staging is not None:
+                assert stats.stage is not None
+                stats.stage.stage_s, stats.stage.held_bytes, self.staged = stats.total_s, staging.held_bytes, version
             link.send(RankComplete(version=version, stats=stats.to_dict()))
             link.next((Commit,), f"waiting for every rank to confirm version {version}", self._worker)
+            if staging is not None:  # committed: every rank staged it; apply inside the engine's pause
+                self.staged, self.incomplete = None, True
+                applied = staging.apply(hooks.load, hooks.into, hooks.pause() if hooks.pause is not None else None)
+                assert stats.stage is not None
+                stats.stage.apply_s = applied.apply_s
+                stats.load_s += applied.apply_s
+                self._done(hooks, stats)
+                self.version, self.incomplete = version, False
             self._deltas.complete()  # committed everywhere: this receiver holds sender 0's new baseline
         except BaseException as exc:
             link.report(exc)
             log.warning("hwsync cross-node receive failed on receiver %d: %s", self.rank, exc)
+            self.staged = None
+            if self._staging is not None:  # nothing staged is applied: the engine keeps its version
+                self._staging.release()
             self._drop_groups(failed=True)
             if isinstance(exc, SyncTimeoutError) and self._data:
                 raise SyncTimeoutError(f"{exc}. {self._progress()}") from exc
             raise
         stats.total_s = time.perf_counter() - start
         return stats
+
+    @staticmethod
+    def _done(hooks: Hooks, stats: SyncStats) -> None:
+        if hooks.done is not None:
+            t0 = time.perf_counter()
+            hooks.done()
+            stats.load_s += time.perf_counter() - t0
 
     @property
     def group_epoch(self) -> int | None:
@@ -229,7 +260,7 @@ class CrossNodeReceiver:
             s, j = self._arrived.pop(k)
             view = self._buffers[s][j][: bucket.nbytes]
             tensors = reader.read(view, list(bucket.entries), into)
-            self.incomplete = True
+            self.incomplete = self.incomplete or self._staging is None  # staging: the engine is untouched
             if tensors:
                 if load is None:
                     raise ValueError(f"into() returned None for {tensors[0][0]!r} and no load was given; return "
@@ -304,7 +335,7 @@ class CrossNodeReceiver:
             for spec, header, nbytes in zip(specs, headers, sizes):
                 payloads.append((spec.name, buffer[at:at + header.nbytes]))
                 at += nbytes
-            self.incomplete = True
+            self.incomplete = self.incomplete or self._staging is None  # staging: the engine is untouched
             applying.append(apply.submit(payloads))
             del payloads
             self._link.send(Progress(k=g))
@@ -361,6 +392,8 @@ class CrossNodeReceiver:
         self._drop_groups()
         self._buffers = []
         self._deltas.clear()
+        if self._staging is not None:
+            self._staging.release()
         self._link.close()
 
     def __enter__(self) -> "CrossNodeReceiver":
