@@ -51,6 +51,10 @@ class NotAppliedError(SyncError):
     previous one; the message names the receiver that failed and why."""
 
 
+class SupersededError(SyncError):
+    """A staged version was never committed: a newer stage or send replaced it, and no receiver applied it."""
+
+
 class SourceError(HwsyncError, ValueError):
     """What the caller passed as a sync's source is unusable; the message names the item and the fix."""
 

@@ -48,6 +48,7 @@ class Engine:
         self.held: dict[str, torch.Tensor] = {}
         self.lock = threading.Lock()
         self.answered: list[str] = []  # the model digest each request saw
+        self.times: list[float] = []  # when each request ended
         self.applies = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -58,6 +59,7 @@ class Engine:
             with self.lock:
                 seen = model_digest(self.held) if self.held else ""
             self.answered.append(seen)
+            self.times.append(time.time())
             time.sleep(0.002)
 
     # -- the Loader the receiver calls
@@ -101,9 +103,9 @@ def engine_main(endpoint: str, mode: str, timeout_s: float, env: dict[str, str],
     send = channel.send
     while not (command := commands.get()).get("stop"):
         channel.send = send
-        if command.get("die_after_staging") or command.get("slow_to_say_staged"):
-            def send_and_then(frame, send=send, die=command.get("die_after_staging"),
-                              delay=command.get("slow_to_say_staged", 0.0)):
+        die, delay = bool(command.get("die_after_staging")), float(command.get("slow_to_say_staged", 0.0))
+        if die or delay:
+            def send_and_then(frame, send=send, die=die, delay=delay):
                 if isinstance(frame, staged_frame):  # staged and checked
                     time.sleep(delay)  # the other receivers say so first
                 send(frame)
@@ -115,11 +117,13 @@ def engine_main(endpoint: str, mode: str, timeout_s: float, env: dict[str, str],
             staged = receiver._staging._tensors[command["flip"]]
             staged.view(-1).view(torch.uint8)[3] ^= 0x10
         engine.answered.clear()
+        engine.times.clear()
         try:
             stats = receiver.receive(engine, into=engine.into if mode == "into" else None)
             results.put({"version": receiver.version, "digest": model_digest(engine.held),
                          "answered": sorted(set(engine.answered)), "requests": len(engine.answered),
                          "applies": engine.applies, "stage": stats.stage.__dict__ if stats.stage else None,
+                         "timeline": list(zip(engine.times, engine.answered)),
                          "delta": stats.delta.mode if stats.delta else None})
         except Exception as exc:  # noqa: BLE001 - reported to the test
             results.put({"error": f"{type(exc).__name__}: {exc}", "version": receiver.version,

@@ -10,12 +10,21 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import staged_procs
 import torch
 
-from hwsync import CrossNodeSender, NotAppliedError, StageOptions, StagingMemoryError, SyncError, WeightSender
+from hwsync import (
+    CrossNodeSender,
+    HwsyncError,
+    NotAppliedError,
+    StageOptions,
+    StagingMemoryError,
+    SyncError,
+    WeightSender,
+)
 from hwsync.backend.owners import sweep_dead_owners
 from hwsync.backend.registry import load_backend
 from hwsync.sync.options import CrossNodeOptions, SenderOptions
@@ -211,5 +220,57 @@ def test_cross_node_stages_commit_everywhere_or_nowhere(backend, failure):
                 engines = [staged_procs.start(s.endpoint, env=env, rank=0), good]
             for reply in _send(s, engines, 4):
                 assert reply["version"] == 4 and reply["digest"] == version_digest(4), reply
+        finally:
+            _stop(engines)
+
+
+# -- stage() during a training step, commit() at its boundary; a newer stage supersedes ----------------------------
+
+
+def test_stage_then_commit_apart_keeps_serving_the_previous_version_until_the_commit(backend):
+    with WeightSender(num_receivers=2, options=SenderOptions(bucket_bytes=1 << 14, delta=True, timeout_s=30)) as s:
+        engines = [staged_procs.start(s.endpoint) for _ in range(2)]
+        try:
+            _send(s, engines, 1)
+            for _proc, commands, _results in engines:
+                commands.put({"receive": True})
+            staged = s.stage(list(staged_procs.stepped(2).items()), version=2)
+            assert s.staged_version == 2 and staged.stage is None  # staged, nothing applied yet
+            time.sleep(1.0)  # the trainer's next step runs; the engines keep serving version 1
+            before_commit = time.time()
+            stats = s.commit()
+            assert s.staged_version is None and stats.stage is not None and stats.stage.receivers == 2
+            assert stats.delta is not None and stats.delta.mode == "delta"
+            for _proc, _commands, results in engines:
+                reply = results.get(timeout=60)
+                assert reply["version"] == 2 and reply["digest"] == version_digest(2), reply
+                early = {digest for at, digest in reply["timeline"] if at < before_commit}
+                assert early == {version_digest(1)}, "a request saw a staged byte before the commit"
+            with pytest.raises(HwsyncError, match=r"commit\(\) without a staged sync"):
+                s.commit()
+        finally:
+            _stop(engines)
+
+
+def test_a_newer_stage_supersedes_an_uncommitted_one(backend):
+    with WeightSender(num_receivers=2, options=SenderOptions(bucket_bytes=1 << 14, delta=True, timeout_s=30)) as s:
+        engines = [staged_procs.start(s.endpoint) for _ in range(2)]
+        try:
+            _send(s, engines, 1)
+            for _proc, commands, _results in engines:
+                commands.put({"receive": True})
+            s.stage(list(staged_procs.stepped(2).items()), version=2)
+            for _proc, commands, _results in engines:
+                commands.put({"receive": True})
+            s.stage(list(staged_procs.stepped(3).items()), version=3)  # version 2 is dropped, never applied
+            superseded = [results.get(timeout=60) for _proc, _commands, results in engines]
+            for reply in superseded:
+                assert "SupersededError" in reply["error"] and reply["version"] == 1, reply
+                assert reply["digest"] == version_digest(1)
+            s.commit()
+            for _proc, _commands, results in engines:
+                reply = results.get(timeout=60)
+                assert reply["version"] == 3 and reply["digest"] == version_digest(3), reply
+                _served_only(reply, 1, 3)
         finally:
             _stop(engines)

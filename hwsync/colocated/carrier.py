@@ -56,6 +56,7 @@ class SharedBuffers:
 
     streams_deltas = False  # a delta's payloads are encoded up front and announced with the offer
     needs_manifest = False  # tensors are checked against it as they stream, when there is one
+    commits_apart = True  # receivers that stage wait for the Apply as long as this sender lives
 
     def __init__(self, backend: Backend, transport: Transport, endpoint: str | None, num_receivers: int,
                  options: SenderOptions, closing: CloseSignal) -> None:
@@ -91,6 +92,8 @@ class SharedBuffers:
         #: whether every receiver accepted the current offer (and so maps the buffers it was given)
         self._accepted = False
         self._receivers: SyncReceivers | None = None
+        #: each receiver's figures from its Complete (rank order), until the commit
+        self._reports: list[dict] = []
         self.stable_sources = options.stable_sources
         #: device segments receivers read in place (mapped sources)
         #: None where the transport shares no device segments (the host) or sources are not stable
@@ -184,8 +187,8 @@ class SharedBuffers:
         return DoorbellLink(bell, receivers)
 
     def confirm(self, version: int, stats: SyncStats) -> None:
-        """Done to every receiver; their Completes (each one's stats) end the sync. Receivers that stage said staged:
-        once every receiver did, Apply goes to them, and their Applied ends the sync."""
+        """Done to every receiver, and their Completes (each one's stats): loaded, or for receivers that stage,
+        staged and checked."""
         receivers = self._receivers
         assert receivers is not None
         receivers.broadcast(Done(sync=receivers.sync, buckets=stats.buckets, tensors=stats.tensors, bytes=stats.bytes))
@@ -195,11 +198,20 @@ class SharedBuffers:
                                            "waiting for receivers to stage and check the sync", stats)
         if self._mapped is not None:
             self._mapped.complete()  # every receiver's copies from our device memory have run
-        reports = [r.stats for r in replies]
-        if stagers:
-            reports = self._commit(receivers, stagers, reports, stats)
+        self._reports = [r.stats for r in replies]
         if self._pool is not None and self._pool.adaptive:
             stats.notes["pool"] = self._pool.to_dict()
+
+    def commit(self, version: int, stats: SyncStats) -> None:
+        """Receivers that stage apply the sync (Apply, then their Applied); the sync ends."""
+        receivers = self._receivers
+        assert receivers is not None
+        reports = self._reports
+        stagers = [p for p in receivers.peers if p.stage]
+        if stagers:
+            with applied_by_none(stagers, version):  # one that died or failed since it staged: none applies
+                receivers.poll("before sending the Apply")
+            reports = self._commit(receivers, stagers, reports, stats)
         stats.peer = reports[0] if len(reports) == 1 else {"receivers": reports}
         stats.load_s = max((r.get("load_s", 0.0) for r in reports), default=0.0)
         self._control.end_sync(failed=False)

@@ -177,7 +177,10 @@ class WeightReceiver:
         stats.stage.held_bytes = staging.held_bytes
         self.staged = offer.version
         self._control.send(Complete(sync=offer.sync, stats=stats.to_dict()))
-        self._control.await_frame(Apply, offer.sync, "waiting for the sender's commit (every receiver staged)", stats)
+        t0 = time.perf_counter()
+        self._control.await_frame(Apply, offer.sync, "waiting for the sender's commit (every receiver staged)", stats,
+                                  timeout_s=staging.options.commit_timeout_s)
+        stats.wait_s -= time.perf_counter() - t0  # waiting for the trainer's commit is no transfer wait
         self.staged = None
         self.incomplete = True  # until every staged tensor is in the engine
         result = staging.apply(hooks.load, hooks.into, hooks.pause() if hooks.pause is not None else None)
@@ -323,12 +326,14 @@ class WeightReceiver:
             self._control.send(Release(sync=offer.sync, buf=buf, seq=seq))
 
     def _fail(self, sync: int | None, exc: BaseException) -> None:
-        """Report the failure to the sender (unless it came from there), then drop buffers and socket (and staging:
-        the engine keeps the version it serves, and the next sync is whole)."""
+        """Report the failure to the sender (unless it came from there), then drop buffers and socket, and what was
+        staged: the engine keeps the version it serves, and the next sync is whole. A sync that failed before its
+        offer staged nothing: the staging area still holds what the engine does (a delta's base), and is kept."""
         self._control.report_failure(sync, exc)
         self.staged = None
-        if self._staging is not None:
+        if self._staging is not None and sync is not None:
             self._staging.release()
+            self._deltas.clear()  # the staging area was its base
         log.warning("hwsync receive failed: %s", exc)
         sender = self._control.sender
         dead = sender[0] is not None and not peer_alive(*sender)

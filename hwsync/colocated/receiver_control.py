@@ -88,15 +88,17 @@ class ReceiverControl:
         return frame
 
     def await_frame(self, kinds: type[Frame] | tuple[type[Frame], ...], sync: int | None, what: str,
-                    stats: SyncStats) -> Frame:
-        """The next frame of `kinds` of sync `sync` (None: of a sync newer than the last seen); the wait is wait_s."""
+                    stats: SyncStats, timeout_s: float | None = None) -> Frame:
+        """The next frame of `kinds` of sync `sync` (None: of a sync newer than the last seen); the wait is wait_s.
+        `timeout_s`: the longest wait (None: the receiver's timeout)."""
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self.timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         try:
             while True:
                 assert self._sock is not None and self._watch is not None
                 frame = self.decode(receive_frame(
-                    self._sock, self.timeout_s, what=what, endpoint=self.address, peers=[self.sender],
+                    self._sock, timeout_s, what=what, endpoint=self.address, peers=[self.sender],
                     watches=[self._closing, self._watch], deadline=deadline))
                 if isinstance(frame, Welcome):
                     continue

@@ -79,6 +79,7 @@ class HubCarrier(_RankBase):
 
     streams_deltas = True  # a delta is encoded as the stream asks for it, its headers with each group
     needs_manifest = True  # the bucket plan is made before the first tensor is produced
+    commits_apart = False  # the other sender ranks wait in their send() for the Commit: it follows the confirm
 
     def __init__(self, backend: Backend, endpoint: str | None, num_senders: int, num_receivers: int,
                  group_host: str | None, options: CrossNodeOptions, closing: CloseSignal) -> None:
@@ -178,7 +179,7 @@ class HubCarrier(_RankBase):
             raise type(exc)(f"{exc}. {hint}") from exc
 
     def confirm(self, version: int, stats: SyncStats) -> None:
-        """Every receiver's confirmation of `version` and every sender's Sent; then Commit to every rank."""
+        """Every receiver's confirmation of `version` and every sender's Sent (then `commit`)."""
         hub, receivers = self.hub, self._receivers()
         t0 = time.perf_counter()
         what = f"waiting for the receivers to confirm version {version}"
@@ -188,10 +189,13 @@ class HubCarrier(_RankBase):
         for key, frame in hub.replied(RankComplete).items():
             if frame.version != version:  # a receiver confirming another version is a protocol bug
                 raise SyncError(f"{key[0]} {key[1]} confirmed version {frame.version}, not {version}")
-        hub.send(Commit(version=version))
         reports = [hub.replied(RankComplete)[p.key].stats for p in receivers]
         stats.peer = {"receivers": reports}
         stats.load_s = max((r.get("load_s", 0.0) for r in reports), default=0.0)
+
+    def commit(self, version: int, stats: SyncStats) -> None:
+        """Commit to every rank: receivers that stage apply it now."""
+        self.hub.send(Commit(version=version))
 
     def fail(self, exc: BaseException) -> None:
         """Abort the sync on every rank, and drop the groups (the next sync builds new ones)."""
@@ -211,6 +215,7 @@ class RankCarrier(_RankBase):
 
     streams_deltas = False  # sender 0 sends every payload of a delta sync; this rank walks the source alongside
     needs_manifest = False  # the plan comes with sender 0's
+    commits_apart = False
 
     def __init__(self, rank: int, backend: Backend, endpoint: str, group_host: str | None, options: CrossNodeOptions,
                  closing: CloseSignal) -> None:
@@ -272,6 +277,9 @@ class RankCarrier(_RankBase):
         t0 = time.perf_counter()
         link.next((Commit,), f"waiting for the receivers to confirm version {version}", group.worker)
         stats.wait_s += time.perf_counter() - t0
+
+    def commit(self, version: int, stats: SyncStats) -> None:
+        """Nothing: sender 0's Commit ended this rank's confirm."""
 
     def fail(self, exc: BaseException) -> None:
         """Tell sender 0 (it names the rank at fault to every rank), and drop the group."""

@@ -102,6 +102,7 @@ class CrossNodeReceiver:
         start = time.perf_counter()
         stats = SyncStats(transport=f"collective/{self.backend.name}")
         link = self._link
+        began = False
         try:
             self._data = []
             said = ReceiverState.of(state)
@@ -117,6 +118,7 @@ class CrossNodeReceiver:
             plan = CollectivePlan.from_frame(frame)
             version = frame.version
             targets = plan.manifest  # a delta sync's too: its payloads stream in groups of these, not in buckets
+            began = True  # from here a staging area may hold part of this sync
             self._deltas.begin(frame.delta, targets)  # a delta only on what this receiver holds
             if self._deltas.is_delta:
                 stats.delta = DeltaStats("delta", check=self._deltas.check)
@@ -157,8 +159,9 @@ class CrossNodeReceiver:
             link.report(exc)
             log.warning("hwsync cross-node receive failed on receiver %d: %s", self.rank, exc)
             self.staged = None
-            if self._staging is not None:  # nothing staged is applied: the engine keeps its version
+            if self._staging is not None and began:  # nothing staged is applied: the engine keeps its version
                 self._staging.release()
+                self._deltas.clear()  # the staging area was its base
             self._drop_groups(failed=True)
             if isinstance(exc, SyncTimeoutError) and self._data:
                 raise SyncTimeoutError(f"{exc}. {self._progress()}") from exc

@@ -8,20 +8,13 @@ this rank's group binds.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-import torch
-
 from hwsync.backend.interfaces import Backend
 from hwsync.backend.registry import get_backend
 from hwsync.control.endpoints import CloseSignal
 from hwsync.disaggregated.addresses import choose_group_host, default_host, endpoint_host, pick_port
 from hwsync.disaggregated.carrier import HubCarrier, RankCarrier, receiver_states
 from hwsync.sync.options import CrossNodeOptions
-from hwsync.sync.planner import TrainerModel
 from hwsync.sync.sender import Carrier, Sender
-from hwsync.sync.spec import TensorSource, TensorSpec
-from hwsync.sync.stats import SyncStats
 
 __all__ = ["CrossNodeSender", "choose_group_host", "default_host", "endpoint_host", "pick_port", "receiver_states"]
 
@@ -85,7 +78,6 @@ class CrossNodeSender(Sender):
         group = self._carrier.group
         return group.epoch if group.comm is not None else None
 
-    def _run(self, source: TensorSource | TrainerModel, version: int, manifest: list[TensorSpec] | None,
-             onload: torch.nn.Module | Iterable[torch.Tensor] | None, delta: bool, stats: SyncStats) -> None:
+    def _delta_for(self, delta: bool | None) -> bool:
         # sender 0 decides whether a sync is a delta and sends it alone; the other ranks never keep a baseline
-        super()._run(source, version, manifest, onload, delta and self.rank == 0, stats)
+        return super()._delta_for(delta) and self.rank == 0

@@ -27,6 +27,7 @@ import torch
 
 from hwsync.backend.interfaces import Backend, Device
 from hwsync.control.endpoints import CloseSignal, Lifetime
+from hwsync.errors import HwsyncError, SupersededError
 from hwsync.sync.options import SenderOptions
 from hwsync.sync.planner import TrainerModel, plan_for_engines
 from hwsync.sync.prepared import Prepared
@@ -55,6 +56,8 @@ class Carrier(Protocol):
     bucket_bytes: int
     #: buckets in flight (across nodes: per sender rank)
     num_buffers: int
+    #: whether `commit` may come long after `confirm` (a trainer's step between them: stage(), then commit())
+    commits_apart: bool
 
     def new_stats(self, version: int) -> SyncStats:
         """This sync's stats, with what the carrier knows before it starts (its transport, its buffers)."""
@@ -69,7 +72,11 @@ class Carrier(Protocol):
         ...
 
     def confirm(self, version: int, stats: SyncStats) -> None:
-        """Wait until every receiver holds `version` complete and checked, then commit it on every rank."""
+        """Wait until every receiver holds `version` complete and checked (receivers that stage: staged)."""
+        ...
+
+    def commit(self, version: int, stats: SyncStats) -> None:
+        """Commit `version` on every rank: receivers that stage apply it now; the sync ends."""
         ...
 
     def fail(self, exc: BaseException) -> None:
@@ -113,6 +120,8 @@ class SyncPipeline:
     def __init__(self, carrier: Carrier, device: Device, options: SenderOptions) -> None:
         self.carrier, self.device, self.options = carrier, device, options
         self._deltas: SenderDeltas | None = None
+        #: a sync confirmed (staged) and not yet committed: its version and stats
+        self.pending: tuple[int, SyncStats] | None = None
 
     @property
     def deltas(self) -> SenderDeltas | None:
@@ -120,8 +129,10 @@ class SyncPipeline:
         return self._deltas
 
     def run(self, source: TensorSource | TrainerModel, version: int, manifest: list[TensorSpec] | None,
-            onload: torch.nn.Module | Iterable[torch.Tensor] | None, delta: bool, stats: SyncStats) -> None:
-        """One sync, start to commit; raises (after aborting the carrier) if any step fails."""
+            onload: torch.nn.Module | Iterable[torch.Tensor] | None, delta: bool, stats: SyncStats,
+            commit: bool = True) -> None:
+        """One sync, start to commit (`commit=False`: to confirmed, the commit left `pending`); raises (after aborting
+        the carrier) if any step fails."""
         try:
             reports = self.carrier.gather(stats)
             pairs, manifest = resolve_source(source, reports, manifest, stats)
@@ -132,13 +143,39 @@ class SyncPipeline:
                 sync = self._prepare(pairs, manifest, EngineDtypes(reports), delta, reports, stats)
                 self.carrier.stream(sync, version, stats)
             self.carrier.confirm(version, stats)
+            if not commit:
+                self.pending = (version, stats)
+                return
+            self.carrier.commit(version, stats)
         except BaseException as exc:
-            if self._deltas is not None:
-                self._deltas.abort()
-            self.carrier.fail(exc)
+            self._fail(exc)
             raise
         if self._deltas is not None:
             self._deltas.commit()
+
+    def commit(self) -> SyncStats:
+        """Commit the pending sync (receivers that stage apply it); raises (after aborting) if that fails."""
+        assert self.pending is not None
+        (version, stats), self.pending = self.pending, None
+        try:
+            self.carrier.commit(version, stats)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        if self._deltas is not None:
+            self._deltas.commit()
+        return stats
+
+    def abandon(self, exc: BaseException) -> None:
+        """Abort the pending sync (no receiver applies it; each keeps its version); the baseline stays."""
+        if self.pending is not None:
+            self.pending = None
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._deltas is not None:
+            self._deltas.abort()
+        self.carrier.fail(exc)
 
     def _onload(self, onload: torch.nn.Module | Iterable[torch.Tensor] | None,
                 stats: SyncStats) -> contextlib.AbstractContextManager[None]:
@@ -277,16 +314,56 @@ class Sender:
         dtype the receivers' engines hold them in, where they report it (hwsync.sync.report: EngineDtypes).
         """
         with self._lifetime.call("send"):
+            return self._send(source, version, manifest, onload, delta, commit=True)
+
+    def stage(self, source: TensorSource | TrainerModel, *, version: int, manifest: list[TensorSpec] | None = None,
+              onload: torch.nn.Module | Iterable[torch.Tensor] | None = None, delta: bool | None = None
+              ) -> SyncStats:
+        """send() up to the commit: returns once every receiver staged (or, one that does not stage, loaded)
+        `version`; `commit()` then applies it everywhere. A stage not yet committed is superseded by the next
+        stage() or send(): its receivers drop it and apply nothing. The same arguments as send(), whose rule on
+        the source's tensors holds until stage() returns. Same-host senders only (WeightSender)."""
+        with self._lifetime.call("stage"):
+            if not self._pipeline.carrier.commits_apart:
+                raise HwsyncError(f"{type(self).__name__} stages and commits in one send(); stage() and commit() "
+                                  "apart are WeightSender's (its other sender ranks would wait for the commit)")
+            return self._send(source, version, manifest, onload, delta, commit=False)
+
+    def commit(self) -> SyncStats:
+        """Apply the staged version on every receiver (each inside its engine's pause); the stats of the whole sync.
+        Raises NotAppliedError, and no receiver applies it, if one failed or went away since it staged."""
+        with self._lifetime.call("commit"):
+            if self._pipeline.pending is None:
+                raise HwsyncError("commit() without a staged sync: call stage() first (send() commits by itself)")
             start = time.perf_counter()
-            stats = self._pipeline.carrier.new_stats(version)
-            self._run(source, version, manifest, onload, self.options.delta if delta is None else delta, stats)
-            stats.total_s = time.perf_counter() - start
-            log.info("hwsync %s sent %s", type(self).__name__, stats)
+            stats = self._pipeline.commit()
+            stats.total_s += time.perf_counter() - start
+            log.info("hwsync %s committed %s", type(self).__name__, stats)
             return stats
 
-    def _run(self, source: TensorSource | TrainerModel, version: int, manifest: list[TensorSpec] | None,
-             onload: torch.nn.Module | Iterable[torch.Tensor] | None, delta: bool, stats: SyncStats) -> None:
-        self._pipeline.run(source, version, manifest, onload, delta, stats)
+    @property
+    def staged_version(self) -> int | None:
+        """The version stage() left for commit(), or None."""
+        pending = self._pipeline.pending
+        return None if pending is None else pending[0]
+
+    def _send(self, source: TensorSource | TrainerModel, version: int, manifest: list[TensorSpec] | None,
+              onload: torch.nn.Module | Iterable[torch.Tensor] | None, delta: bool | None, *,
+              commit: bool) -> SyncStats:
+        pending = self._pipeline.pending
+        if pending is not None:  # a newer version supersedes the one staged: its receivers drop it
+            self._pipeline.abandon(SupersededError(f"version {pending[0]} was staged and never committed; version "
+                                                   f"{version} supersedes it"))
+        start = time.perf_counter()
+        stats = self._pipeline.carrier.new_stats(version)
+        self._pipeline.run(source, version, manifest, onload, self._delta_for(delta), stats, commit=commit)
+        stats.total_s = time.perf_counter() - start
+        log.info("hwsync %s %s %s", type(self).__name__, "sent" if commit else "staged", stats)
+        return stats
+
+    def _delta_for(self, delta: bool | None) -> bool:
+        """Whether this sync asks for a delta (None: `options.delta`)."""
+        return self.options.delta if delta is None else delta
 
     def close(self) -> None:
         """Release buffers, sockets and threads; safe to call twice, and from any thread.

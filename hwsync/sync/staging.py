@@ -40,6 +40,9 @@ class StageOptions:
     on_device: bool = False
     #: the most bytes the staging area may hold; a sync needing more is refused before a byte moves
     max_bytes: int | None = None
+    #: how long a receiver that staged waits for the commit (a trainer may run a step between its stage() and
+    #: commit()); a sender that goes away ends the wait at once
+    commit_timeout_s: float = 3600.0
 
     @classmethod
     def of(cls, stage: StageOptions | bool | None) -> StageOptions | None:
@@ -160,7 +163,7 @@ class StagingArea:
                 f"{what} on {host} (pid {os.getpid()}) needs {_mib(needed)} more staging memory, and the staging "
                 f"area already holds {_mib(self.held_bytes)} of its max_bytes={_mib(cap)} (short by "
                 f"{_mib(self.held_bytes + needed - cap)}); raise StageOptions.max_bytes or receive without staging")
-        free, total = _free_memory(self.device, self._where)
+        free, total = free_memory(self.device, self._where)
         room = free - int(total * HOST_HEADROOM) if self._where.type == "cpu" else free
         if needed > room:
             where = "host memory" if self._where.type == "cpu" else f"{self._where} memory"
@@ -171,8 +174,9 @@ class StagingArea:
                    else "stage on the device (StageOptions(on_device=True))") + ", or receive without staging")
 
 
-def _free_memory(device: Device, where: torch.device) -> tuple[int, int]:
-    if where.type != "cpu":
+def free_memory(device: Device | None = None, where: torch.device | None = None) -> tuple[int, int]:
+    """(available, total) bytes of host memory, or of `device`'s memory at `where` when that is not the host."""
+    if device is not None and where is not None and where.type != "cpu":
         return device.mem_get_info(where.index)
     try:
         with open("/proc/meminfo") as f:

@@ -54,12 +54,16 @@ class StageStats:
     apply_s: float = 0.0
     #: the sender's seconds from sending Apply until every receiver applied
     commit_s: float = 0.0
+    #: seconds the engine's generation was paused for the apply, where an integration paused it (vLLM's
+    #: pause_generation to resume_generation)
+    pause_s: float = 0.0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> StageStats:
         """From a receiver's reported stats (missing figures are 0)."""
         data = data or {}
-        return cls(**{k: data[k] for k in ("receivers", "held_bytes", "new_bytes", "stage_s", "apply_s", "commit_s")
+        return cls(**{k: data[k] for k in ("receivers", "held_bytes", "new_bytes", "stage_s", "apply_s", "commit_s",
+                                                    "pause_s")
                       if isinstance(data.get(k), (int, float))})
 
 

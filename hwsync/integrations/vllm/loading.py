@@ -24,7 +24,8 @@ vLLM is imported lazily: importing this module needs no vLLM.
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -188,8 +189,11 @@ class LayerwiseLoad:
     on every exit path."""
 
     def __init__(self, target: Target, checks: ManifestChecks, *, allow_partial: bool,
-                 adapter: AdapterDelivery | None) -> None:
+                 adapter: AdapterDelivery | None, pause: Callable[[], AbstractContextManager[object]] | None = None
+                 ) -> None:
         self.target = target
+        #: a staged sync's apply runs inside this (the engine paused), when given
+        self._pause = pause
         self.checks = checks
         self.allow_partial = allow_partial
         #: takes the sync's trailing adapter tensors, if it carries an adapter
@@ -218,6 +222,11 @@ class LayerwiseLoad:
             self._skip = self.checks.skipped(self.target, base, self.allow_partial)
         else:  # an adapter-only sync loads no base
             self._skip = frozenset()
+
+    def pause(self) -> AbstractContextManager[object]:
+        """Where a staged sync's apply runs: inside the engine's pause (the worker's main thread waits in
+        hwsync_apply, no forward pass runs), when the sync was staged."""
+        return nullcontext() if self._pause is None else self._pause()
 
     def load(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """One bucket: the adapter's tensors copied aside, the base's handed to the model's loader."""
@@ -252,6 +261,8 @@ class WorkerSync:
         self.rank = rank
         self.receiver: WeightReceiver | None = None
         self.endpoint: str | None = None
+        #: whether the receiver stages (hwsync_stage) or streams into the model (hwsync_receive)
+        self.stages = False
         #: hwsync's version of the last complete sync (kept when the trainer's sender changes)
         self.version: int | None = None
         #: the vLLM weight version of the last complete sync, when the trainer said it (native API)
@@ -267,13 +278,15 @@ class WorkerSync:
         #: models whose base last came by a sync that did not plan: it keeps no fingerprint (see receive)
         self._unplanned: set[int] = set()
 
-    def connect(self, endpoint: str, timeout_s: float) -> WeightReceiver:
-        """The receiver for `endpoint`: kept across syncs of one sender (its socket and mappings serve each)."""
-        if self.receiver is not None and self.endpoint == endpoint:
+    def connect(self, endpoint: str, timeout_s: float, stage: bool = False) -> WeightReceiver:
+        """The receiver for `endpoint`: kept across syncs of one sender (its socket and mappings serve each);
+        `stage`: one that stages (a new one when that changes)."""
+        if self.receiver is not None and self.endpoint == endpoint and self.stages == stage:
             self.receiver.timeout_s = timeout_s
             return self.receiver
         self.close()
-        self.receiver, self.endpoint = WeightReceiver(endpoint, timeout_s=timeout_s), endpoint
+        self.receiver = WeightReceiver(endpoint, timeout_s=timeout_s, stage=stage)
+        self.endpoint, self.stages = endpoint, stage
         return self.receiver
 
     def base_check(self, target: Target) -> tuple[bool, bool | None, str]:
@@ -325,20 +338,21 @@ class WorkerSync:
         return out
 
     def receive(self, endpoint: str, target: Target, *, timeout_s: float, allow_partial: bool = False,
-                weight_version: str | None = None, adapter: AdapterSpec | None = None, plans: bool = True
-                ) -> dict[str, Any]:
+                weight_version: str | None = None, adapter: AdapterSpec | None = None, plans: bool = True,
+                pause: Callable[[], AbstractContextManager[object]] | None = None) -> dict[str, Any]:
         """Receive one sync from `endpoint` into `target` (its trailing tensors `adapter`'s, if given);
         returns this worker's stats as a dict.
 
         `plans`: the sender plans from this worker's state. Only then is the base checked against its
         fingerprint before the sync and a new fingerprint taken after it (each check reads every weight
         once, ~15 ms for a 125M model on 2 CPU cores); a sync that does not plan drops the fingerprint,
-        so a later planned sync finds none and sends the base."""
-        receiver = self.connect(endpoint, timeout_s)
+        so a later planned sync finds none and sends the base. `pause`: stage the sync while the engine serves,
+        and apply it inside this context (hwsync.integrations.vllm.staged)."""
+        receiver = self.connect(endpoint, timeout_s, stage=pause is not None)
         delivery = None
         if adapter is not None:
             delivery = AdapterDelivery(self.adapters, target.model, target.vllm_config, adapter)
-        sync = LayerwiseLoad(target, self.manifests, allow_partial=allow_partial, adapter=delivery)
+        sync = LayerwiseLoad(target, self.manifests, allow_partial=allow_partial, adapter=delivery, pause=pause)
         try:
             stats = sync.run(receiver, receiver_state(self.state(target, check_base=plans)))
         except BaseException:

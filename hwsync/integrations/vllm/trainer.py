@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -36,12 +37,15 @@ from hwsync.colocated import WeightSender
 from hwsync.errors import HwsyncError, ManifestError, ProtocolError, RemoteError, SyncError, SyncTimeoutError
 from hwsync.integrations.lora import LoraAdapter
 from hwsync.integrations.vllm.sources import SyncParts, Weights, sync_parts
+from hwsync.integrations.vllm.staged_trainer import PAUSE_MODES, PauseMode, stage_choice, staged_sync
 from hwsync.sizes import DEFAULT_BUCKET_BYTES, MiB
 from hwsync.sync.options import SenderOptions
 from hwsync.sync.planner import TrainerModel
 from hwsync.sync.spec import TensorSpec
 from hwsync.sync.stats import SyncStats
 from hwsync.timing import DEFAULT_TIMEOUT_S, RPC_GRACE_S
+
+log = logging.getLogger("hwsync")
 
 #: the value for vLLM's `worker_extension_cls`
 EXTENSION = "hwsync.integrations.vllm.HwsyncWorkerExtension"
@@ -233,27 +237,53 @@ class AsyncVllmWeightSync(_EngineSync):
 
     def __init__(self, engine: Any, num_workers: int, **kwargs: Any) -> None:
         self.engine = engine
+        stage, mode = kwargs.pop("stage", "auto"), kwargs.pop("pause_mode", "keep")
+        if stage not in (True, False, "auto"):
+            raise ValueError(f"stage={stage!r}: True (stage every sync), False (stream into the model, the engine "
+                             "held for the whole transfer) or 'auto' (stage when the host has the memory)")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode={mode!r}: one of {PAUSE_MODES} (vLLM's pause_generation modes)")
+        #: stage each sync while the engine generates and pause only to apply it (True, False or "auto")
+        self.stage: bool | str = stage
+        #: vLLM's pause mode around a staged sync's apply: "keep" (default), "wait" or "abort"
+        self.pause_mode: PauseMode = mode
         super().__init__(num_workers, kwargs.pop("sender", None), kwargs.pop("timeout_s", DEFAULT_TIMEOUT_S),
                          kwargs.pop("bucket_bytes", None), kwargs.pop("allow_partial", False),
                          kwargs.pop("delta", False))
 
     @classmethod
     async def create(cls, engine: Any, *, sender: WeightSender | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                     bucket_bytes: int | None = None, allow_partial: bool = False,
-                     delta: bool = False) -> "AsyncVllmWeightSync":
-        """Ask the engine for its workers (checks the extension is installed) and make the sender."""
+                     bucket_bytes: int | None = None, allow_partial: bool = False, delta: bool = False,
+                     stage: bool | str = "auto", pause_mode: PauseMode = "keep") -> "AsyncVllmWeightSync":
+        """Ask the engine for its workers (checks the extension is installed) and make the sender. `stage`: stage
+        each sync while the engine generates and pause it (vLLM's `pause_generation(mode=pause_mode)`) only to
+        apply; "auto" stages when the host has the memory and says which once in the log."""
         try:
             workers = await engine.collective_rpc("hwsync_status")
         except Exception as exc:
             raise _missing_extension(exc) from exc
         return cls(engine, len(workers), sender=sender, timeout_s=timeout_s, bucket_bytes=bucket_bytes,
-                   allow_partial=allow_partial, delta=delta)
+                   allow_partial=allow_partial, delta=delta, stage=stage, pause_mode=pause_mode)
+
+    def _stages(self, specs: list[TensorSpec]) -> bool:
+        if self.stage == "auto":
+            chosen, why = stage_choice(specs, self.num_workers)
+            log.info("hwsync: %s", why)
+            self.stage = chosen  # decided once, at the first sync
+        return bool(self.stage)
 
     async def sync(self, weights: Weights | TrainerModel, *, version: int,
                    manifest: list[TensorSpec] | None = None) -> SyncStats:
-        """Push `weights` (or a TrainerModel to plan) as `version` while the event loop keeps serving."""
+        """Push `weights` (or a TrainerModel to plan) as `version` while the event loop keeps serving; a staged
+        sync pauses generation only to apply it (stats.stage.pause_s)."""
         parts = sync_parts(weights, manifest)
         sender = self._session(parts.specs)
+        if self._stages(parts.specs):
+            stats, send_exc, results, rpc_exc = await staged_sync(
+                self.engine, sender, parts.source, parts.manifest, version, self._receive_args(parts),
+                self.pause_mode, self.timeout_s)
+            self.engine_stats = results or []
+            return settle(stats, send_exc, results, rpc_exc)
         rpc = asyncio.ensure_future(self.engine.collective_rpc("hwsync_receive", args=self._receive_args(parts)))
         stats = send_exc = rpc_exc = results = None
         try:

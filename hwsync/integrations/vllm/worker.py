@@ -31,10 +31,14 @@ from hwsync.errors import HwsyncError
 from hwsync.integrations.vllm.adapters import AdapterSpec
 from hwsync.integrations.vllm.ascend import default_nz_off, nz_refusal
 from hwsync.integrations.vllm.loading import Target, WorkerSync, receiver_state
+from hwsync.integrations.vllm.staged import StagedReceive, no_staged_sync
 from hwsync.sync.spec import TensorSpec
 from hwsync.timing import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("hwsync")
+
+#: how much longer than a sync's timeout a staged sync's apply waits for the engine's pause
+STAGED_PAUSE_WAIT_S = 600.0
 
 
 def model_device(model: torch.nn.Module) -> torch.device | None:
@@ -91,9 +95,11 @@ def _flag(value: bool | str) -> bool:
 
 
 class HwsyncWorkerExtension:
-    """Mixed into each vLLM worker: RPC methods `hwsync_receive`, `hwsync_status`, `hwsync_close`."""
+    """Mixed into each vLLM worker: RPC methods `hwsync_receive`, `hwsync_stage` and `hwsync_apply` (staged.py),
+    `hwsync_status`, `hwsync_close`."""
 
     _hwsync: WorkerSync | None = None
+    _hwsync_staged: StagedReceive | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # vLLM builds the worker with the extension mixed in: this runs before the worker's __init__ reads its
@@ -143,6 +149,44 @@ class HwsyncWorkerExtension:
         synchronize_after(worker)
         return stats
 
+    def hwsync_stage(self, endpoint: str, timeout_s: float | str = DEFAULT_TIMEOUT_S,
+                     allow_partial: bool | str = False, adapter: dict[str, Any] | str | None = None,
+                     plans: bool | str = True) -> dict[str, Any]:
+        """Start staging one sync from `endpoint` on a thread of this worker and return at once: the engine keeps
+        generating; `hwsync_apply`, called once generation is paused, applies it (the arguments: hwsync_receive's)."""
+        if isinstance(adapter, str):
+            adapter = json.loads(adapter) if adapter not in ("", "None", "null") else None
+        spec = None if adapter is None else AdapterSpec.parse(adapter)
+        worker = self._hwsync_worker()
+        reason = nz_refusal()
+        if reason is not None:
+            refuse(worker, endpoint, float(timeout_s), reason)
+        if self._hwsync_staged is not None and self._hwsync_staged.running:
+            raise HwsyncError("hwsync_stage while the last staged sync still runs: call hwsync_apply first")
+        target = self._hwsync_target()
+
+        def receive(pause: Any) -> dict[str, Any]:
+            return worker.receive(endpoint, target, timeout_s=float(timeout_s), allow_partial=_flag(allow_partial),
+                                  adapter=spec, plans=_flag(plans), pause=pause)
+
+        self._hwsync_staged = StagedReceive(receive, wait_s=float(timeout_s) + STAGED_PAUSE_WAIT_S)
+        return {"rank": worker.rank, "staging": True}
+
+    def hwsync_apply(self, timeout_s: float | str = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+        """With generation paused: apply the staged sync (once the sender commits it) and return this worker's
+        stats; raises the sync's error if it failed (nothing applied when it failed before the commit)."""
+        staged, self._hwsync_staged = self._hwsync_staged, None
+        if staged is None:
+            raise no_staged_sync()
+        worker = self._hwsync_worker()
+        try:
+            return staged.apply(float(timeout_s))
+        finally:
+            synchronize_after(worker)
+
     def hwsync_close(self) -> None:
         """Drop the receiver (its socket and buffer mappings); the next receive reconnects."""
+        if self._hwsync_staged is not None:
+            self._hwsync_staged.release()
+            self._hwsync_staged = None
         self._hwsync_worker().close()

