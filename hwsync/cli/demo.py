@@ -51,6 +51,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora", action="store_true",
                         help="train a PEFT LoRA instead of the whole model; after the first sync only the adapter "
                              "is sent (needs peft: pip install 'hwsync[lora]')")
+    parser.add_argument("--staged", action="store_true",
+                        help="an AsyncLLM serves a steady load throughout; each step's weights stage while it "
+                             "generates (deltas after the first) and it pauses only to apply them")
     parser.add_argument("--lora-rank", type=int, default=8, choices=LORA_RANKS, metavar="R",
                         help=f"rank of the LoRA on q_proj and v_proj, one of {LORA_RANKS} (default 8)")
 
@@ -72,6 +75,10 @@ def run_demo(args: argparse.Namespace) -> int:
         from hwsync.cli.demo_lora import run_lora_demo
 
         return run_lora_demo(args)
+    if args.staged:
+        from hwsync.cli.demo_staged import run_staged_demo
+
+        return run_staged_demo(args)
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vLLM is first imported
     cpu_engine_env()

@@ -341,6 +341,14 @@ class Sender:
             log.info("hwsync %s committed %s", type(self).__name__, stats)
             return stats
 
+    def abandon(self, reason: str = "") -> None:
+        """Drop the version stage() left: its receivers apply nothing and keep the version they serve."""
+        with self._lifetime.call("abandon"):
+            pending = self._pipeline.pending
+            if pending is not None:
+                self._pipeline.abandon(SupersededError(f"version {pending[0]} was staged and dropped without a "
+                                                       f"commit{': ' + reason if reason else ''}"))
+
     @property
     def staged_version(self) -> int | None:
         """The version stage() left for commit(), or None."""

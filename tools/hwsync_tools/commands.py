@@ -15,6 +15,8 @@ BENCHES = {
                   "collective: 1 or striped senders to N receivers"),
     "delta": ("hwsync_tools.bench.delta", "add_bench_delta_arguments", "run_bench_delta",
               "full against delta syncs of a ~300M model trained for real, between two hosts of the bed"),
+    "pause": ("hwsync_tools.bench.pause", "add_bench_pause_arguments", "run_bench_pause",
+              "how long a sync stops a serving vLLM engine under load: staged against streamed"),
     "delta-codec": ("hwsync_tools.bench.delta_codec", "add_bench_delta_codec_arguments", "run_bench_delta_codec",
                     "the delta codec alone: diff, apply and digest against one read of the tensors"),
 }

@@ -14,6 +14,10 @@ or hwsync's worker extension and trainer helpers:
     sync = VllmWeightSync(llm)
     stats = sync.sync(model, version=step)
 
+An AsyncLLM keeps generating while the next version stages (`AsyncVllmWeightSync`, `stage="auto"`: where the
+host has the memory) and pauses (vLLM's `pause_generation`) only to apply it; `rolling_commit` does so across
+engines, staged everywhere first, committed one engine at a time.
+
 A LoRA trainer passes a planner TrainerModel (hwsync.integrations.peft.peft_trainer_model):
 the base goes only when the engine lacks it, the adapter from memory, served to
 `lora_request(model.adapter)`.
@@ -25,7 +29,8 @@ model: check, MoE kernel reset, layerwise reload, finalize; WorkerSync's reporte
 loader_check.py (the engine's own loader, dry-run), adapters.py (LoRA adapters from memory into
 vLLM's LoRA manager), fingerprint.py (what a worker checks its base against before each plan),
 kernels.py (MoE and tied-head kernels the reload leaves stale), checkpoint.py (the checkpoint's
-manifest), sources.py (what a trainer holds, as checkpoint-named tensors). Importing this
+manifest), sources.py (what a trainer holds, as checkpoint-named tensors), staged.py and staged_trainer.py (staged
+syncs: the worker's staging thread, and stage then commit inside vLLM's pause). Importing this
 package imports no vLLM; `HwsyncTrainerInitInfo` / `HwsyncTrainerEngine` import it when first named.
 """
 
@@ -43,6 +48,7 @@ from hwsync.integrations.vllm.trainer import (
     VllmWeightSync,
     auto_bucket_bytes,
     lora_request,
+    rolling_commit,
     settle,
 )
 from hwsync.integrations.vllm.worker import HwsyncWorkerExtension
@@ -61,4 +67,4 @@ def __getattr__(name: str) -> Any:
 
 __all__ = ["BACKEND", "EXTENSION", "AsyncLLMClient", "AsyncVllmWeightSync", "HttpVllmWeightSync",
            "HwsyncTrainerEngine", "HwsyncTrainerInitInfo", "HwsyncWorkerExtension", "LLMClient", "VllmWeightSync",
-           "auto_bucket_bytes", "lora_request", "register", "settle", "weights_and_manifest"]
+           "auto_bucket_bytes", "lora_request", "register", "rolling_commit", "settle", "weights_and_manifest"]

