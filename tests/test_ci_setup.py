@@ -102,7 +102,7 @@ def test_the_main_job_sets_up_without_the_verl_environment(tmp_path):
     assert code == 0, log
     assert not [line for line in log if line.startswith("setup-verl")]
     assert [line for line in log if line.startswith("hwsync")] == ["hwsync info", "hwsync roundtrip", "hwsync demo",
-                                                                   "hwsync demo --lora"]
+                                                                   "hwsync demo --lora", "hwsync demo --staged"]
 
 
 def test_the_test_job_builds_the_verl_environment_lints_and_runs_both_suites(tmp_path):

@@ -33,6 +33,9 @@ from hwsync.sync.staging import StagingArea
 
 pytestmark = pytest.mark.timeout(300)
 
+#: why the failure cases run on the cpu backend alone
+FAILURES_ON_CPU = "the failure paths are the control plane's; the staging area's copies run on the sim in the first test"
+
 
 def version_digest(version: int) -> str:
     """The digest of the whole model at `version` (0: an engine that holds nothing yet)."""
@@ -89,6 +92,7 @@ def test_staged_syncs_full_then_delta_are_exact_and_the_engine_serves_throughout
             _stop(engines)
 
 
+@pytest.mark.cpu_is_enough(FAILURES_ON_CPU)
 def test_a_receiver_killed_after_staging_applies_nowhere_and_the_next_sync_commits(backend):
     with WeightSender(num_receivers=2, options=SenderOptions(bucket_bytes=1 << 14, delta=True, timeout_s=30)) as s:
         engines = [staged_procs.start(s.endpoint) for _ in range(2)]
@@ -114,6 +118,7 @@ def test_a_receiver_killed_after_staging_applies_nowhere_and_the_next_sync_commi
             _stop(engines)
 
 
+@pytest.mark.cpu_is_enough(FAILURES_ON_CPU)
 def test_a_digest_mismatch_on_one_receiver_applies_nowhere(backend):
     env = {"HWSYNC_DELTA_FULL_CHECK_EVERY": "1"}  # every delta digested whole: a flipped byte anywhere is caught
     with WeightSender(num_receivers=2, options=SenderOptions(bucket_bytes=1 << 14, delta=True, timeout_s=30)) as s:
@@ -134,6 +139,7 @@ def test_a_digest_mismatch_on_one_receiver_applies_nowhere(backend):
             _stop(engines)
 
 
+@pytest.mark.cpu_is_enough(FAILURES_ON_CPU)
 def test_a_sender_killed_mid_stage_leaves_every_engine_on_the_previous_version(backend):
     commands, out = staged_procs.CTX.Queue(), staged_procs.CTX.Queue()
     sender = staged_procs.CTX.Process(target=staged_procs.sender_main, args=(commands, out, 2, 3), daemon=True)
@@ -227,6 +233,7 @@ def test_cross_node_stages_commit_everywhere_or_nowhere(backend, failure):
 # -- stage() during a training step, commit() at its boundary; a newer stage supersedes ----------------------------
 
 
+@pytest.mark.cpu_is_enough(FAILURES_ON_CPU)
 def test_stage_then_commit_apart_keeps_serving_the_previous_version_until_the_commit(backend):
     with WeightSender(num_receivers=2, options=SenderOptions(bucket_bytes=1 << 14, delta=True, timeout_s=30)) as s:
         engines = [staged_procs.start(s.endpoint) for _ in range(2)]
@@ -252,6 +259,7 @@ def test_stage_then_commit_apart_keeps_serving_the_previous_version_until_the_co
             _stop(engines)
 
 
+@pytest.mark.cpu_is_enough(FAILURES_ON_CPU)
 def test_a_newer_stage_supersedes_an_uncommitted_one(backend):
     with WeightSender(num_receivers=2, options=SenderOptions(bucket_bytes=1 << 14, delta=True, timeout_s=30)) as s:
         engines = [staged_procs.start(s.endpoint) for _ in range(2)]
