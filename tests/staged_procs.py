@@ -142,14 +142,15 @@ def stepped(step: int) -> dict[str, torch.Tensor]:
     return delta_stepped(step)
 
 
-def sender_main(commands, out, stall_version: int, stall_after: int) -> None:
+def sender_main(commands, out, stall_version: int, stall_after: int, delta: bool = True) -> None:
     """A sender in a process of its own: sends each version it is told (`stepped(version)`) and says it sent it;
-    at `stall_version` it stalls after `stall_after` tensors (to be killed), saying "stalling" first."""
+    at `stall_version` it stalls after `stall_after` tensors (to be killed), saying "stalling" first. With `delta`,
+    a delta is encoded whole before its offer: the stall comes before any receiver was offered the sync."""
     from hwsync import WeightSender
     from hwsync.sync.options import SenderOptions
 
     torch.set_num_threads(1)
-    with WeightSender(num_receivers=2, options=SenderOptions(bucket_bytes=1 << 14, delta=True, timeout_s=30)) as s:
+    with WeightSender(num_receivers=2, options=SenderOptions(bucket_bytes=1 << 14, delta=delta, timeout_s=30)) as s:
         out.put(s.endpoint)
         while True:
             version = commands.get()

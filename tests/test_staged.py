@@ -140,9 +140,13 @@ def test_a_digest_mismatch_on_one_receiver_applies_nowhere(backend):
 
 
 @pytest.mark.cpu_is_enough(FAILURES_ON_CPU)
-def test_a_sender_killed_mid_stage_leaves_every_engine_on_the_previous_version(backend):
+@pytest.mark.parametrize("when", ["mid-stream", "before the offer"])
+def test_a_sender_killed_mid_stage_leaves_every_engine_on_the_previous_version(backend, when):
+    # mid-stream: a full sync, whose first tensors are staged when the sender stalls; before the offer: a delta,
+    # encoded whole before it is offered, so nothing is staged and the staging area (the delta's base) is kept
     commands, out = staged_procs.CTX.Queue(), staged_procs.CTX.Queue()
-    sender = staged_procs.CTX.Process(target=staged_procs.sender_main, args=(commands, out, 2, 3), daemon=True)
+    sender = staged_procs.CTX.Process(target=staged_procs.sender_main,
+                                      args=(commands, out, 2, 3, when == "before the offer"), daemon=True)
     sender.start()
     endpoint = out.get(timeout=90)
     engines = [staged_procs.start(endpoint, timeout_s=20) for _ in range(2)]
@@ -155,12 +159,14 @@ def test_a_sender_killed_mid_stage_leaves_every_engine_on_the_previous_version(b
         for _proc, engine_commands, _results in engines:
             engine_commands.put({"receive": True})
         commands.put(2)
-        assert out.get(timeout=60) == "stalling"  # some tensors of v2 are staged
+        assert out.get(timeout=60) == "stalling"
         os.kill(sender.pid, signal.SIGKILL)
+        model_bytes = sum(t.numel() * t.element_size() for t in staged_procs.stepped(1).values())
         for _proc, _commands, results in engines:
             reply = results.get(timeout=60)
             assert "error" in reply and reply["version"] == 1 and reply["digest"] == version_digest(1), reply
-            assert not reply["incomplete"] and reply["staging_bytes"] == 0
+            assert not reply["incomplete"]
+            assert reply["staging_bytes"] == (0 if when == "mid-stream" else model_bytes), reply
             _served_only(reply, 1)
     finally:
         sender.kill()
