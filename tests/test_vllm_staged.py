@@ -69,7 +69,33 @@ class Load:
         return max((b - a for times in self.token_times for a, b in zip(times, times[1:])), default=0.0)
 
 
-async def _staged_round(v0_dir: str, mode: str) -> None:
+async def _under_load(engine: Any, sync: Any, weights: Any, version: int, before: str, mixed: bool) -> Any:
+    """One staged sync while a load runs before, during and after it; checks what every request saw."""
+    load = Load(engine)
+    load.start()
+    await asyncio.sleep(1.0)  # the load runs before the sync
+    stats = await sync.sync(weights, version=version)
+    await asyncio.sleep(1.0)  # and after it
+    await load.stop()
+    assert stats.stage is not None and stats.stage.receivers == 1
+    assert 0 < stats.stage.apply_s <= stats.stage.pause_s, stats.stage
+    assert await engine.get_weight_version() == str(version)
+    reasons = {out.outputs[0].finish_reason for out in load.finished}
+    assert reasons == {"length"}, reasons  # every request ran to its end: none aborted
+    spans_seen = set()
+    for out in load.finished:
+        spans = out.outputs[0].weight_versions
+        assert spans, "a finished output carries its weight-version spans"
+        assert spans[0].start == 0 and spans[-1].end == len(out.outputs[0].token_ids)
+        assert all(a.end == b.start for a, b in zip(spans, spans[1:])), spans  # contiguous
+        versions = [s.version for s in spans]
+        assert versions in ([before], [str(version)], *([[before, str(version)]] if mixed else [])), spans
+        spans_seen.add(tuple(versions))
+    assert (before,) in spans_seen and (str(version),) in spans_seen, spans_seen
+    return stats
+
+
+async def _staged_rounds(v0_dir: str) -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -78,29 +104,11 @@ async def _staged_round(v0_dir: str, mode: str) -> None:
 
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(v0_dir)))
     try:
-        sync = await AsyncVllmWeightSync.create(engine, stage=True, pause_mode=mode, timeout_s=60.0,
+        sync = await AsyncVllmWeightSync.create(engine, stage=True, pause_mode="keep", timeout_s=60.0,
                                                 bucket_bytes=1 << 20, delta=True)
         v1 = build("llama", 1)
-        load = Load(engine)
-        load.start()
-        await asyncio.sleep(1.0)  # the load runs before the sync
-        stats = await sync.sync(v1, version=1)
-        await asyncio.sleep(1.0)  # and after it
-        await load.stop()
-        assert stats.stage is not None and stats.stage.receivers == 1
-        assert 0 < stats.stage.apply_s <= stats.stage.pause_s, stats.stage
-        assert await engine.get_weight_version() == "1"
-        reasons = {out.outputs[0].finish_reason for out in load.finished}
-        assert reasons == {"length"}, reasons  # every request ran to its end: none aborted
-        spans_seen = set()
-        for out in load.finished:
-            spans = out.outputs[0].weight_versions
-            assert spans, "a finished output carries its weight-version spans"
-            assert spans[0].start == 0 and spans[-1].end == len(out.outputs[0].token_ids)
-            assert all(a.end == b.start for a, b in zip(spans, spans[1:])), spans  # contiguous
-            assert [s.version for s in spans] in (["default"], ["1"], ["default", "1"]), spans
-            spans_seen.add(tuple(s.version for s in spans))
-        assert ("default",) in spans_seen and ("1",) in spans_seen, spans_seen
+        # keep: requests in flight are frozen and resume on the new version (their spans may hold both)
+        await _under_load(engine, sync, v1, 1, "default", mixed=True)
         after = await _generate(engine)
         assert after.max_logprob_diff(model_prompt_logprobs(v1)) <= MODULE_TOL
 
@@ -113,12 +121,13 @@ async def _staged_round(v0_dir: str, mode: str) -> None:
         again = await _generate(engine)
         assert again.tokens == after.tokens and again.prompt_logprobs == after.prompt_logprobs
 
-        # the broken sync failed before its offer (a delta is encoded whole first): the staged base is kept, and
-        # the next sync is a delta on it, exact
-        stats = await sync.sync(build("llama", 0), version=3)
+        # wait: requests in flight finish on the old weights first. The broken sync failed before its offer (a
+        # delta is encoded whole first): the staged base was kept, and this sync is a delta on it, exact
+        sync.pause_mode = "wait"
+        v0 = build("llama", 0)
+        stats = await _under_load(engine, sync, v0, 3, "1", mixed=False)  # no request spans both versions
         assert stats.delta is not None and stats.delta.mode == "delta", stats.delta
-        assert await engine.get_weight_version() == "3"
-        assert (await _generate(engine)).max_logprob_diff(model_prompt_logprobs(build("llama", 0))) <= MODULE_TOL
+        assert (await _generate(engine)).max_logprob_diff(model_prompt_logprobs(v0)) <= MODULE_TOL
         sync.close()
     finally:
         engine.shutdown()
@@ -131,13 +140,12 @@ def llama0(tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
-@pytest.mark.parametrize("mode", ["keep", "wait"])
-def test_async_llm_stages_under_load_and_pauses_only_to_apply(llama0: str, mode: str):
+def test_async_llm_stages_under_load_and_pauses_only_to_apply_in_keep_and_wait_modes(llama0: str):
     from hwsync.cli.toy_model import cpu_engine_env
 
     cpu_engine_env()
     os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
-    asyncio.run(_staged_round(llama0, mode))
+    asyncio.run(_staged_rounds(llama0))
 
 
 class SecondTimeBreaks(BreakingSource):
