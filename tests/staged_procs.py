@@ -87,9 +87,9 @@ class Engine:
 def engine_main(endpoint: str, mode: str, timeout_s: float, env: dict[str, str], rank: int | None, commands,
                 results) -> None:
     """Receive one sync per command: {"receive": True}, optionally {"die_after_staging": True} (SIGKILL right after
-    this engine says staged), {"slow_to_say_staged": seconds}, {"flip": name} (a byte of its staged copy changes
-    behind hwsync's back first) or {"stop": True}. Each result: the version, the model's digest, and the digests of the
-    requests answered during the sync."""
+    this engine says staged), {"slow_to_say_staged": seconds}, {"serve": seconds} (answer requests only), {"flip":
+    name} (a byte of its staged copy changes behind hwsync's back first) or {"stop": True}. Each result: the
+    version, the model's digest, and the digests of the requests answered during the sync."""
     os.environ.update(env)
     torch.set_num_threads(1)
     engine = Engine(mode, get_backend().device().torch_device())
@@ -103,6 +103,13 @@ def engine_main(endpoint: str, mode: str, timeout_s: float, env: dict[str, str],
     send = channel.send
     while not (command := commands.get()).get("stop"):
         channel.send = send
+        if "serve" in command:  # answer requests for that long, receiving nothing
+            engine.answered.clear()
+            time.sleep(command["serve"])
+            results.put({"version": receiver.version, "digest": model_digest(engine.held),
+                         "answered": sorted(set(engine.answered)), "requests": len(engine.answered),
+                         "applies": engine.applies})
+            continue
         die, delay = bool(command.get("die_after_staging")), float(command.get("slow_to_say_staged", 0.0))
         if die or delay:
             def send_and_then(frame, send=send, die=die, delay=delay):

@@ -34,7 +34,8 @@ from hwsync.sync.staging import StagingArea
 pytestmark = pytest.mark.timeout(300)
 
 #: why the failure cases run on the cpu backend alone
-FAILURES_ON_CPU = "the failure paths are the control plane's; the staging area's copies run on the sim in the first test"
+FAILURES_ON_CPU = ("the failure paths are the control plane's; the staging area's copies run on the sim in the first "
+                   "test")
 
 
 def version_digest(version: int) -> str:
@@ -173,6 +174,29 @@ def test_a_sender_killed_mid_stage_leaves_every_engine_on_the_previous_version(b
         _stop(engines)
         sender.join(10)
         sweep_dead_owners(force=True)  # the killed sender's segments (its resource tracker is this process's)
+
+
+@pytest.mark.cpu_is_enough("two senders and two engines: control-plane logic; the sim runs the staging copies above")
+def test_a_late_joiner_catches_up_from_its_own_sender_while_the_others_keep_serving(backend):
+    options = SenderOptions(bucket_bytes=1 << 14, delta=True, timeout_s=30)
+    with WeightSender(options=options) as first, WeightSender(options=options) as late:
+        a = staged_procs.start(first.endpoint)
+        engines = [a]
+        try:
+            _send(first, [a], 1)
+            _send(first, [a], 2)  # a serves version 2, received as a delta
+            b = staged_procs.start(late.endpoint)  # an engine that starts now
+            engines.append(b)
+            a[1].put({"serve": 2.0})
+            (joined,) = _send(late, [b], 2)  # whole, from its own sender, staged and committed on its own
+            assert joined["version"] == 2 and joined["digest"] == version_digest(2) and joined["delta"] is None
+            served = a[2].get(timeout=60)  # a answered requests meanwhile, on version 2, and never paused
+            assert served["requests"] > 0 and served["answered"] == [version_digest(2)] and served["applies"] == 2
+            for sender, engine in ((first, a), (late, b)):  # from here each goes on with its own deltas
+                (reply,) = _send(sender, [engine], 3)
+                assert reply["version"] == 3 and reply["digest"] == version_digest(3) and reply["delta"] == "delta"
+        finally:
+            _stop(engines)
 
 
 def test_staging_beyond_its_cap_is_refused_before_a_byte_moves_naming_the_host_and_the_shortfall():
