@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import sys
@@ -92,42 +91,50 @@ async def _loop(args: argparse.Namespace, model_dir: str, model: torch.nn.Module
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from hwsync.integrations.vllm import AsyncVllmWeightSync
-
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(model_dir)))
-    rows: list[dict[str, Any]] = []
     try:
-        sync = await AsyncVllmWeightSync.create(engine, stage=True, delta=True, pause_mode="keep")
-        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr or 3e-3)
-        traffic = _Traffic(engine)
-        traffic.start()
-        if not args.json:
-            print("  ".join(COLUMNS), flush=True)
-        for step in range(1, args.steps + 1):
-            completions = await _rollouts(engine, args.seed + step, args.samples)
-            reward = await asyncio.to_thread(reinforce, model, optimizer, completions, vocab, args.inner_steps)
-            t0 = time.monotonic()
-            stats = await sync.sync(model, version=step)
-            t1 = time.monotonic()
-            diff = max(abs(a - b) for a, b in zip(await _prompt_logprobs(engine), model_prompt_logprobs(model)))
-            stage = stats.stage
-            row = {"step": step, "reward": reward, "sync_s": t1 - t0, "pause_s": stage.pause_s if stage else None,
-                   "sent": stats.delta.mode if stats.delta else "full", "mb": stats.bytes / 1e6,
-                   "longest_gap_s": traffic.longest_gap(t0, t1), "max_abs_dlogprob": diff,
-                   "ok": diff <= args.tolerance and stage is not None, "stats": stats.to_dict()}
-            rows.append(row)
-            if not args.json:
-                print(f"{step:>4}  {reward:6.3f}  {row['sync_s']:6.3f}  {row['pause_s'] or 0:7.3f}  {row['sent']:>5}  "
-                      f"{row['mb']:5.1f}  {row['longest_gap_s']:13.3f}  {diff:14.2e}  "
-                      f"{'ok' if row['ok'] else 'FAIL'}", flush=True)
-        await traffic.stop()
-        if traffic.aborted:
-            for row in rows:
-                row["ok"] = False
-            print(f"{traffic.aborted} requests were aborted during the syncs", file=sys.stderr)
-        sync.close()
+        return await _steps(args, engine, model, vocab)
     finally:
         engine.shutdown()
+        # now, not at interpreter exit: a frame vLLM's shutdown leaves alive keeps this one (and an engine that lives
+        # to the exit prints a traceback from its __del__, vLLM's globals being gone by then)
+        del engine
+
+
+async def _steps(args: argparse.Namespace, engine: Any, model: torch.nn.Module, vocab: int) -> list[dict[str, Any]]:
+    """The RL steps, each ending in a staged sync, with the traffic running throughout."""
+    from hwsync.integrations.vllm import AsyncVllmWeightSync
+
+    rows: list[dict[str, Any]] = []
+    sync = await AsyncVllmWeightSync.create(engine, stage=True, delta=True, pause_mode="keep")
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr or 3e-3)
+    traffic = _Traffic(engine)
+    traffic.start()
+    if not args.json:
+        print("  ".join(COLUMNS), flush=True)
+    for step in range(1, args.steps + 1):
+        completions = await _rollouts(engine, args.seed + step, args.samples)
+        reward = await asyncio.to_thread(reinforce, model, optimizer, completions, vocab, args.inner_steps)
+        t0 = time.monotonic()
+        stats = await sync.sync(model, version=step)
+        t1 = time.monotonic()
+        diff = max(abs(a - b) for a, b in zip(await _prompt_logprobs(engine), model_prompt_logprobs(model)))
+        stage = stats.stage
+        row = {"step": step, "reward": reward, "sync_s": t1 - t0, "pause_s": stage.pause_s if stage else None,
+               "sent": stats.delta.mode if stats.delta else "full", "mb": stats.bytes / 1e6,
+               "longest_gap_s": traffic.longest_gap(t0, t1), "max_abs_dlogprob": diff,
+               "ok": diff <= args.tolerance and stage is not None, "stats": stats.to_dict()}
+        rows.append(row)
+        if not args.json:
+            print(f"{step:>4}  {reward:6.3f}  {row['sync_s']:6.3f}  {row['pause_s'] or 0:7.3f}  {row['sent']:>5}  "
+                  f"{row['mb']:5.1f}  {row['longest_gap_s']:13.3f}  {diff:14.2e}  "
+                  f"{'ok' if row['ok'] else 'FAIL'}", flush=True)
+    await traffic.stop()
+    if traffic.aborted:
+        for row in rows:
+            row["ok"] = False
+        print(f"{traffic.aborted} requests were aborted during the syncs", file=sys.stderr)
+    sync.close()
     return rows
 
 
@@ -145,7 +152,6 @@ def run_staged_demo(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="hwsync-demo-") as model_dir:
         model = toy.save(model_dir, args.seed)
         rows = asyncio.run(_loop(args, model_dir, model, toy.vocab))
-        gc.collect()  # the engine goes now, not at interpreter exit (where its __del__ fails on torn-down globals)
     failed = [r["step"] for r in rows if not r["ok"]]
     if args.json:
         print(json.dumps({"ok": not failed, "tolerance": args.tolerance, "rows": rows}, indent=2))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import shutil
@@ -125,58 +124,66 @@ async def _run(args: argparse.Namespace, model_dir: str, toy: ToyModel) -> dict[
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from hwsync.integrations.vllm import AsyncVllmWeightSync
-
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(model_dir, max_model_len=256)))
-    rows: list[dict[str, Any]] = []
     try:
-        trainer = toy.build(seed=1)
-        load = Load(engine, args.requests, args.max_tokens)
-        load.start()
-        await asyncio.sleep(args.settle_s)  # warm: the first requests compile nothing but page weights in
-        idle_start = time.monotonic()
-        await asyncio.sleep(args.settle_s)
-        idle = load.tokens_per_s(idle_start, time.monotonic())
-        version = 0
-        for staged in (False, True):
-            sync = await AsyncVllmWeightSync.create(engine, stage=staged, pause_mode=args.mode, delta=True,
-                                                    timeout_s=600.0)
-            try:
-                version += 1  # warm-up, untimed: connections, buffers, the delta kernels loaded on both sides
-                await sync.sync(trainer, version=version)
-                await asyncio.sleep(args.settle_s)
-                for kind in ("full", "delta"):
-                    if kind == "full":
-                        assert sync.sender is not None
-                        sync.sender.drop_delta_baseline()  # this one goes whole (and renews the baseline)
-                    else:
-                        adamw_first_step(trainer, args.lr, seed=version)
-                    version += 1
-                    t0 = time.monotonic()
-                    stats = await sync.sync(trainer, version=version)
-                    t1 = time.monotonic()
-                    await asyncio.sleep(args.settle_s)
-                    stage = stats.stage
-                    rows.append({
-                        "way": "staged" if staged else "streamed", "sync": kind,
-                        "delta": stats.delta.mode if stats.delta else None,
-                        "density": stats.delta.density if stats.delta else None,
-                        "sync_s": t1 - t0, "stall_s": load.stall(t0, t1),
-                        "held_s": stage.pause_s if stage is not None else t1 - t0,
-                        "apply_s": stage.apply_s if stage is not None else None,
-                        "tokens_per_s": load.tokens_per_s(t0, t1),
-                        "staging_bytes": stage.held_bytes if stage is not None else 0,
-                        "bytes": stats.bytes})
-                    print(f"{rows[-1]['way']} {kind}: sync {t1 - t0:.2f}s, stall {rows[-1]['stall_s']:.2f}s",
-                          file=sys.stderr, flush=True)
-            finally:
-                sync.close()
-        await load.stop()
-        aborted = load.aborted()
-        requests = len(load.reasons)
-        weight_version = await engine.get_weight_version()
+        return await _rows(args, engine, toy)
     finally:
         engine.shutdown()
+        # now, not at interpreter exit: a frame vLLM's shutdown leaves alive keeps this one (and an engine that lives
+        # to the exit prints a traceback from its __del__, vLLM's globals being gone by then)
+        del engine
+
+
+async def _rows(args: argparse.Namespace, engine: Any, toy: ToyModel) -> dict[str, Any]:
+    """The idle window, then each way's warm-up, full and delta syncs under the load."""
+    from hwsync.integrations.vllm import AsyncVllmWeightSync
+
+    rows: list[dict[str, Any]] = []
+    trainer = toy.build(seed=1)
+    load = Load(engine, args.requests, args.max_tokens)
+    load.start()
+    await asyncio.sleep(args.settle_s)  # warm: the first requests compile nothing but page weights in
+    idle_start = time.monotonic()
+    await asyncio.sleep(args.settle_s)
+    idle = load.tokens_per_s(idle_start, time.monotonic())
+    version = 0
+    for staged in (False, True):
+        sync = await AsyncVllmWeightSync.create(engine, stage=staged, pause_mode=args.mode, delta=True,
+                                                timeout_s=600.0)
+        try:
+            version += 1  # warm-up, untimed: connections, buffers, the delta kernels loaded on both sides
+            await sync.sync(trainer, version=version)
+            await asyncio.sleep(args.settle_s)
+            for kind in ("full", "delta"):
+                if kind == "full":
+                    assert sync.sender is not None
+                    sync.sender.drop_delta_baseline()  # this one goes whole (and renews the baseline)
+                else:
+                    adamw_first_step(trainer, args.lr, seed=version)
+                version += 1
+                t0 = time.monotonic()
+                stats = await sync.sync(trainer, version=version)
+                t1 = time.monotonic()
+                await asyncio.sleep(args.settle_s)
+                stage = stats.stage
+                rows.append({
+                    "way": "staged" if staged else "streamed", "sync": kind,
+                    "delta": stats.delta.mode if stats.delta else None,
+                    "density": stats.delta.density if stats.delta else None,
+                    "sync_s": t1 - t0, "stall_s": load.stall(t0, t1),
+                    "held_s": stage.pause_s if stage is not None else t1 - t0,
+                    "apply_s": stage.apply_s if stage is not None else None,
+                    "tokens_per_s": load.tokens_per_s(t0, t1),
+                    "staging_bytes": stage.held_bytes if stage is not None else 0,
+                    "bytes": stats.bytes})
+                print(f"{rows[-1]['way']} {kind}: sync {t1 - t0:.2f}s, stall {rows[-1]['stall_s']:.2f}s",
+                      file=sys.stderr, flush=True)
+        finally:
+            sync.close()
+    await load.stop()
+    aborted = load.aborted()
+    requests = len(load.reasons)
+    weight_version = await engine.get_weight_version()
     return {"idle_tokens_per_s": idle, "rows": rows, "aborted": aborted, "requests": requests,
             "weight_version": weight_version}
 
@@ -193,7 +200,6 @@ def run_bench_pause(args: argparse.Namespace) -> int:
         model_dir = os.path.join(root, "base")
         params = param_count(toy.save(model_dir, seed=0))
         out = asyncio.run(_run(args, model_dir, toy))
-        gc.collect()  # the engine goes now, not at interpreter exit (where its __del__ fails on torn-down globals)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = {(r["way"], r["sync"]): r for r in out["rows"]}
