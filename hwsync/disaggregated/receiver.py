@@ -148,7 +148,7 @@ class CrossNodeReceiver:
             link.next((Commit,), f"waiting for every rank to confirm version {version}", self._worker)
             if staging is not None:  # committed: every rank staged it; apply inside the engine's pause
                 self.staged, self.incomplete = None, True
-                applied = staging.apply(hooks.load, hooks.into, hooks.pause() if hooks.pause is not None else None)
+                applied = staging.apply(hooks)
                 assert stats.stage is not None
                 stats.stage.apply_s = applied.apply_s
                 stats.load_s += applied.apply_s

@@ -143,15 +143,12 @@ class SyncPipeline:
                 sync = self._prepare(pairs, manifest, EngineDtypes(reports), delta, reports, stats)
                 self.carrier.stream(sync, version, stats)
             self.carrier.confirm(version, stats)
-            if not commit:
-                self.pending = (version, stats)
-                return
-            self.carrier.commit(version, stats)
         except BaseException as exc:
             self._fail(exc)
             raise
-        if self._deltas is not None:
-            self._deltas.commit()
+        self.pending = (version, stats)
+        if commit:
+            self.commit()
 
     def commit(self) -> SyncStats:
         """Commit the pending sync (receivers that stage apply it); raises (after aborting) if that fails."""

@@ -16,14 +16,15 @@ import logging
 import os
 import socket
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from hwsync.backend.interfaces import Device
 from hwsync.errors import StagingMemoryError
-from hwsync.sync.bucket import IntoFn, LoadFn, matching_destination
+from hwsync.sync.bucket import matching_destination
+from hwsync.sync.loader import Hooks
 from hwsync.sync.spec import TensorSpec, dtype_from_name, dtype_name
 
 log = logging.getLogger("hwsync")
@@ -109,13 +110,13 @@ class StagingArea:
         self._staged.append(name)
         return tensor
 
-    def apply(self, load: LoadFn | None, into: IntoFn | None,
-              pause: AbstractContextManager[object] | None = None) -> ApplyResult:
+    def apply(self, hooks: Hooks) -> ApplyResult:
         """Hand this sync's staged tensors to the engine: copied into what `into` names, the rest to `load`, all
-        inside `pause` (the engine's safe point); returns once the copies have run."""
+        inside the loader's `pause()` (the engine's safe point); returns once the copies have run."""
+        load, into = hooks.load, hooks.into
         names, nbytes = list(dict.fromkeys(self._staged)), 0
         t0 = time.perf_counter()
-        with pause if pause is not None else nullcontext():
+        with hooks.pause() if hooks.pause is not None else nullcontext():
             whole: list[tuple[str, torch.Tensor]] = []
             for name in names:
                 staged = self._tensors[name]

@@ -124,11 +124,9 @@ class HwsyncWorkerExtension:
         """What this worker holds (WorkerSync.state): versions, the checked EngineState, LoRA adapters."""
         return self._hwsync_worker().state(self._hwsync_target())
 
-    def hwsync_receive(self, endpoint: str, timeout_s: float | str = DEFAULT_TIMEOUT_S,
-                       allow_partial: bool | str = False, adapter: dict[str, Any] | str | None = None,
-                       plans: bool | str = True) -> dict[str, Any]:
-        """Receive one sync from `endpoint` into the model (its trailing tensors `adapter`'s LoRA, if
-        given; `plans`: the sender plans from this worker's state); returns this worker's stats as a dict."""
+    def _hwsync_begin(self, endpoint: str, timeout_s: float | str, adapter: dict[str, Any] | str | None
+                      ) -> tuple[WorkerSync, AdapterSpec | None]:
+        """This worker's WorkerSync and the adapter spec, or the sender told why this worker refuses (raises)."""
         # strings too: vLLM's HTTP /collective_rpc route passes every argument as a string (JSON for adapter)
         if isinstance(adapter, str):
             adapter = json.loads(adapter) if adapter not in ("", "None", "null") else None
@@ -137,6 +135,14 @@ class HwsyncWorkerExtension:
         reason = nz_refusal()
         if reason is not None:
             refuse(worker, endpoint, float(timeout_s), reason)
+        return worker, spec
+
+    def hwsync_receive(self, endpoint: str, timeout_s: float | str = DEFAULT_TIMEOUT_S,
+                       allow_partial: bool | str = False, adapter: dict[str, Any] | str | None = None,
+                       plans: bool | str = True) -> dict[str, Any]:
+        """Receive one sync from `endpoint` into the model (its trailing tensors `adapter`'s LoRA, if
+        given; `plans`: the sender plans from this worker's state); returns this worker's stats as a dict."""
+        worker, spec = self._hwsync_begin(endpoint, timeout_s, adapter)
         try:
             stats = worker.receive(endpoint, self._hwsync_target(), timeout_s=float(timeout_s),
                                    allow_partial=_flag(allow_partial), adapter=spec, plans=_flag(plans))
@@ -154,13 +160,7 @@ class HwsyncWorkerExtension:
                      plans: bool | str = True) -> dict[str, Any]:
         """Start staging one sync from `endpoint` on a thread of this worker and return at once: the engine keeps
         generating; `hwsync_apply`, called once generation is paused, applies it (the arguments: hwsync_receive's)."""
-        if isinstance(adapter, str):
-            adapter = json.loads(adapter) if adapter not in ("", "None", "null") else None
-        spec = None if adapter is None else AdapterSpec.parse(adapter)
-        worker = self._hwsync_worker()
-        reason = nz_refusal()
-        if reason is not None:
-            refuse(worker, endpoint, float(timeout_s), reason)
+        worker, spec = self._hwsync_begin(endpoint, timeout_s, adapter)
         if self._hwsync_staged is not None and self._hwsync_staged.running:
             raise HwsyncError("hwsync_stage while the last staged sync still runs: call hwsync_apply first")
         target = self._hwsync_target()
