@@ -60,6 +60,8 @@ class Trainer:
         self.tensors: dict[str, torch.Tensor] = {}
         self.moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.staging: torch.Tensor | None = None  # one buffer every tensor is gathered into (stable_sources=False)
+        #: the "shared" source: the tensors live in hwsync's shared memory (sent by reference, replayed; replay.py)
+        self.shared: Any = None
         for i, (name, shape, dtype) in enumerate(specs):
             self.tensors[name] = self._fresh(tuple(shape), dtype, seed * 101 + i)
 
@@ -87,6 +89,8 @@ class Trainer:
                 v.mul_(0.999).addcmul_(grad, grad, value=0.001)
                 t.mul_(1 - lr * 0.01)
                 t.add_((m / (v.sqrt() + 1e-8) * -lr).to(t.dtype))
+        elif kind == "reshape" and self.shared is not None:  # the same memory, seen in another shape
+            self.tensors[op["name"]] = self.tensors[op["name"]].view(op["shape"])
         elif kind == "reshape":  # the same elements in another shape
             self.tensors[op["name"]] = self.tensors[op["name"]].reshape(op["shape"]).clone()
         elif kind == "dtype":
@@ -110,7 +114,27 @@ class Trainer:
             return lambda state: items
         if kind == "staging":
             return self._staged(items)
+        if kind == "shared":
+            return self._in_shared_memory()
         raise ValueError(f"unknown source {kind!r}")
+
+    def close(self) -> None:
+        """Free the shared memory of the "shared" source."""
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
+
+    def _in_shared_memory(self) -> list[tuple[str, torch.Tensor]]:
+        """The tensors, in hwsync's shared memory (copied there once a tensor is new: the rest keep their memory,
+        so a sync whose tensors are those of the last is a replay, and training in place changes what it reads)."""
+        from hwsync.sync.shared_params import SharedTensors, find_shared
+
+        if self.shared is None or any(find_shared(t) is None for t in self.tensors.values()):
+            old, self.shared = self.shared, SharedTensors(list(self.tensors.items()))
+            self.tensors = dict(self.shared.items())
+            if old is not None:
+                old.close()
+        return list(self.tensors.items())
 
     def _staged(self, items: list[tuple[str, torch.Tensor]]):
         """Each tensor copied into ONE reused buffer and yielded as a view of it (FSDP's full_tensor() into a
@@ -139,6 +163,8 @@ def sender_main(commands, results) -> None:
             if cmd == "open":
                 if sender is not None:
                     sender.close()
+                if trainer is not None:
+                    trainer.close()
                 sender = WeightSender(num_receivers=command["receivers"], options=SenderOptions(delta=command["delta"], stable_sources=command["stable"], bucket_bytes=command["bucket_bytes"], timeout_s=command["timeout_s"]))
                 trainer = Trainer(command["specs"], command["seed"], device)
                 results.put({"ok": True, "endpoint": sender.endpoint})
@@ -156,7 +182,9 @@ def sender_main(commands, results) -> None:
             elif cmd == "close":
                 if sender is not None:
                     sender.close()
-                sender = None
+                if trainer is not None:
+                    trainer.close()
+                sender = trainer = None
                 results.put({"ok": True})
         except Exception as exc:  # noqa: BLE001 - the test reports it
             results.put({**_error(exc), "crash": traceback.format_exc()})
@@ -184,7 +212,7 @@ def _sync(sender: Any, trainer: Trainer, command: dict[str, Any], results) -> No
     assert stats is not None
     note = stats.delta
     results.put({"ok": True, "mode": "plain" if note is None else note.mode, "reason": "" if note is None else note.reason,
-                 "codes": None if note is None else note.codes})
+                 "codes": None if note is None else note.codes, "replay": "replay" in stats.notes})
 
 
 def receiver_main(commands, results) -> None:

@@ -2,7 +2,8 @@
 trainer process (WeightSender) and one to three real engine processes (WeightReceiver: spawned, real ZeroMQ, real
 shared memory; tests/delta_model_procs.py) through random sequences of syncs, full and delta; in-place training
 right after send() returns and between syncs; reshapes, dtype and element-count changes, tensors added and
-removed; stable and staging sources (stable_sources both ways); load, into and stubborn-into engines; restarted
+removed; stable and staging sources (stable_sources both ways), and tensors in hwsync's shared memory (one-copy syncs,
+replayed while nothing changed: hwsync.colocated.replay); load, into and stubborn-into engines; restarted
 engines; an engine or the trainer killed mid-sync; drop_delta_baseline(). The test process holds only the model:
 the specs of the trainer's tensors and the digests of what the trainer was given for each version, as the
 engine's loader stores it (`torch.empty(shape, dtype=engine_dtype).copy_(t)`).
@@ -104,7 +105,7 @@ class Config:
     receivers: tuple[str, ...]  # each engine's mode (MODES)
     engine: str | None  # the dtype the engines hold floating tensors in (None: as sent)
     stable: bool  # WeightSender(stable_sources=...)
-    source: str  # list, generator, callable (stable); staging, list (not stable)
+    source: str  # list, generator, callable, shared (in hwsync's shared memory: replays) (stable); staging, list
     delta: bool  # WeightSender(delta=...)
     bucket_bytes: int
     kills: int  # how many syncs may have a process killed in them (each kill costs a new process: seconds)
@@ -115,7 +116,7 @@ class Config:
 @st.composite
 def configs(draw: st.DrawFn) -> Config:
     stable = draw(st.booleans())
-    sources = ["list", "generator", "callable"] if stable else ["staging", "list"]
+    sources = ["list", "generator", "callable", "shared"] if stable else ["staging", "list"]
     return Config(receivers=tuple(draw(st.lists(st.sampled_from(MODES), min_size=1, max_size=3, unique=True))),
                   engine=draw(st.sampled_from([None, "float32", "bfloat16"])), stable=stable,
                   source=draw(st.sampled_from(sources)), delta=draw(st.sampled_from([True, True, False])),
@@ -149,6 +150,7 @@ class DeltaModel(RuleBasedStateMachine):
         self.last_was_sync = False
         self.added = 0
         self.kills = 0
+        self.replayed: list[bool] = []  # per successful send(): whether it was a replay (replay.py)
 
     # ---- set-up -------------------------------------------------------------------------------------------
     @initialize(cfg=configs())
@@ -289,8 +291,11 @@ class DeltaModel(RuleBasedStateMachine):
         """The invariant: exact, or named errors (provoked, and not twice in a row)."""
         if sent is not None:
             self._named("send()", sent)
+            if sent.get("ok"):
+                self.replayed.append(bool(sent.get("replay")))
             if currently_in_test_context():  # the pinned sequences replay outside Hypothesis
-                event(f"sync: {sent.get('mode') if sent.get('ok') else 'failed: ' + sent['type']}")
+                event(f"sync: {sent.get('mode') if sent.get('ok') else 'failed: ' + sent['type']}"
+                      f"{' (a replay)' if sent.get('replay') else ''}")
         for index, reply in enumerate(replies):
             if reply is not None:
                 self._named(f"engine {index} ({self.cfg.receivers[index]})", reply)
@@ -359,8 +364,8 @@ def test_delta_state_machine(fleet):
 
 
 # ---- the shortest failing sequences Hypothesis found for each defect of issue 46 (at 63f60b4), pinned --------------
-def _replay(cfg: Config, steps: list[tuple[str, dict]]) -> None:
-    """One sequence of the machine's steps, as Hypothesis would run it."""
+def _replay(cfg: Config, steps: list[tuple[str, dict]]) -> DeltaModel:
+    """One sequence of the machine's steps, as Hypothesis would run it; the machine, to look at afterwards."""
     machine = DeltaModel()
     try:
         machine.open(cfg)
@@ -368,6 +373,7 @@ def _replay(cfg: Config, steps: list[tuple[str, dict]]) -> None:
             getattr(machine, name)(**kwargs)
     finally:
         machine.teardown()
+    return machine
 
 
 def _config(receivers: tuple[str, ...], **kwargs) -> Config:
@@ -407,3 +413,18 @@ def test_a_destination_of_the_old_shape_is_refused_on_the_full_path_with_an_hwsy
 @pytest.mark.parametrize("change", [DTYPE, NUMEL])
 def test_a_dtype_or_element_count_change_goes_whole_or_is_refused_by_name(fleet, change):
     _replay(_config(("load",)), [_sync(), _sync(before=change), _sync()])
+
+
+def test_a_replayed_sync_reads_what_training_wrote_and_any_change_plans_afresh(fleet):
+    """Tensors in shared memory into an `into` engine: a sync whose tensors are those of the last is a replay
+    (issue 50), exact after training before it and right after it; a reshape of the same memory, a dtype change, a
+    removed tensor and a restarted engine each send a fresh sync, exact, and the sync after it replays again."""
+    cfg = _config(("into",), source="shared", delta=False,
+                  tensors=(((64, 128), "float32"), ((4096,), "bfloat16"), ((33, 7), "float32")))
+    adamw, add = TRAIN[0], TRAIN[1]
+    steps = [_sync(), _sync(before=adamw), _sync(after=add), _sync(),
+             _sync(before=RESHAPE), _sync(before=add), _sync(before=DTYPE, pick=1), _sync(),
+             ("disturb", {"what": "restart_receiver_keeping_weights", "which": 0}), _sync(), _sync(),
+             _sync(before=REMOVE, pick=2), _sync()]
+    machine = _replay(cfg, steps)
+    assert machine.replayed == [False, True, True, True, False, True, False, True, False, True, False, True]

@@ -27,6 +27,7 @@ from hwsync.backend.interfaces import Backend, Device, SendBuffers, Transport
 from hwsync.backend.memory import MemoryReport, choose_bucket_bytes, local_memory
 from hwsync.colocated.doorbell import Doorbell, doorbell_supported
 from hwsync.colocated.mapped import MappedSources
+from hwsync.colocated.replay import SentPlan
 from hwsync.colocated.sender_control import Peer, SenderControl, SyncReceivers
 from hwsync.colocated.stream import BucketLink, BucketStream, BufferPool, DoorbellLink, FrameLink
 from hwsync.control.endpoints import CloseSignal, new_token, private_ipc_dir, remove_ipc_dir
@@ -94,6 +95,9 @@ class SharedBuffers:
         self._receivers: SyncReceivers | None = None
         #: each receiver's figures from its Complete (rank order), until the commit
         self._reports: list[dict] = []
+        #: the one-copy plan every receiver of the last sync holds (replay.py), and the one this sync makes or replays
+        self._plan: SentPlan | None = None
+        self._made: SentPlan | None = None
         self.stable_sources = options.stable_sources
         #: device segments receivers read in place (mapped sources)
         #: None where the transport shares no device segments (the host) or sources are not stable
@@ -132,7 +136,19 @@ class SharedBuffers:
             self._stream(receivers, sync, version, stats)
 
     def _stream(self, receivers: SyncReceivers, sync: Prepared, version: int, stats: SyncStats) -> None:
-        link = self._offer(receivers, version, sync, stats)
+        assert sync.source is not None  # the same-host path announces a delta's headers: never streamed
+        source, replay = sync.source, self._replayable(receivers, sync)
+        if replay is not None:
+            matched, source = replay.match(source)
+            if not matched:
+                replay = self._plan = None
+        self._made = replay
+        link = self._offer(receivers, version, sync, stats, replay=0 if replay is None else replay.sync)
+        if replay is not None:  # every receiver runs the plan's copies again: nothing more to send
+            stats.tensors, stats.bytes = len(replay.tensors), replay.nbytes
+            stats.notes["shared"] = {"tensors": len(replay.tensors), "bytes": replay.nbytes}
+            stats.notes["replay"] = replay.sync
+            return
         assert self._buffers is not None and self._pool is not None
         here = socket.gethostname()  # references into our segments only for receivers that can map them
         mapped = self._mapped if self._mapped is not None and self._mapped.usable_for(receivers.peers) else None
@@ -141,8 +157,19 @@ class SharedBuffers:
                               refs_to=receivers if all(p.host == here for p in receivers.peers) else None,
                               mapped=mapped,
                               stable=self.stable_sources)
-        assert sync.source is not None  # the same-host path announces a delta's headers: never streamed
-        self._seq = stream.run(sync.source, sync.stream_manifest)
+        self._seq = stream.run(source, sync.stream_manifest)
+        plan = stream.plan
+        self._made = None if plan is None else replace(plan, manifest=sync.stream_manifest)
+
+    def _replayable(self, receivers: SyncReceivers, sync: Prepared) -> SentPlan | None:
+        """The plan this sync may replay, if its tensors match it (checked by the caller): a full sync, no receiver
+        staging, every receiver holding this plan from the sync that made it, every segment it reads still live."""
+        plan = self._plan
+        if plan is None or sync.wire is not None or sync.stream_manifest != plan.manifest or not receivers.peers:
+            return None
+        if not all(p.plan == plan.sync and p.instance in plan.instances and not p.stage for p in receivers.peers):
+            return None
+        return plan if plan.segments <= {s.name for s in live_segments()} else None
 
     def _open_buffers(self, peers: list[Peer], stats: SyncStats) -> None:
         """Size the buckets (by how receivers take tensors, or "auto": the least free memory) and open the buffers."""
@@ -155,7 +182,8 @@ class SharedBuffers:
         if doorbell_supported():
             self._doorbell = Doorbell.create(self.num_receivers, self.num_buffers)
 
-    def _offer(self, receivers: SyncReceivers, version: int, sync: Prepared, stats: SyncStats) -> BucketLink:
+    def _offer(self, receivers: SyncReceivers, version: int, sync: Prepared, stats: SyncStats,
+               replay: int = 0) -> BucketLink:
         """Announce the sync's geometry to each receiver (its rank, the signalling way) and await the accepts."""
         assert self._buffers is not None
         here = socket.gethostname()
@@ -169,7 +197,7 @@ class SharedBuffers:
             total_bytes=None if sync.stream_manifest is None else sum(s.nbytes for s in sync.stream_manifest),
             first=self._seq, doorbell=None if bell is None else bell.handle(), rank=0,
             segments=live_segments() if LIVE else [], device_segments=self._mapped.shared_ids() if self._mapped else [],
-            delta=sync.wire)
+            delta=sync.wire, replay=replay)
         self._accepted = False
         for rank, peer in enumerate(receivers.peers):
             # each receiver its own handles: shared device memory is exported once per receiver process
@@ -212,6 +240,11 @@ class SharedBuffers:
             with applied_by_none(stagers, version):  # one that died or failed since it staged: none applies
                 receivers.poll("before sending the Apply")
             reports = self._commit(receivers, stagers, reports, stats)
+        made, self._made = self._made, None
+        if stagers or made is None:
+            self._plan = None
+        elif made is not self._plan:  # a new plan: every receiver of this sync holds it now
+            self._plan = replace(made, sync=receivers.sync, instances=frozenset(p.instance for p in receivers.peers))
         stats.peer = reports[0] if len(reports) == 1 else {"receivers": reports}
         stats.load_s = max((r.get("load_s", 0.0) for r in reports), default=0.0)
         self._control.end_sync(failed=False)
@@ -243,6 +276,7 @@ class SharedBuffers:
         the failure must find it. Frames of the failed sync are told apart by their sync id.
         """
         receivers, self._receivers = self._receivers, None
+        self._plan = self._made = None  # what a failed sync's receivers hold is unknown: the next one plans afresh
         try:
             if self._mapped is not None:
                 self._mapped.abort(receivers.peers if receivers is not None else [])

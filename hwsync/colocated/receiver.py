@@ -124,11 +124,12 @@ class WeightReceiver:
         try:
             # everything the Ready needs first (the device's memory figures may start its runtime): the connection
             # and the Ready then go out back to back, so the sender learns who connected almost at once
+            plan = None if self._shared is None or staging is not None else self._shared.plan_for(into)
             ready = Ready(token=control.endpoint.token, proto=PROTOCOL_VERSION, pid=os.getpid(),
                           host=socket.gethostname(), report=self._report(state), doorbell=doorbell_supported(),
                           into=into is not None or staging is not None, backend=self.backend.name,
                           transports=sorted(self.backend.transports()), instance=self._instance,
-                          stage=staging is not None)
+                          stage=staging is not None, plan=0 if plan is None else plan.sync)
             control.connect()
             control.send(ready)
             offer = control.await_frame(Offer, None, "waiting for the sender's offer", stats)
@@ -144,9 +145,14 @@ class WeightReceiver:
             if hooks.accept is not None:  # the engine checks the manifest and begins: no byte has moved
                 hooks.accept(offer.version, offer.manifest)
             control.send(Accept(sync=offer.sync))
-            if staging is None:
+            assert self._shared is not None
+            if offer.replay:  # the tensors of the plan it holds (checked in _accept): its copies again
+                self._replay(offer, stats)
+            elif staging is None:
+                self._shared.record(offer.pid, offer.sync) if offer.delta is None else self._shared.not_a_plan()
                 self._receive_buckets(offer, *self._deltas.intake(load, into, self.backend.device()), stats)
             else:  # every tensor into the staging area (a delta applies and is checked there)
+                self._shared.not_a_plan()
                 self._receive_buckets(offer, *self._deltas.intake(None, staging.into, self.backend.device()), stats)
                 self._await_apply(offer, staging, hooks, start, stats)
             if hooks.done is not None:
@@ -159,6 +165,8 @@ class WeightReceiver:
             stats.total_s = time.perf_counter() - start
             control.send(Complete(sync=sync, stats=stats.to_dict()) if staging is None else
                          Applied(sync=sync, stats=stats.to_dict()))
+            if not offer.replay:
+                self._shared.keep_plan()  # what this sync recorded, if it made a plan
         except BaseException as exc:
             self._fail(sync, exc)
             raise
@@ -224,6 +232,11 @@ class WeightReceiver:
             self._shared = SharedReader(self.backend.device())
         # unmap what the sender no longer has (host and device segments); device ones it exports later map by this
         self._shared.retain(offer.segments, offer.device_segments, transports[offer.transport])
+        held = self._shared.plan
+        if offer.replay and (held is None or held.sync != offer.replay or held.sender_pid != offer.pid
+                             or offer.delta is not None):
+            raise ProtocolError(f"the sender offered a replay of the plan of its sync {offer.replay}, which this "
+                                f"receiver does not hold (it holds {'none' if held is None else held.sync}); refused")
         self._deltas.begin(offer.delta, offer.manifest)  # a delta only on what this receiver holds
         if self._deltas.is_delta:
             stats.delta = DeltaStats("delta", check=self._deltas.check)
@@ -259,6 +272,15 @@ class WeightReceiver:
             self._read_bucket(offer, frame, seq, bell, load, into, stats)
             seq += 1
 
+    def _replay(self, offer: Offer, stats: SyncStats) -> None:
+        """A replayed sync: the plan's copies run again, then the sender's Done (no frame comes before it)."""
+        assert self._shared is not None
+        self.incomplete = True
+        self._shared.replay(stats)
+        self._control.await_frame(Done, offer.sync, "waiting for the end of a replayed sync", stats)
+        self._shared.finish(False, stats)
+        stats.notes["replay"] = offer.replay
+
     def _read_bucket(self, offer: Offer, frame: Bucket, seq: int, bell: Doorbell | None, load: LoadFn | None,
                      into: IntoFn | None, stats: SyncStats) -> None:
         """Hand one bucket's tensors to `load` (or copy them `into`), and release its buffer as early as is safe."""
@@ -269,6 +291,8 @@ class WeightReceiver:
         if frame.nbytes > offer.bucket_bytes or frame.buf >= offer.num_buffers:
             raise ProtocolError(f"bucket {seq} claims {frame.nbytes} bytes in buffer {frame.buf}, outside the "
                                 f"offered {offer.num_buffers} buffers of {offer.bucket_bytes} bytes")
+        assert self._shared is not None
+        self._shared.not_a_plan()  # a packed bucket: this sync's tensors are not all read in place
         t0 = time.perf_counter()
         view = self._buffers.view(frame.buf, frame.nbytes)
         where = view.device

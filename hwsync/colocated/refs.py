@@ -33,6 +33,7 @@ from hwsync.backend.devices import wait_for_queued
 from hwsync.backend.interfaces import Device, Transport
 from hwsync.backend.shm import SHM_DIR, SharedSegment
 from hwsync.colocated.mapped_reader import MappedReader
+from hwsync.colocated.replay import ReadPlan
 from hwsync.errors import ProtocolError
 from hwsync.protocol import Refs, SegmentSpec
 from hwsync.protocol.layout import SHARED_SEGMENT_NAME
@@ -85,6 +86,10 @@ class SharedReader:
         self._queued: set[torch.device] = set()
         #: the sender's device segments, mapped in place
         self.device_segments = MappedReader(device)
+        #: the plan this receiver can replay (replay.py), and the one being recorded this sync (None: this sync
+        #: makes none: a bucket, a device reference or a tensor for `load` came)
+        self.plan: ReadPlan | None = None
+        self._recording: ReadPlan | None = None
 
     def retain(self, segments: list[SegmentSpec], device_segments: list[int] | None = None,
                transport: Transport | None = None) -> None:
@@ -122,32 +127,88 @@ class SharedReader:
         segments = [self._segment(spec, sender_pid).tensor for spec in frame.segments]
         out: list[tuple[str, torch.Tensor]] = []
         host_copies: list[tuple[int, int, int]] = []  # (dst, src, nbytes) on data pointers
+        recording = self._recording if not frame.device_refs else None
         for ref in frame.refs:
             dtype = dtype_from_name(ref.dtype)
             source = segments[ref.segment]
-            dest = None if into is None else checked_destination(ref.name, dtype, ref.shape,
-                                                                 into(ref.name, dtype, ref.shape))
+            given = None if into is None else into(ref.name, dtype, ref.shape)
+            dest = checked_destination(ref.name, dtype, ref.shape, given)
             if dest is not None and dest.device.type == "cpu":
                 if ref.nbytes:
                     host_copies.append((dest.data_ptr(), source.data_ptr() + ref.offset, ref.nbytes))
-            elif dest is not None:
+                if recording is not None:
+                    assert given is not None
+                    recording.destinations.append((ref.name, dtype, tuple(ref.shape), given, given.data_ptr()))
+                continue
+            recording = None
+            if dest is not None:
                 copy_bytes(dest, 0, source, ref.offset, ref.nbytes)  # queued on the device
                 self._queued.add(dest.device)
             elif ref.nbytes:
                 out.append((ref.name, source[ref.offset: ref.offset + ref.nbytes].view(dtype).view(ref.shape)))
             else:
                 out.append((ref.name, torch.empty(ref.shape, dtype=dtype)))
+        if recording is not None:
+            recording.copies += host_copies
+            recording.nbytes += sum(n for _, _, n in host_copies)
+        else:
+            self._recording = None
         self._copy(host_copies)
         return out + self.device_segments.read(frame.device_refs, into)
 
+    # -- plans (replay.py) ------------------------------------------------------------------------------------
+    def record(self, sender_pid: int, sync: int) -> None:
+        """Record this sync's copies as a plan (kept by `keep_plan` once the sync completed)."""
+        self._recording = ReadPlan(sender_pid, sync, [], [], 0)
+
+    def not_a_plan(self) -> None:
+        """This sync is not a pure one-copy sync into host tensors: it makes no plan."""
+        self._recording = None
+
+    def keep_plan(self) -> None:
+        """The sync completed: what it recorded, if anything, is the plan now (else the old one is dropped)."""
+        recorded, self._recording = self._recording, None
+        self.plan = recorded if recorded is not None and recorded.destinations else None
+
+    def drop_plan(self) -> None:
+        """Forget every plan (a failed sync, a segment unmapped)."""
+        self.plan = self._recording = None
+
+    def plan_for(self, into: IntoFn | None) -> ReadPlan | None:
+        """The plan if `into` still gives each of its destinations (checked once per sync, before the Ready)."""
+        if self.plan is not None and (into is None or not self.plan.holds(into)):
+            self.plan = None
+        return self.plan
+
+    def replay(self, stats: SyncStats) -> None:
+        """Run the plan's copies again (the sender offered it as a replay): they read what the tensors hold now."""
+        plan = self.plan
+        assert plan is not None
+        t0 = time.perf_counter()
+        if plan.pieces is None:  # cut once: the plan's copies are the same every replay
+            plan.pieces = self._pieces(plan.copies, plan.nbytes)
+        self._run(plan.pieces)
+        stats.load_s += time.perf_counter() - t0
+        stats.tensors += len(plan.destinations)
+        stats.bytes += plan.nbytes
+
     def _copy(self, jobs: list[tuple[int, int, int]]) -> None:
         """Run host memmoves: a small batch here, a large one queued in pieces on the copy threads."""
-        if self.copy_threads == 1 or sum(n for _, _, n in jobs) < _PARALLEL_BYTES:
-            _memmove_all(jobs)
+        self._run(self._pieces(jobs, sum(n for _, _, n in jobs)))
+
+    def _pieces(self, jobs: list[tuple[int, int, int]], nbytes: int) -> list[list[tuple[int, int, int]]]:
+        """The copies as one piece (run here) or as pieces of about COPY_CHUNK_BYTES (for the copy threads)."""
+        if self.copy_threads == 1 or nbytes < _PARALLEL_BYTES:
+            return [jobs]
+        return chunk_copies(jobs, COPY_CHUNK_BYTES)
+
+    def _run(self, pieces: list[list[tuple[int, int, int]]]) -> None:
+        if len(pieces) == 1:
+            _memmove_all(pieces[0])
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="hwsync-copy")
-        self._copies += [self._pool.submit(_memmove_all, part) for part in chunk_copies(jobs, COPY_CHUNK_BYTES)]
+        self._copies += [self._pool.submit(_memmove_all, part) for part in pieces]
 
     def _wait_copies(self) -> None:
         """Wait for every queued host copy; raise the first one's error after all have ended."""
@@ -191,6 +252,7 @@ class SharedReader:
         self.device_segments.finish()
 
     def _unmap(self, name: str) -> None:
+        self.drop_plan()  # its copies may read this mapping
         if self._copies:  # a failed sync's copies may still read the mapping: never unmap under them
             try:
                 self._wait_copies()
@@ -204,6 +266,7 @@ class SharedReader:
 
     def close(self, dead_sender: int | None = None) -> None:
         """Unmap everything; with `dead_sender` (a pid that exited), also unlink its segments it left behind."""
+        self.drop_plan()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None

@@ -219,6 +219,8 @@ class Peer:
     into: bool = False
     #: whether it stages: its Complete means staged, and it applies on the sync's Apply
     stage: bool = False
+    #: the sync whose one-copy plan it holds (0: none)
+    plan: int = 0
 
     def __str__(self) -> str:
         return f"receiver pid {self.pid} on {self.host}"
@@ -260,7 +262,7 @@ class PeerTable:
                                    "sides, or give the sender a transport both have", fatal=True)
             return
         peer = Peer(identity, ready.pid, ready.host, ready.instance, ready.report, ready.doorbell, ready.into,
-                    ready.stage)
+                    ready.stage, ready.plan)
         for other in [p for p in self.bound.values() if p.instance == peer.instance and p.identity != identity]:
             self.waiting.pop(other.identity, None)  # the same receiver reconnected: its old connection is gone
             if other.identity not in self.in_sync:  # (frames of a sync it failed may still come on it)

@@ -31,6 +31,7 @@ import torch
 from hwsync.backend.interfaces import SendBuffers
 from hwsync.colocated.doorbell import DESCRIPTOR_BYTES, Doorbell, spin_wait
 from hwsync.colocated.mapped import MappedSources
+from hwsync.colocated.replay import SentPlan, SentTensor, sent_tensor
 from hwsync.colocated.sender_control import SyncReceivers
 from hwsync.protocol import Bucket, Frame, Ref, Refs, Release, SegmentSpec, encode
 from hwsync.protocol.layout import DeviceRef
@@ -74,6 +75,17 @@ class BucketStream:
         self._copies = CopyBatch()
         #: whether the source leaves each tensor as it was until the sync ends (see the module doc)
         self.stable = stable
+        #: this sync's tensors as a replay plan records them, while every one went by reference into shared
+        #: segments (None once one did not: replay.py)
+        self._planned: list[SentTensor] | None = [] if stable else None
+        self._planned_segments: set[str] = set()
+
+    @property
+    def plan(self) -> SentPlan | None:
+        """The plan this sync makes (once `run` returned): every tensor went by reference into shared segments."""
+        if not self._planned:
+            return None
+        return SentPlan(self._planned, frozenset(self._planned_segments), self.stats.bytes)
 
     def run(self, source: NamedTensors, manifest: list[TensorSpec] | None) -> int:
         """Pack and post every tensor of `source`, checking it against `manifest` when given."""
@@ -88,6 +100,7 @@ class BucketStream:
             volatile = not self.stable or lent(tensor)
             if self.refs_to is not None and self._add_ref(name, tensor, nbytes, volatile):
                 continue
+            self._planned = None
             flat = None
             for step in self.packer.place(name, dtype_name(tensor.dtype), tuple(tensor.shape), nbytes):
                 if isinstance(step, Closed):
@@ -129,6 +142,11 @@ class BucketStream:
                 self._segments.append(segment)
             self._refs.append(Ref(name, dtype, tuple(tensor.shape), self._segments.index(segment), offset, nbytes))
             kind = "shared"
+            if self._planned is not None and not volatile:
+                self._planned.append(sent_tensor(name, tensor))
+                self._planned_segments.add(segment.name)
+            else:
+                self._planned = None
         else:
             assert placed is not None
             ident, offset = placed
@@ -137,6 +155,7 @@ class BucketStream:
                 self._refs_wire += _EXPORT_WIRE_BYTES  # it may carry the segment's export
             self._device_refs.append(DeviceRef(name, dtype, tuple(tensor.shape), ident, offset))
             kind = "mapped"
+            self._planned = None
         self._refs_bytes += nbytes
         self._refs_wire += entry_wire_bytes(name, tensor.dim())
         self.stats.tensors += 1

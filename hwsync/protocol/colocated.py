@@ -57,6 +57,8 @@ class Ready(Frame):
     instance: str
     #: the receiver stages: its Complete means staged and checked, and it applies only on the sender's Apply
     stage: bool = False
+    #: the sync whose one-copy plan this receiver holds and can replay (hwsync.colocated.replay); 0: none
+    plan: Count = 0
 
 
 @frame("welcome")
@@ -159,6 +161,9 @@ class Offer(Frame):
     #: ids of the device segments the sender still shares and knows this receiver maps (hwsync.colocated.mapped):
     #: the receiver unmaps the others (those of a failed sync too, which the sender released)
     device_segments: list[Count] = field(default_factory=list)
+    #: this sync's tensors are those of the plan made by sync `replay`, which every receiver said it holds: no
+    #: Refs frame follows, each receiver runs that plan's copies again (hwsync.colocated.replay); 0: none
+    replay: Count = 0
 
     def validate(self) -> None:
         """Every segment the offer names is the sender's own (`pid`), by a name that can only be one in /dev/shm.

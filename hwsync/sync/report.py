@@ -181,6 +181,11 @@ class EngineDtypes:
 
     def pairs(self, source: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The source, each tensor cast as it is taken (lazily: one cast copy alive at a time)."""
+        if not self._reports:  # no engine said its dtypes: nothing is cast (no per-tensor step)
+            return iter(source)
+        return self._cast_each(source)
+
+    def _cast_each(self, source: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for item in source:
             if isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], torch.Tensor):
                 yield item[0], self.cast(item[0], item[1])
