@@ -44,6 +44,7 @@ UNIT = (
     "tests/test_protocol_fuzz.py",
     "tests/test_tiers.py",
     "tests/test_vllm_manifest.py",
+    "tests/test_vllm_copy_plan.py",  # its engine test is marked vllm and slow: it stays in the full suite
     # mixed modules: the tests of theirs that start nothing
     "tests/test_backend_shape.py::test_entry_point_names_the_backend_module",
     "tests/test_backend_shape.py::test_every_lazy_name_resolves",

