@@ -9,7 +9,7 @@ bash ci/setup.sh
 . .venv/bin/activate
 status=0
 bash ci/lint.sh || status=$?
-python -m pytest -ra "$@" || status=$?
+python -m pytest -ra --durations=30 "$@" || status=$?  # the 30 slowest: where CI time goes
 if [ -x .venv-verl/bin/python ]; then
   printf '\n== the verl integration, in .venv-verl\n' >&2
   .venv-verl/bin/python -m pytest -ra tests/test_verl_*.py || status=$?
