@@ -136,19 +136,22 @@ CASES: dict[tuple[str, bool], str | None] = {
 }
 
 
-class _Staged:
-    """What WeightReceiver.receive does with a staged sync's loader: accept, one load of every tensor in its pause,
-    done; or a sync that breaks after its accept."""
+class _Receive:
+    """What WeightReceiver.receive does with its loader: accept, then one load of every tensor inside the pause
+    (a staged apply) or one load per bucket (`buckets`: streamed), then done; or a sync that breaks after its
+    accept."""
 
-    def __init__(self, tensors: list[tuple[str, torch.Tensor]], version: int, broken: bool = False) -> None:
-        self.tensors, self.version, self.broken = tensors, version, broken
+    def __init__(self, tensors: list[tuple[str, torch.Tensor]], broken: bool, buckets: int) -> None:
+        self.tensors, self.broken, self.buckets = tensors, broken, buckets
 
     def receive(self, loader: Any, state: Any) -> Any:
-        loader.accept(self.version, manifest_from_tensors(self.tensors))
+        loader.accept(1, manifest_from_tensors(self.tensors))
         if self.broken:
             raise RuntimeError("the sender went away")
         with loader.pause():
-            loader.load(list(self.tensors))
+            step = -(-len(self.tensors) // self.buckets)
+            for start in range(0, len(self.tensors), step):
+                loader.load(list(self.tensors[start:start + step]))
         loader.done()
         return None
 
@@ -167,12 +170,14 @@ class Engine:
 
         self.weights = [checkpoint_tensors(d) for d in dirs]
 
-    def apply(self, tensors: list[tuple[str, torch.Tensor]], *, plans: bool = True, broken: bool = False) -> None:
+    def apply(self, tensors: list[tuple[str, torch.Tensor]], *, plans: bool = True, broken: bool = False,
+              streamed_buckets: int = 0) -> None:
+        """A staged apply of `tensors` (streamed in that many buckets, if given)."""
         from hwsync.integrations.vllm.loading import LayerwiseLoad
 
-        sync = LayerwiseLoad(self.target, self.checks, allow_partial=False, adapter=None, pause=nullcontext,
-                             plans=self.plans if plans else None)
-        sync.run(_Staged(tensors, 1, broken), None)  # type: ignore[arg-type]  # a receiver's receive, as it calls it
+        sync = LayerwiseLoad(self.target, self.checks, allow_partial=False, adapter=None,
+                             pause=None if streamed_buckets else nullcontext, plans=self.plans if plans else None)
+        sync.run(_Receive(tensors, broken, streamed_buckets or 1), None)  # type: ignore[arg-type]  # as it calls it
         self.llm.reset_prefix_cache()
 
     def state(self) -> tuple[dict[str, torch.Tensor], Any]:
@@ -232,27 +237,31 @@ def test_staged_applies_replay_the_loaders_copies_exactly_or_keep_the_loader(eng
     for expected, weights in ((fresh_v0, v0), (loader_v1, v1)):  # replay after replay
         engine.apply(weights)
         engine.assert_state(expected)
-    assert engine.plans.replays == (2 if refusal is None else 0)
+    engine.apply(v1, streamed_buckets=3)  # a streamed sync of the same manifest replays too (it records nothing)
+    engine.assert_state(loader_v1)
+    assert engine.plans.replays == (3 if refusal is None else 0)
     if refusal is not None:
+        engine.apply(v0, streamed_buckets=3)
+        engine.assert_state(fresh_v0)
         return
 
     # each invalidation: the loader runs (no replay counted) and stays exact, and a staged sync records again
     engine.apply(v0[::-1])  # another manifest (order)
     engine.assert_state(fresh_v0)
-    assert (engine.plans.replays, engine.plans.recorded) == (2, 2)
+    assert (engine.plans.replays, engine.plans.recorded) == (3, 2)
     engine.apply(v1)  # the reversed manifest's plan does not match this one
-    assert (engine.plans.replays, engine.plans.recorded) == (2, 3)
+    assert (engine.plans.replays, engine.plans.recorded) == (3, 3)
     norm = next(m for n, m in engine.target.model.named_modules() if n.endswith("input_layernorm"))
     norm.weight = torch.nn.Parameter(norm.weight.detach().clone(), requires_grad=False)  # a parameter replaced
     engine.apply(v0)
     engine.assert_state(fresh_v0)
-    assert (engine.plans.replays, engine.plans.recorded) == (2, 4)
+    assert (engine.plans.replays, engine.plans.recorded) == (3, 4)
     with pytest.raises(RuntimeError, match="went away"):
         engine.apply(v1, broken=True)  # a failed sync drops the plan
     assert engine.plans.get(engine.target.model) is None
     engine.apply(v1)
     engine.assert_state(loader_v1)
-    assert (engine.plans.replays, engine.plans.recorded) == (2, 5)
+    assert (engine.plans.replays, engine.plans.recorded) == (3, 5)
     engine.apply(v0)  # and replays again
     engine.assert_state(fresh_v0)
-    assert engine.plans.replays == 3
+    assert engine.plans.replays == 4

@@ -26,6 +26,7 @@ base weights, on a failed sync, and never builds one with LoRA or for a sync car
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from hwsync.sync.spec import TensorSpec
+
+log = logging.getLogger("hwsync")
 
 #: integer dtypes by width: destinations and sources are compared as bit patterns
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -217,7 +220,7 @@ class CopyPlan:
                     raise NotPlainCopy(f"layer {mod_name or '(model)'}: {reason}")
         for name, copies in self._by_name.items():
             for c in copies:
-                if not torch.equal(_bits(c.dest), _bits(self._source(c, tensors[name]))):
+                if not torch.equal(_bits(c.dest), _bits(self._source(c, tensors[name])).to(c.dest.device)):
                     raise NotPlainCopy(f"{name!r} differs from what the loader left (processed after loading)")
 
     @staticmethod
@@ -250,8 +253,8 @@ class CopyPlan:
             for c in copies:
                 dests.append(c.dest)
                 srcs.append(self._source(c, tensor))
-        for dests, srcs in groups.values():
-            torch._foreach_copy_(dests, srcs, non_blocking=dests[0].device.type != "cpu")
+        for dests, srcs in groups.values():  # blocking, as the loader's copy_: a bucket is refilled after load
+            torch._foreach_copy_(dests, srcs)
 
 
 class CopyPlans:
@@ -279,6 +282,15 @@ class CopyPlans:
     def worth_recording(self, model: torch.nn.Module, manifest: list[TensorSpec]) -> bool:
         """False where a plan of this very manifest was refused for `model` before."""
         return self._refused.get(id(model)) != tuple(manifest)
+
+    def record(self, model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]], manifest: list[TensorSpec],
+               load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> None:
+        """Record and keep the plan of `tensors` (just loaded, still held), or remember why the loader stays."""
+        try:
+            self.keep(model, CopyPlan.record(model, tensors, manifest, load))
+        except NotPlainCopy as exc:
+            log.info("hwsync: syncs of this manifest keep vLLM's loader (no copy-only replay): %s", exc)
+            self.refuse(model, manifest, str(exc))
 
     def keep(self, model: torch.nn.Module, plan: CopyPlan) -> None:
         """Keep `plan` for `model`'s next syncs."""

@@ -9,7 +9,9 @@ One sync (`LayerwiseLoad`, whose methods WeightReceiver.receive calls), in order
    buckets are copied, since the bucket's buffer is refilled once load returns;
 4. the layerwise reload is finalized on every exit path, errors included, so the engine keeps
    serving (a sync broken midway is reported as `incomplete` until the next complete one), and
-   heads tied to the embedding rebuild their kernels from it (kernels.py).
+   heads tied to the embedding rebuild their kernels from it (kernels.py);
+5. instead of 2-4, a sync whose manifest has a copy plan (copy_plan.py: recorded after a staged sync where
+   every loader is a plain copy into a parameter nothing processes) replays its copies; tied heads as in 4.
 
 A sync may also carry a LoRA adapter after the base tensors (adapters.py): it is checked with
 the manifest, copied out as it arrives, and installed once the base part is finalized.
@@ -35,7 +37,7 @@ from hwsync.colocated import WeightReceiver
 from hwsync.errors import ManifestError
 from hwsync.integrations.vllm.adapters import AdapterDelivery, AdapterSpec, EngineAdapters
 from hwsync.integrations.vllm.checkpoint import checkpoint_manifest
-from hwsync.integrations.vllm.copy_plan import CopyPlan, CopyPlans, NotPlainCopy
+from hwsync.integrations.vllm.copy_plan import CopyPlan, CopyPlans
 from hwsync.integrations.vllm.fingerprint import Fingerprint
 from hwsync.integrations.vllm.kernels import (
     prepare_tied_heads,
@@ -284,23 +286,11 @@ class LayerwiseLoad:
             self.plans.replays += 1
         self.reload.finalize()
         if self._held and self.plans is not None:
-            self._record(self.plans, self._held)
+            model = cast(Any, self.target.model)  # a vLLM model's load_weights, outside the reload now
+            with self.target.context():
+                self.plans.record(model, self._held, self._manifest, lambda t: model.load_weights(weights=iter(t)))
         if self.adapter is not None:
             self.adapter.install()
-
-    def _record(self, plans: CopyPlans, held: list[tuple[str, torch.Tensor]]) -> None:
-        """Record the copy plan of the tensors just loaded (still held), or say once why the loader stays."""
-        target = self.target
-
-        def load(tensors: list[tuple[str, torch.Tensor]]) -> None:
-            cast(Any, target.model).load_weights(weights=iter(tensors))
-
-        try:
-            with target.context():
-                plans.keep(target.model, CopyPlan.record(target.model, held, self._manifest, load))
-        except NotPlainCopy as exc:
-            log.info("hwsync: syncs of this manifest keep vLLM's loader (no copy-only replay): %s", exc)
-            plans.refuse(target.model, self._manifest, str(exc))
 
 
 #: what WorkerSync.state reports for a model whose base a sync left half-loaded
