@@ -106,6 +106,20 @@ def test_a_weight_processed_after_loading_fails_verification():
     assert torch.equal(model.norm, weights[3][1] * 2)  # and the recording changed nothing
 
 
+class Processing(torch.nn.Module):
+    """A layer that derives state from weights after loading (MLA attention does, from another layer's)."""
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        pass
+
+
+def test_a_layer_that_processes_weights_after_loading_refuses_the_plan():
+    model = Toy()
+    model.attn = Processing()
+    with pytest.raises(NotPlainCopy, match="layer attn: Processing processes weights after loading"):
+        _record(model, _weights(0))
+
+
 def test_a_tensor_the_loader_drops_refuses_the_plan():
     weights = _weights(0) + [("unused", torch.ones(3))]
     with pytest.raises(NotPlainCopy, match="copies 'unused' nowhere"):

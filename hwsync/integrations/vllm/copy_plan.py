@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -144,6 +145,14 @@ def _layer_refusal(module: torch.nn.Module) -> str | None:
     return None
 
 
+def _plain_attention(module: torch.nn.Module) -> bool:
+    """True for vLLM's standard attention layer, whose processing after loading reads only its own tensors."""
+    loaded = sys.modules.get("vllm.model_executor.layers.attention.attention")  # a vLLM layer means it is imported
+    attention = getattr(loaded, "Attention", None)
+    hook = getattr(type(module), "process_weights_after_loading", None)
+    return attention is not None and isinstance(module, attention) and hook is attention.process_weights_after_loading
+
+
 class CopyPlan:
     """Where each tensor of one manifest lands in one model's parameters, replayed as batched copies."""
 
@@ -215,9 +224,16 @@ class CopyPlan:
                     owners.setdefault(p.untyped_storage().data_ptr(), []).append((mod_name, module))
         for ptr in spans:
             for mod_name, module in owners.get(ptr, []):
-                reason = _layer_refusal(module)
+                reason = _layer_refusal(module) or (
+                    "it processes its weights after loading" if hasattr(module, "process_weights_after_loading")
+                    else None)
                 if reason is not None:
                     raise NotPlainCopy(f"layer {mod_name or '(model)'}: {reason}")
+        for mod_name, module in model.named_modules():
+            if hasattr(module, "process_weights_after_loading") and not _plain_attention(module):
+                # e.g. MLA attention derives its absorbed matrices from another layer's (kv_b_proj) weight
+                raise NotPlainCopy(f"layer {mod_name}: {type(module).__name__} processes weights after loading, "
+                                   "possibly other layers'")
         for name, copies in self._by_name.items():
             for c in copies:
                 if not torch.equal(_bits(c.dest), _bits(self._source(c, tensors[name])).to(c.dest.device)):
