@@ -106,6 +106,31 @@ def test_a_weight_processed_after_loading_fails_verification():
     assert torch.equal(model.norm, weights[3][1] * 2)  # and the recording changed nothing
 
 
+class Padded(torch.nn.Module):
+    """An embedding padded to 8 rows whose loader copies 6 and zeroes the rest, as vLLM's vocab embedding does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(8, 4), requires_grad=False)
+
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        for _, w in weights:
+            self.weight[: w.shape[0]].data.copy_(w)
+            self.weight[w.shape[0]:].data.fill_(0)
+
+
+def test_padding_the_loader_zeroes_is_verified_and_left_as_it_is():
+    model, weights = Padded(), [("weight", torch.randn(6, 4))]
+    model.load_weights(iter(weights))
+    plan = CopyPlan.record(model, weights, manifest_from_tensors(weights), lambda t: model.load_weights(iter(t)))
+    new = [("weight", torch.randn(6, 4))]
+    plan.replay(new)
+    assert torch.equal(model.weight, torch.cat([new[0][1], torch.zeros(2, 4)]))
+    model.weight.data[7] = 1.0  # padding that is not what the loader writes: not a plan to trust
+    with pytest.raises(NotPlainCopy, match="fills with 0 holds other values"):
+        CopyPlan.record(model, new, manifest_from_tensors(new), lambda t: model.load_weights(iter(t)))
+
+
 class Processing(torch.nn.Module):
     """A layer that derives state from weights after loading (MLA attention does, from another layer's)."""
 
