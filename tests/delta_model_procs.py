@@ -89,7 +89,9 @@ class Trainer:
                 v.mul_(0.999).addcmul_(grad, grad, value=0.001)
                 t.mul_(1 - lr * 0.01)
                 t.add_((m / (v.sqrt() + 1e-8) * -lr).to(t.dtype))
-        elif kind == "reshape" and self.shared is not None:  # the same memory, seen in another shape
+        elif kind == "reshape" and (self.shared is not None or self.device.type != "cpu"):
+            # the same memory seen in another shape (`param.data = param.data.view(...)`): in shared memory, or on a
+            # device, where the sender reads a Parameter's memory in place
             self.tensors[op["name"]] = self.tensors[op["name"]].view(op["shape"])
         elif kind == "reshape":  # the same elements in another shape
             self.tensors[op["name"]] = self.tensors[op["name"]].reshape(op["shape"]).clone()
@@ -116,6 +118,11 @@ class Trainer:
             return self._staged(items)
         if kind == "shared":
             return self._in_shared_memory()
+        if kind == "parameters":  # a module's: on a device, the sender reads them in place (mapped.py)
+            for name, t in self.tensors.items():
+                if not isinstance(t, torch.nn.Parameter):
+                    self.tensors[name] = torch.nn.Parameter(t, requires_grad=False)
+            return list(self.tensors.items())
         raise ValueError(f"unknown source {kind!r}")
 
     def close(self) -> None:
@@ -212,7 +219,8 @@ def _sync(sender: Any, trainer: Trainer, command: dict[str, Any], results) -> No
     assert stats is not None
     note = stats.delta
     results.put({"ok": True, "mode": "plain" if note is None else note.mode, "reason": "" if note is None else note.reason,
-                 "codes": None if note is None else note.codes, "replay": "replay" in stats.notes})
+                 "codes": None if note is None else note.codes, "replay": "replay" in stats.notes,
+                 "paths": sorted(k for k in stats.notes if k in ("shared", "mapped"))})
 
 
 def receiver_main(commands, results) -> None:

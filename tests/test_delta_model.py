@@ -415,16 +415,40 @@ def test_a_dtype_or_element_count_change_goes_whole_or_is_refused_by_name(fleet,
     _replay(_config(("load",)), [_sync(), _sync(before=change), _sync()])
 
 
+REPLAYS = [_sync(), _sync(before=TRAIN[0]), _sync(after=TRAIN[1]), _sync(),
+           _sync(before=RESHAPE), _sync(before=TRAIN[1]), _sync(before=DTYPE, pick=1), _sync(),
+           ("disturb", {"what": "restart_receiver_keeping_weights", "which": 0}), _sync(), _sync(),
+           _sync(before=REMOVE, pick=2), _sync()]
+#: which of those syncs replay: not the first, nor one after a change of spec or a restarted engine
+REPLAYED = [False, True, True, True, False, True, False, True, False, True, False, True]
+
+
 def test_a_replayed_sync_reads_what_training_wrote_and_any_change_plans_afresh(fleet):
     """Tensors in shared memory into an `into` engine: a sync whose tensors are those of the last is a replay
     (issue 50), exact after training before it and right after it; a reshape of the same memory, a dtype change, a
     removed tensor and a restarted engine each send a fresh sync, exact, and the sync after it replays again."""
     cfg = _config(("into",), source="shared", delta=False,
                   tensors=(((64, 128), "float32"), ((4096,), "bfloat16"), ((33, 7), "float32")))
-    adamw, add = TRAIN[0], TRAIN[1]
-    steps = [_sync(), _sync(before=adamw), _sync(after=add), _sync(),
-             _sync(before=RESHAPE), _sync(before=add), _sync(before=DTYPE, pick=1), _sync(),
-             ("disturb", {"what": "restart_receiver_keeping_weights", "which": 0}), _sync(), _sync(),
-             _sync(before=REMOVE, pick=2), _sync()]
-    machine = _replay(cfg, steps)
-    assert machine.replayed == [False, True, True, True, False, True, False, True, False, True, False, True]
+    assert _replay(cfg, REPLAYS).replayed == REPLAYED
+
+
+@pytest.mark.timeout(300)
+def test_a_replayed_sync_from_device_memory_launches_once_and_stays_exact():
+    """The same on the simulated accelerator, from the trainer's own device tensors read in place (mapped.py): the
+    replays launch the plan's copies again, and every change of spec still plans afresh."""
+    from hwsync.backend.registry import load_backend
+
+    probe = load_backend("sim").probe()
+    if not probe.usable:
+        pytest.skip(f"the simulated accelerator is not usable here: {probe.reason}")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HWSYNC_BACKEND", "sim")
+        sim = Fleet(size=1)
+        fleet, DeltaModel.fleet = getattr(DeltaModel, "fleet", None), sim
+        try:
+            cfg = _config(("into",), source="parameters", delta=False,
+                          tensors=(((64, 128), "float32"), ((4096,), "bfloat16"), ((33, 7), "float32")))
+            assert _replay(cfg, REPLAYS).replayed == REPLAYED
+        finally:
+            DeltaModel.fleet = fleet
+            sim.stop()

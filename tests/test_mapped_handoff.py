@@ -91,6 +91,23 @@ def test_a_mapped_sync_waits_by_events_and_launches_once(sim):
         p.join(30)
 
 
+def test_a_replayed_mapped_sync_sends_no_reference_and_launches_once(sim):
+    """Issue 50: after the first sync, the same parameters (stepped in place) are a replay of its plan: no Refs frame,
+    the receiver's recorded copies run again in one launch per width, and every sync is exact."""
+    device = sim.device()
+    net = procs.model(device.torch_device())
+    with WeightSender(options=SenderOptions(timeout_s=60)) as sender:
+        p, q = start_receiver(procs.receive, sender.endpoint, syncs=3)
+        for version in range(3):
+            procs.step(net, version)
+            stats, sent, result = _sync(sender, device, dict(net.state_dict()), version, q)
+            assert result["digests"] == digests(net.state_dict()), f"sync {version} is not exact"
+            assert ("replay" in stats.notes) == (version > 0), stats.notes
+            assert result["counts"]["copy_launches"] == 1 and sent.get("copy_launches", 0) == 0
+            assert stats.notes["mapped"]["tensors"] == len(net.state_dict())
+        p.join(30)
+
+
 def _staged(where: torch.device, values: dict, lent: bool):
     """A source that refills one staging tensor for each item (as LocalForwarder's receive buffers are refilled)."""
     from hwsync.sync.bucket import lend

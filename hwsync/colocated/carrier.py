@@ -142,12 +142,14 @@ class SharedBuffers:
             matched, source = replay.match(source)
             if not matched:
                 replay = self._plan = None
+            elif replay.device_segments:  # receivers read the trainer's memory once they accept: its writes first
+                assert self._mapped is not None
+                self._mapped.hold([t for _, t in source])
         self._made = replay
         link = self._offer(receivers, version, sync, stats, replay=0 if replay is None else replay.sync)
         if replay is not None:  # every receiver runs the plan's copies again: nothing more to send
             stats.tensors, stats.bytes = len(replay.tensors), replay.nbytes
-            stats.notes["shared"] = {"tensors": len(replay.tensors), "bytes": replay.nbytes}
-            stats.notes["replay"] = replay.sync
+            stats.notes.update({kind: dict(counts) for kind, counts in replay.kinds.items()}, replay=replay.sync)
             return
         assert self._buffers is not None and self._pool is not None
         here = socket.gethostname()  # references into our segments only for receivers that can map them
@@ -159,7 +161,9 @@ class SharedBuffers:
                               stable=self.stable_sources)
         self._seq = stream.run(source, sync.stream_manifest)
         plan = stream.plan
-        self._made = None if plan is None else replace(plan, manifest=sync.stream_manifest)
+        self._made = None if plan is None else replace(plan, manifest=sync.stream_manifest, kinds={
+            kind: {k: v for k, v in stats.notes[kind].items() if k != "exports"}
+            for kind in ("shared", "mapped") if kind in stats.notes})
 
     def _replayable(self, receivers: SyncReceivers, sync: Prepared) -> SentPlan | None:
         """The plan this sync may replay, if its tensors match it (checked by the caller): a full sync, no receiver
@@ -169,6 +173,9 @@ class SharedBuffers:
             return None
         if not all(p.plan == plan.sync and p.instance in plan.instances and not p.stage for p in receivers.peers):
             return None
+        if plan.device_segments and (self._mapped is None or not self._mapped.usable_for(receivers.peers)
+                                     or not plan.device_segments <= set(self._mapped.shared_ids())):
+            return None  # a device segment the plan reads died (its anchor: `param.data = ...`)
         return plan if plan.segments <= {s.name for s in live_segments()} else None
 
     def _open_buffers(self, peers: list[Peer], stats: SyncStats) -> None:

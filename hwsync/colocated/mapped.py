@@ -120,6 +120,14 @@ class MappedSources:
         self._touched.add(tensor.device)
         return segment.id, where.offset
 
+    def hold(self, tensors: list[torch.Tensor]) -> None:
+        """Hold a replayed sync's device tensors until Complete, and wait for the trainer's writes to them now."""
+        here = self.device.torch_type
+        held = [t for t in tensors if t.device.type == here]
+        self._held += held
+        self._touched |= {t.device for t in held}
+        self.ready_to_read()
+
     def ready_to_read(self) -> None:
         """Wait for this process's queued writes to the referenced tensors (the trainer's step) on their streams."""
         for where in self._touched:

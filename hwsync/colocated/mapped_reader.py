@@ -19,9 +19,10 @@ import torch
 
 from hwsync.backend.devices import wait_for_queued
 from hwsync.backend.interfaces import Device, DeviceSegments, Transport
+from hwsync.colocated.replay import ReadPlan
 from hwsync.errors import ProtocolError
 from hwsync.protocol.layout import DeviceRef, DeviceSegment
-from hwsync.sync.bucket import CopyBatch, IntoFn, checked_destination, lend
+from hwsync.sync.bucket import CopyBatch, IntoFn, checked_destination, launch, lend
 from hwsync.sync.spec import dtype_from_name
 
 log = logging.getLogger("hwsync")
@@ -42,13 +43,16 @@ class MappedReader:
         """Segments mapped now."""
         return len(self._mapped)
 
-    def retain(self, ids: list[int], transport: Transport | None) -> None:
-        """Keep only the segments the sender still shares (its offer lists them); `transport` opens new ones."""
+    def retain(self, ids: list[int], transport: Transport | None) -> bool:
+        """Keep only the segments the sender still shares (its offer lists them); `transport` opens new ones.
+        Whether any was unmapped (a plan's views of it must go too, or the mapping stays)."""
         if transport is not None:
             self._segments = transport.device_segments()
         keep = set(ids)
-        for ident in [i for i in self._mapped if i not in keep]:
+        gone = [i for i in self._mapped if i not in keep]
+        for ident in gone:
             del self._mapped[ident]  # unmapped once no view is left; finish() waited for this process's reads
+        return bool(gone)
 
     def map(self, exports: list[DeviceSegment]) -> None:
         """Map each newly exported segment; an export that cannot be mapped is released (so is every later one)."""
@@ -81,8 +85,10 @@ class MappedReader:
             except Exception as exc:  # noqa: BLE001 - releasing is best effort, as torch's own is
                 log.warning("hwsync: could not release the export of device segment %d: %s", segment.id, exc)
 
-    def read(self, refs: list[DeviceRef], into: IntoFn | None) -> list[tuple[str, torch.Tensor]]:
-        """Copy every reference `into` names (launched together); the others as views of the mapping, for `load`."""
+    def read(self, refs: list[DeviceRef], into: IntoFn | None,
+             recording: ReadPlan | None = None) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+        """Copy every reference `into` names (launched together); the others as views of the mapping, for `load`;
+        and whether `recording` (a plan being made) took every copy (a view for `load` makes no plan)."""
         batch = CopyBatch()
         out: list[tuple[str, torch.Tensor]] = []
         for ref in refs:
@@ -95,18 +101,36 @@ class MappedReader:
                 raise ProtocolError(f"tensor {ref.name!r} ends at byte {ref.offset + nbytes} of device segment "
                                     f"{ref.segment}, past its {mapping.numel()} bytes")
             dtype = dtype_from_name(ref.dtype)
-            dest = None if into is None else checked_destination(ref.name, dtype, ref.shape,
-                                                                 into(ref.name, dtype, ref.shape))
-            if dest is not None:
+            given = None if into is None else into(ref.name, dtype, ref.shape)
+            dest = checked_destination(ref.name, dtype, ref.shape, given)
+            if dest is not None and dest.device == mapping.device:
                 batch.add(dest, 0, mapping, ref.offset, nbytes)
                 self._queued.add(dest.device)
+                if recording is not None:
+                    assert given is not None
+                    recording.destinations.append((ref.name, dtype, tuple(ref.shape), given, given.data_ptr()))
+                    recording.nbytes += nbytes
+            elif dest is not None:  # another device: a copy of its own, not replayed
+                batch.add(dest, 0, mapping, ref.offset, nbytes)
+                self._queued.add(dest.device)
+                recording = None
             else:
+                recording = None
                 # the trainer may change it once this receiver completes: lent for the load call only
                 out.append((ref.name, lend(mapping[ref.offset: ref.offset + nbytes].view(dtype).view(ref.shape))))
-        batch.flush()
+        launches = batch.flush()
         if out:
             self._queued.add(out[0][1].device)  # load may queue reads of the views
-        return out
+        if recording is not None:
+            recording.launches += launches
+            recording.devices |= {dsts[0].device for dsts, _ in launches}
+        return out, recording is not None
+
+    def replay(self, plan: ReadPlan) -> None:
+        """Launch a plan's device copies again (one launch per device and width)."""
+        for dsts, srcs in plan.launches:
+            launch(dsts, srcs)
+        self._queued |= plan.devices
 
     def finish(self) -> None:
         """Wait until every copy queued from the mappings this sync has run (then the sender may step)."""

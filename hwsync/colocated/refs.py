@@ -95,7 +95,8 @@ class SharedReader:
                transport: Transport | None = None) -> None:
         """Keep only the mappings of segments the sender still has (its offer lists them, host and device ones);
         `transport`, the offer's, maps device segments exported later."""
-        self.device_segments.retain(device_segments or [], transport)
+        if self.device_segments.retain(device_segments or [], transport):
+            self.drop_plan()  # its views of an unmapped segment would keep the mapping
         keep = {s.name for s in segments}
         for name in [n for n in self._mapped if n not in keep]:
             self._unmap(name)
@@ -127,7 +128,7 @@ class SharedReader:
         segments = [self._segment(spec, sender_pid).tensor for spec in frame.segments]
         out: list[tuple[str, torch.Tensor]] = []
         host_copies: list[tuple[int, int, int]] = []  # (dst, src, nbytes) on data pointers
-        recording = self._recording if not frame.device_refs else None
+        recording = self._recording
         for ref in frame.refs:
             dtype = dtype_from_name(ref.dtype)
             source = segments[ref.segment]
@@ -151,10 +152,11 @@ class SharedReader:
         if recording is not None:
             recording.copies += host_copies
             recording.nbytes += sum(n for _, _, n in host_copies)
-        else:
-            self._recording = None
         self._copy(host_copies)
-        return out + self.device_segments.read(frame.device_refs, into)
+        lent, recorded = self.device_segments.read(frame.device_refs, into, recording)
+        if recording is None or not recorded:
+            self._recording = None
+        return out + lent
 
     # -- plans (replay.py) ------------------------------------------------------------------------------------
     def record(self, sender_pid: int, sync: int) -> None:
@@ -169,6 +171,8 @@ class SharedReader:
         """The sync completed: what it recorded, if anything, is the plan now (else the old one is dropped)."""
         recorded, self._recording = self._recording, None
         self.plan = recorded if recorded is not None and recorded.destinations else None
+        if self.plan is not None:
+            self.plan.merge_launches()
 
     def drop_plan(self) -> None:
         """Forget every plan (a failed sync, a segment unmapped)."""
@@ -185,8 +189,9 @@ class SharedReader:
         plan = self.plan
         assert plan is not None
         t0 = time.perf_counter()
+        self.device_segments.replay(plan)
         if plan.pieces is None:  # cut once: the plan's copies are the same every replay
-            plan.pieces = self._pieces(plan.copies, plan.nbytes)
+            plan.pieces = self._pieces(plan.copies, sum(n for _, _, n in plan.copies))
         self._run(plan.pieces)
         stats.load_s += time.perf_counter() - t0
         stats.tensors += len(plan.destinations)

@@ -7,12 +7,16 @@ the host copies it made (`ReadPlan`). The next sync whose tensors all match is o
 (Offer.replay): no Refs frame is sent, and each receiver runs its recorded copies again, which read the bytes the
 tensors hold now.
 
+The trainer's own device memory read in place (mapped.py, mapped_reader.py) is planned alike: the receiver keeps
+its copies' views, merged into one launch per device and element width for the whole sync.
+
 A plan holds only while nothing it was built from changed. The sender replays only when every tensor of the source
-is the same memory, read with the same shape, strides and dtype, in the same order, its segments are all still
-live, the sync is no delta and every receiver of the sync said it holds this very plan (Ready.plan) and took part
-in the sync that made it. A receiver says it holds the plan only if `into` still gives the same destinations, and
-drops it when a sync fails, when it maps or unmaps a segment, and whenever a sync is not a pure one-copy sync
-into host tensors. Anything else is planned and sent as before.
+is the same memory, read with the same shape, strides and dtype, in the same order, its segments (host and device)
+are all still live, the sync is no delta and every receiver of the sync said it holds this very plan (Ready.plan)
+and took part in the sync that made it. A receiver says it holds the plan only if `into` still gives the same
+destinations, and drops it when a sync fails, when a segment it reads is unmapped, and whenever a sync is not
+wholly read in place into `into` destinations (a packed bucket, a tensor for `load`, a device destination of a
+host tensor, staging). Anything else is planned and sent as before.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from hwsync.sync.spec import TensorSpec
 #: what one sent tensor was: its name, and its data pointer, shape, strides and dtype at the time (the bytes a
 #: receiver reads follow from these alone while the segment holding them lives: a new tensor object, as
 #: `state_dict()` makes each call, over the same memory replays too)
-SentTensor = tuple[str, int, torch.Size, tuple[int, ...], torch.dtype]
+SentTensor = tuple[str, type, int, torch.Size, tuple[int, ...], torch.dtype]
 
 
 @dataclass
@@ -40,6 +44,10 @@ class SentPlan:
     #: the shared segments they lie in (by name): a plan whose segment was freed never replays
     segments: frozenset[str]
     nbytes: int
+    #: the trainer's device segments they lie in (mapped.py's ids): a plan one of which died never replays
+    device_segments: frozenset[int] = frozenset()
+    #: the sync's counts by kind ("shared", "mapped": SyncStats.notes), which a replay reports alike
+    kinds: dict[str, dict[str, int]] = field(default_factory=dict)
     #: the manifest the sync was checked against (a replay skips the check: only under the same one)
     manifest: list[TensorSpec] | None = None
     #: the sync that made it (what receivers report in Ready.plan), and the receivers (instances) that took it
@@ -47,8 +55,8 @@ class SentPlan:
     instances: frozenset[str] = field(default_factory=frozenset)
 
     def match(self, items: Iterable[tuple[str, torch.Tensor]]) -> tuple[bool, Iterator[tuple[str, torch.Tensor]]]:
-        """Whether `items` are this plan's tensors as they were; and the items (those read so far first) to send
-        as a fresh sync if not."""
+        """Whether `items` are this plan's tensors as they were; and the items: all of them when they are, else
+        those read so far first, then the rest, to send as a fresh sync."""
         it = iter(items)
         seen: list[tuple[str, torch.Tensor]] = []
         for planned in self.tensors:
@@ -62,28 +70,27 @@ class SentPlan:
         extra = next(it, None)
         if extra is not None:
             return False, chain(seen, [extra], it)
-        return True, iter(())
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # what find_shared sends by reference (a DTensor never is)
+        return True, iter(seen)
 
 
 def same_tensor(name: str, tensor: torch.Tensor, planned: SentTensor) -> bool:
     """Whether (name, tensor) is what the plan sent: the same memory, read as the same layout."""
-    p_name, p_ptr, p_shape, p_stride, p_dtype = planned
-    # every field: `param.data = ...` keeps the object and changes its storage, shape or strides
-    return (name == p_name and type(tensor) in _PLAIN and tensor.data_ptr() == p_ptr and tensor.dtype is p_dtype
+    p_name, p_type, p_ptr, p_shape, p_stride, p_dtype = planned
+    # every field: `param.data = ...` keeps the object and changes its storage, shape or strides; the type, because
+    # a subclass may read its memory otherwise (a DTensor's data_ptr is its local shard's)
+    return (name == p_name and type(tensor) is p_type and tensor.data_ptr() == p_ptr and tensor.dtype is p_dtype
             and tensor.shape == p_shape and tensor.stride() == p_stride)
 
 
 def sent_tensor(name: str, tensor: torch.Tensor) -> SentTensor:
     """One tensor as a plan records it."""
-    return (name, tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
+    return (name, type(tensor), tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
 
 
 @dataclass
 class ReadPlan:
-    """A receiver's side: the destinations and host copies of the last sync it read wholly from shared segments."""
+    """A receiver's side: the destinations and copies of the last sync it read wholly from the sender's segments
+    (host memmoves from shared parameter segments, device copies from its mapped device segments)."""
 
     #: the sender (pid) and its sync that made the plan
     sender_pid: int
@@ -95,6 +102,20 @@ class ReadPlan:
     nbytes: int
     #: the copies as the copy threads take them (cut at the first replay)
     pieces: list[list[tuple[int, int, int]]] | None = None
+    #: device copies from the sender's mapped segments, as (destinations, sources) views: one launch each, merged
+    #: per device and width when the plan is kept
+    launches: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=list)
+    #: the devices those copies run on (waited for before Complete)
+    devices: set[torch.device] = field(default_factory=set)
+
+    def merge_launches(self) -> None:
+        """One launch per device and element width for the whole sync (the frames' launches joined)."""
+        merged: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for dsts, srcs in self.launches:
+            into_dsts, into_srcs = merged.setdefault((dsts[0].device, dsts[0].dtype), ([], []))
+            into_dsts += dsts
+            into_srcs += srcs
+        self.launches = list(merged.values())
 
     def holds(self, into: IntoFn) -> bool:
         """Whether `into` still gives every destination the plan copies into (then the plan can replay)."""
@@ -104,7 +125,7 @@ class ReadPlan:
                 if dest.data_ptr() != ptr:  # the same tensor given new storage (`.data = ...`)
                     return False
                 continue
-            if (now is None or now.device.type != "cpu" or now.dtype != dtype or tuple(now.shape) != shape
+            if (now is None or now.device != dest.device or now.dtype != dtype or tuple(now.shape) != shape
                     or not now.is_contiguous() or now.data_ptr() != ptr):
                 return False
             self.destinations[i] = (name, dtype, shape, now, ptr)

@@ -79,13 +79,15 @@ class BucketStream:
         #: segments (None once one did not: replay.py)
         self._planned: list[SentTensor] | None = [] if stable else None
         self._planned_segments: set[str] = set()
+        self._planned_device_segments: set[int] = set()
 
     @property
     def plan(self) -> SentPlan | None:
         """The plan this sync makes (once `run` returned): every tensor went by reference into shared segments."""
         if not self._planned:
             return None
-        return SentPlan(self._planned, frozenset(self._planned_segments), self.stats.bytes)
+        return SentPlan(self._planned, frozenset(self._planned_segments), self.stats.bytes,
+                        frozenset(self._planned_device_segments))
 
     def run(self, source: NamedTensors, manifest: list[TensorSpec] | None) -> int:
         """Pack and post every tensor of `source`, checking it against `manifest` when given."""
@@ -155,7 +157,9 @@ class BucketStream:
                 self._refs_wire += _EXPORT_WIRE_BYTES  # it may carry the segment's export
             self._device_refs.append(DeviceRef(name, dtype, tuple(tensor.shape), ident, offset))
             kind = "mapped"
-            self._planned = None
+            if self._planned is not None:
+                self._planned.append(sent_tensor(name, tensor))
+                self._planned_device_segments.add(ident)
         self._refs_bytes += nbytes
         self._refs_wire += entry_wire_bytes(name, tensor.dim())
         self.stats.tensors += 1

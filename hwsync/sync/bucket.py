@@ -103,9 +103,11 @@ class CopyBatch:
     def __len__(self) -> int:
         return sum(len(pieces) for pieces in self._pieces.values())
 
-    def flush(self) -> None:
-        """Launch the gathered device copies: one foreach copy per device and width (a single piece: a copy_)."""
+    def flush(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Launch the gathered device copies: one foreach copy per device and width (a single piece: a copy_);
+        the launches, as (destinations, sources), for a caller that runs them again (a replay)."""
         pieces, self._pieces = self._pieces, {}
+        launches = []
         for group in pieces.values():
             by_width: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
             for dst, src in group:
@@ -115,11 +117,18 @@ class CopyBatch:
                 dsts.append(dst.view(dtype) if width > 1 else dst)
                 srcs.append(src.view(dtype) if width > 1 else src)
             for dsts, srcs in by_width.values():
-                if len(dsts) == 1:
-                    dsts[0].copy_(srcs[0], non_blocking=self._non_blocking)
-                else:
-                    torch._foreach_copy_(dsts, srcs, non_blocking=self._non_blocking)
+                launch(dsts, srcs, self._non_blocking)
+                launches.append((dsts, srcs))
         self._non_blocking = False
+        return launches
+
+
+def launch(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool = False) -> None:
+    """Copy each source into its destination, one launch (a foreach copy; a single pair: a copy_)."""
+    if len(dsts) == 1:
+        dsts[0].copy_(srcs[0], non_blocking=non_blocking)
+    else:
+        torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
 
 
 def checked_destination(name: str, dtype: torch.dtype, shape: tuple[int, ...], dest: torch.Tensor | None

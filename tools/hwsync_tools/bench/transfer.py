@@ -244,6 +244,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "one_copy_vs_packed": oc / hw if oc else None, "one_copy_seconds": [s.total_s for s in one_copy],
         # syncs after the first that were replays of its plan (hwsync.colocated.replay)
         "one_copy_replayed": sum("replay" in s.notes for s in one_copy[1:]),
+        "mapped_replayed": sum("replay" in s.notes for s in mapped[1:]),
         "mapped_gbps": mgb, "mapped_s": mp_s, "mapped_vs_copy": mgb / memcpy if mgb else None,
         "mapped_vs_packed": mgb / hw if mgb else None, "mapped_seconds": [s.total_s for s in mapped],
         "mapped_tensors": mapped[-1].notes.get("mapped", {}).get("tensors", 0) if mapped else None,
@@ -341,9 +342,10 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
     for label, gbps, secs in rows:
         print(f"{label:26} {gbps:>8} {secs:>8}")
     p = r["hwsync_phases"]
-    if r["one_copy_gbps"]:
-        print(f"one-copy syncs after the first replayed as planned: {r['one_copy_replayed']} of "
-              f"{len(r['one_copy_seconds']) - 1}")
+    for path in ("one_copy", "mapped"):
+        if r[f"{path}_gbps"]:
+            print(f"{path.replace('_', '-')} syncs after the first replayed as planned: {r[f'{path}_replayed']} of "
+                  f"{len(r[f'{path}_seconds']) - 1}")
     print(f"hwsync per sync: sender pack {p['pack_s']:.3f} s, wait {p['wait_s']:.3f} s; receiver buckets "
           f"{p['receiver_load_s']:.3f} s, of which load()'s copies {p['receiver_engine_copy_s']:.3f} s")
     for path, c in (r["counts"] or {}).items():  # what the device counted (the simulated accelerator counts)
