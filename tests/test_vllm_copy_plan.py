@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from hwsync.integrations.vllm.copy_plan import CopyPlan, NotPlainCopy
+from hwsync.integrations.vllm.copy_plan import CopyPlan, NotPlainCopy, digest
 from hwsync.sync.spec import manifest_from_tensors
 
 
@@ -129,6 +129,31 @@ def test_padding_the_loader_zeroes_is_verified_and_left_as_it_is():
     model.weight.data[7] = 1.0  # padding that is not what the loader writes: not a plan to trust
     with pytest.raises(NotPlainCopy, match="fills with 0 holds other values"):
         CopyPlan.record(model, new, manifest_from_tensors(new), lambda t: model.load_weights(iter(t)))
+
+
+def test_a_streamed_sync_is_recorded_from_meta_stand_ins_and_digests():
+    model, weights = Padded(), [("weight", torch.randn(6, 4))]
+    model.load_weights(iter(weights))  # the loader path; its bucket is gone afterwards
+    digests = {"weight": digest(weights[0][1])}
+    stand_ins = [("weight", torch.empty(6, 4, device="meta"))]
+
+    def record() -> CopyPlan:
+        return CopyPlan.record(model, stand_ins, manifest_from_tensors(weights), lambda t: model.load_weights(iter(t)),
+                               digests)
+
+    plan = record()
+    new = [("weight", torch.randn(6, 4))]
+    plan.replay(new)
+    assert torch.equal(model.weight[:6], new[0][1])
+    model.weight.data[:6] = new[0][1].flip(0)  # processed after loading: same values, another order
+    with pytest.raises(NotPlainCopy, match="differs from what the loader left"):
+        record()
+    with pytest.raises(NotPlainCopy, match="'head' is not copied whole"):  # a transposed view: staged syncs only
+        toy, toy_weights = Toy(), _weights(0)
+        toy.load_weights(iter(toy_weights))
+        CopyPlan.record(toy, [(n, torch.empty(t.shape, device="meta")) for n, t in toy_weights],
+                        manifest_from_tensors(toy_weights), lambda t: toy.load_weights(iter(t)),
+                        {n: digest(t) for n, t in toy_weights})
 
 
 class Processing(torch.nn.Module):
@@ -298,9 +323,11 @@ def test_staged_applies_replay_the_loaders_copies_exactly_or_keep_the_loader(eng
     with pytest.raises(RuntimeError, match="went away"):
         engine.apply(v1, broken=True)  # a failed sync drops the plan
     assert engine.plans.get(engine.target.model) is None
-    engine.apply(v1)
+    engine.apply(v1, streamed_buckets=3)  # streamed through the loader: recorded from meta stand-ins and digests
     engine.assert_state(loader_v1)
     assert (engine.plans.replays, engine.plans.recorded) == (3, 5)
-    engine.apply(v0)  # and replays again
+    engine.apply(v0, streamed_buckets=3)  # and replayed
     engine.assert_state(fresh_v0)
-    assert engine.plans.replays == 4
+    engine.apply(v1)
+    engine.assert_state(loader_v1)
+    assert engine.plans.replays == 5

@@ -52,16 +52,43 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(_BITS[tensor.element_size()])
 
 
+def digest(tensor: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
+    """An order-sensitive digest of a tensor's bit patterns (sum of each element's bits times its position,
+    wrapping in int64), on its own device, in chunks (a bounded temporary)."""
+    flat = _bits(tensor).reshape(-1)
+    total = torch.zeros((), dtype=torch.int64, device=tensor.device)
+    for start in range(0, flat.numel(), chunk):
+        part = flat[start:start + chunk].to(torch.int64)
+        total += (part * torch.arange(start + 1, start + 1 + part.numel(), device=part.device)).sum()
+    return total
+
+
 class _Sources:
     """The synced tensors by their byte ranges: which one a view reads, if any (staging may share one storage)."""
 
     def __init__(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), n, t) for n, t in tensors
-                       if t.numel())
+                       if t.numel() and not t.is_meta)
         self._starts = [s[0] for s in spans]
         self._spans = spans
+        #: by identity, each synced tensor and each view the loader took of one (meta stand-ins have no address)
+        self._views: dict[int, tuple[str, torch.Tensor]] = {id(t): (n, t) for n, t in tensors}
+        self._keep: list[Any] = []  # the views, alive while recording: ids stay theirs
+
+    def derive(self, base: Any, out: Any) -> None:
+        """Track the views `out` an op took of `base`."""
+        found = self.find(base) if isinstance(base, torch.Tensor) else None
+        if found is not None:
+            for view in tree_leaves(out):
+                if isinstance(view, torch.Tensor):
+                    self._views[id(view)] = found
+                    self._keep.append(view)
 
     def find(self, view: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        if id(view) in self._views:
+            return self._views[id(view)]
+        if view.is_meta:
+            return None
         ptr = view.data_ptr()
         i = bisect.bisect_right(self._starts, ptr) - 1
         if i >= 0 and ptr < self._spans[i][1]:
@@ -109,7 +136,10 @@ class _Recorder(TorchDispatchMode):
                 if isinstance(leaf, torch.Tensor) and self.sources.find(leaf) is not None:
                     raise NotPlainCopy(f"the loader computes {func} from synced tensor "
                                        f"{self.sources.find(leaf)[0]!r}")  # type: ignore[index]
-        return func(*args, **kwargs)
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        self.sources.derive(args[0] if args else None, out)
+        return out
 
     def _copy(self, dest: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         found = self.sources.find(src)
@@ -167,9 +197,11 @@ class CopyPlan:
     @classmethod
     @torch.no_grad()
     def record(cls, model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]], manifest: list[TensorSpec],
-               load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> CopyPlan:
+               load: Callable[[list[tuple[str, torch.Tensor]]], None],
+               digests: dict[str, torch.Tensor] | None = None) -> CopyPlan:
         """Record and verify the plan of `tensors` (just loaded, still held) as `load` hands them to `model`;
-        raises NotPlainCopy with the reason where the loader is not a plain copy."""
+        raises NotPlainCopy with the reason where the loader is not a plain copy. `digests`: the tensors are
+        meta stand-ins of a streamed sync's (its buckets are gone), verified against these `digest`s of each."""
         params = {p.untyped_storage().data_ptr(): p for p in model.parameters() if p.numel()}
         before = [(p, p.data_ptr(), tuple(p.shape)) for p in model.parameters()]
         for name, tensor in tensors:
@@ -189,7 +221,7 @@ class CopyPlan:
                 raise RuntimeError("recording the copy plan changed a parameter of the model; the next sync must "
                                    "load it whole")
         plan = cls(tuple(manifest), recorder.copies)
-        plan._check(dict(tensors), model, params)
+        plan._check(dict(tensors), model, params, digests)
         for dest, value in recorder.fills:  # constant each sync: replaying skips it only where it holds already
             if not torch.equal(_bits(dest), _bits(torch.full_like(dest, value))):
                 raise NotPlainCopy(f"a parameter the loader fills with {value} holds other values")
@@ -200,7 +232,7 @@ class CopyPlan:
         return plan
 
     def _check(self, tensors: dict[str, torch.Tensor], model: torch.nn.Module,
-               params: dict[int, torch.nn.Parameter]) -> None:
+               params: dict[int, torch.nn.Parameter], digests: dict[str, torch.Tensor] | None) -> None:
         """Refuse the plan unless every tensor is copied, no two copies overlap, every destination's layer is
         plain, and every destination bit-equals its source now."""
         missing = [n for n, t in tensors.items() if t.numel() and n not in self._by_name]
@@ -235,6 +267,14 @@ class CopyPlan:
                 raise NotPlainCopy(f"layer {mod_name}: {type(module).__name__} processes weights after loading, "
                                    "possibly other layers'")
         for name, copies in self._by_name.items():
+            if digests is not None:  # a streamed sync's: each tensor copied whole, its destination's digest its own
+                whole = tensors[name]
+                c = copies[0]
+                if len(copies) != 1 or c.offset or c.size != tuple(whole.shape) or c.stride != whole.stride():
+                    raise NotPlainCopy(f"{name!r} is not copied whole: only a staged sync can verify its parts")
+                if not torch.equal(digest(c.dest), digests[name].to(c.dest.device)):
+                    raise NotPlainCopy(f"{name!r} differs from what the loader left (processed after loading)")
+                continue
             for c in copies:
                 if not torch.equal(_bits(c.dest), _bits(self._source(c, tensors[name])).to(c.dest.device)):
                     raise NotPlainCopy(f"{name!r} differs from what the loader left (processed after loading)")
@@ -300,10 +340,11 @@ class CopyPlans:
         return self._refused.get(id(model)) != tuple(manifest)
 
     def record(self, model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]], manifest: list[TensorSpec],
-               load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> None:
-        """Record and keep the plan of `tensors` (just loaded, still held), or remember why the loader stays."""
+               load: Callable[[list[tuple[str, torch.Tensor]]], None],
+               digests: dict[str, torch.Tensor] | None = None) -> None:
+        """Record and keep the plan of `tensors` (CopyPlan.record), or remember why the loader stays."""
         try:
-            self.keep(model, CopyPlan.record(model, tensors, manifest, load))
+            self.keep(model, CopyPlan.record(model, tensors, manifest, load, digests))
         except NotPlainCopy as exc:
             log.info("hwsync: syncs of this manifest keep vLLM's loader (no copy-only replay): %s", exc)
             self.refuse(model, manifest, str(exc))

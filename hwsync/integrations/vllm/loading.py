@@ -10,8 +10,8 @@ One sync (`LayerwiseLoad`, whose methods WeightReceiver.receive calls), in order
 4. the layerwise reload is finalized on every exit path, errors included, so the engine keeps
    serving (a sync broken midway is reported as `incomplete` until the next complete one), and
    heads tied to the embedding rebuild their kernels from it (kernels.py);
-5. instead of 2-4, a sync whose manifest has a copy plan (copy_plan.py: recorded after a staged sync where
-   every loader is a plain copy into a parameter nothing processes) replays its copies; tied heads as in 4.
+5. instead of 2-4, a sync whose manifest has a copy plan (copy_plan.py: recorded after a sync where every
+   loader is a plain copy into a parameter nothing processes) replays its copies; tied heads as in 4.
 
 A sync may also carry a LoRA adapter after the base tensors (adapters.py): it is checked with
 the manifest, copied out as it arrives, and installed once the base part is finalized.
@@ -37,7 +37,7 @@ from hwsync.colocated import WeightReceiver
 from hwsync.errors import ManifestError
 from hwsync.integrations.vllm.adapters import AdapterDelivery, AdapterSpec, EngineAdapters
 from hwsync.integrations.vllm.checkpoint import checkpoint_manifest
-from hwsync.integrations.vllm.copy_plan import CopyPlan, CopyPlans
+from hwsync.integrations.vllm.copy_plan import CopyPlan, CopyPlans, digest
 from hwsync.integrations.vllm.fingerprint import Fingerprint
 from hwsync.integrations.vllm.kernels import (
     prepare_tied_heads,
@@ -208,6 +208,7 @@ class LayerwiseLoad:
         self._replay: CopyPlan | None = None
         self._manifest: list[TensorSpec] = []
         self._held: list[tuple[str, torch.Tensor]] | None = None
+        self._digests: dict[str, torch.Tensor] | None = None
         #: a staged sync's apply runs inside this (the engine paused), when given
         self._pause = pause
         self.checks = checks
@@ -245,11 +246,12 @@ class LayerwiseLoad:
         if self.plans is not None and self.adapter is None and base:
             self._manifest = [s for s in base if s.name not in self._skip]
             self._replay = self.plans.lookup(self.target.model, self._manifest)
-            # recorded only where the tensors outlive load (a staged apply: the staging area holds them)
             lora = getattr(self.target.vllm_config, "lora_config", None) is not None
-            record = self._pause is not None and not lora and self.plans.worth_recording(self.target.model,
-                                                                                          self._manifest)
+            record = not lora and self.plans.worth_recording(self.target.model, self._manifest)
             self._held = [] if self._replay is None and record else None
+            # a staged apply's tensors outlive load (the staging area holds them); a streamed sync's buckets do not:
+            # meta stand-ins and a digest of each are kept instead
+            self._digests = None if self._pause is not None else {}
 
     def pause(self) -> AbstractContextManager[object]:
         """Where a staged sync's apply runs: inside the engine's pause (the worker's main thread waits in
@@ -275,8 +277,12 @@ class LayerwiseLoad:
         if self.plans is not None:  # the loader writes: a plan recorded before no longer describes the model
             self.plans.drop(self.target.model)
         self.reload.load(tensors)
-        if self._held is not None:
+        if self._held is not None and self._digests is None:
             self._held.extend(tensors)
+        elif self._held is not None and self._digests is not None:
+            for name, tensor in tensors:
+                self._digests[name] = digest(tensor)
+                self._held.append((name, torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")))
 
     def done(self) -> None:
         """After the last bucket: the base is finalized whole (or its tied heads prepared after a replay) before the
@@ -288,7 +294,8 @@ class LayerwiseLoad:
         if self._held and self.plans is not None:
             model = cast(Any, self.target.model)  # a vLLM model's load_weights, outside the reload now
             with self.target.context():
-                self.plans.record(model, self._held, self._manifest, lambda t: model.load_weights(weights=iter(t)))
+                self.plans.record(model, self._held, self._manifest, lambda t: model.load_weights(weights=iter(t)),
+                                  self._digests)
         if self.adapter is not None:
             self.adapter.install()
 
