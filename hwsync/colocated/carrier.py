@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 
+import torch
 import zmq
 
 from hwsync.backend.interfaces import Backend, Device, SendBuffers, Transport
@@ -41,6 +42,7 @@ from hwsync.protocol import (
     Complete,
     Done,
     Offer,
+    Replay,
     check_size,
     encode,
 )
@@ -138,19 +140,24 @@ class SharedBuffers:
     def _stream(self, receivers: SyncReceivers, sync: Prepared, version: int, stats: SyncStats) -> None:
         assert sync.source is not None  # the same-host path announces a delta's headers: never streamed
         source, replay = sync.source, self._replayable(receivers, sync)
+        matched: list[tuple[str, torch.Tensor]] = []
         if replay is not None:
-            matched, source = replay.match(source)
-            if not matched:
+            same, source = replay.match(source)
+            if not same:
                 replay = self._plan = None
-            elif replay.device_segments:  # receivers read the trainer's memory once they accept: its writes first
-                assert self._mapped is not None
-                self._mapped.hold([t for _, t in source])
+            else:
+                matched = list(source)  # held until the buckets are refilled from them
+                if replay.device_segments:  # receivers read the trainer's memory once they accept: its writes first
+                    assert self._mapped is not None
+                    self._mapped.hold([t for _, t in matched])
+        link, accepts = self._offer(receivers, version, sync, stats, replay=0 if replay is None else replay.sync)
+        if replay is not None:  # a receiver whose destinations changed cannot run it: then a fresh sync, for all
+            go = all(a.replay for a in accepts)
+            receivers.broadcast(Replay(sync=receivers.sync, go=go))
+            if not go:
+                replay = self._plan = None
+                source = iter(matched)
         self._made = replay
-        link = self._offer(receivers, version, sync, stats, replay=0 if replay is None else replay.sync)
-        if replay is not None:  # every receiver runs the plan's copies again: nothing more to send
-            stats.tensors, stats.bytes = len(replay.tensors), replay.nbytes
-            stats.notes.update({kind: dict(counts) for kind, counts in replay.kinds.items()}, replay=replay.sync)
-            return
         assert self._buffers is not None and self._pool is not None
         here = socket.gethostname()  # references into our segments only for receivers that can map them
         mapped = self._mapped if self._mapped is not None and self._mapped.usable_for(receivers.peers) else None
@@ -159,6 +166,11 @@ class SharedBuffers:
                               refs_to=receivers if all(p.host == here for p in receivers.peers) else None,
                               mapped=mapped,
                               stable=self.stable_sources)
+        if replay is not None:  # every receiver runs the plan's copies again: only its buckets are sent
+            self._seq = stream.replay(replay, matched)
+            stats.tensors, stats.bytes = len(replay.tensors), replay.nbytes
+            stats.notes.update({kind: dict(counts) for kind, counts in replay.kinds.items()}, replay=replay.sync)
+            return
         self._seq = stream.run(source, sync.stream_manifest)
         plan = stream.plan
         self._made = None if plan is None else replace(plan, manifest=sync.stream_manifest, kinds={
@@ -190,8 +202,9 @@ class SharedBuffers:
             self._doorbell = Doorbell.create(self.num_receivers, self.num_buffers)
 
     def _offer(self, receivers: SyncReceivers, version: int, sync: Prepared, stats: SyncStats,
-               replay: int = 0) -> BucketLink:
-        """Announce the sync's geometry to each receiver (its rank, the signalling way) and await the accepts."""
+               replay: int = 0) -> tuple[BucketLink, list[Accept]]:
+        """Announce the sync's geometry to each receiver (its rank, the signalling way); the link, once every
+        receiver accepted, and the accepts."""
         assert self._buffers is not None
         here = socket.gethostname()
         bell = self._doorbell if self._doorbell is not None and all(
@@ -214,12 +227,12 @@ class SharedBuffers:
             data = check_size(encode(dataclasses.replace(offer, rank=rank, handles=handles, device_segments=mapped)),
                               MAX_SENDER_FRAME_BYTES, f"the offer of {len(sync.targets or [])} tensors")
             self._control.send_to(peer, data)
-        receivers.await_each(Accept, "waiting for receivers to accept the offer", stats)
+        accepts = receivers.await_each(Accept, "waiting for receivers to accept the offer", stats)
         self._accepted = True
         if bell is None:
-            return FrameLink(receivers, self._seq)
+            return FrameLink(receivers, self._seq), accepts
         bell.start_sync(len(receivers.peers), self._seq)
-        return DoorbellLink(bell, receivers)
+        return DoorbellLink(bell, receivers), accepts
 
     def confirm(self, version: int, stats: SyncStats) -> None:
         """Done to every receiver, and their Completes (each one's stats): loaded, or for receivers that stage,
@@ -301,6 +314,7 @@ class SharedBuffers:
         self._close_buffers()
 
     def _close_buffers(self) -> None:
+        self._plan = None  # its buckets were laid out for these buffers
         if self._doorbell is not None:
             self._doorbell.close()
             self._doorbell = None

@@ -50,9 +50,10 @@ from hwsync.protocol import (
     Ready,
     Refs,
     Release,
+    Replay,
     decode,
 )
-from hwsync.sync.bucket import BucketReader, IntoFn, LoadFn
+from hwsync.sync.bucket import BucketReader, IntoFn, LoadFn, host_moves, move_out, replay_bucket
 from hwsync.sync.delta_receiver import ReceiverDeltas
 from hwsync.sync.loader import Hooks, Loader
 from hwsync.sync.report import ReceiverReport, ReceiverState
@@ -91,6 +92,8 @@ class WeightReceiver:
         self._staging: StagingArea | None = None
         #: the version staged and awaiting the sender's Apply, or None
         self.staged: int | None = None
+        #: this sync is a replay of the plan this receiver holds (hwsync.colocated.replay)
+        self._replaying = False
 
     @property
     def backend(self) -> Backend:
@@ -120,11 +123,12 @@ class WeightReceiver:
         load, into = hooks.load, hooks.into
         start = time.perf_counter()
         stats, sync, control = SyncStats(), None, self._control
+        self._replaying = False
         staging = self._staging_area()
         try:
             # everything the Ready needs first (the device's memory figures may start its runtime): the connection
             # and the Ready then go out back to back, so the sender learns who connected almost at once
-            plan = None if self._shared is None or staging is not None else self._shared.plan_for(into)
+            plan = None if self._shared is None or staging is not None or into is None else self._shared.plan
             ready = Ready(token=control.endpoint.token, proto=PROTOCOL_VERSION, pid=os.getpid(),
                           host=socket.gethostname(), report=self._report(state), doorbell=doorbell_supported(),
                           into=into is not None or staging is not None, backend=self.backend.name,
@@ -144,9 +148,18 @@ class WeightReceiver:
                 stats.stage = StageStats(receivers=1, new_bytes=staging.begin(offer.manifest, offer.version))
             if hooks.accept is not None:  # the engine checks the manifest and begins: no byte has moved
                 hooks.accept(offer.version, offer.manifest)
-            control.send(Accept(sync=offer.sync))
             assert self._shared is not None
-            if offer.replay:  # the tensors of the plan it holds (checked in _accept): its copies again
+            replay = bool(offer.replay) and staging is None and self._shared.can_replay(offer, into)
+            control.send(Accept(sync=offer.sync, replay=replay))
+            if offer.replay:  # the sender says whether every receiver could: else a fresh sync, for all
+                word = control.await_frame(Replay, offer.sync, "waiting for the sender's word on the replay", stats)
+                assert isinstance(word, Replay)
+                if word.go and not replay:
+                    raise ProtocolError(f"the sender replays the plan of its sync {offer.replay}, which this "
+                                        "receiver said it cannot run; refused")
+                replay = word.go
+            self._replaying = replay
+            if replay:  # the tensors of the plan it holds: its copies again
                 self._replay(offer, stats)
             elif staging is None:
                 self._shared.record(offer.pid, offer.sync) if offer.delta is None else self._shared.not_a_plan()
@@ -165,7 +178,7 @@ class WeightReceiver:
             stats.total_s = time.perf_counter() - start
             control.send(Complete(sync=sync, stats=stats.to_dict()) if staging is None else
                          Applied(sync=sync, stats=stats.to_dict()))
-            if not offer.replay:
+            if not replay:
                 self._shared.keep_plan()  # what this sync recorded, if it made a plan
         except BaseException as exc:
             self._fail(sync, exc)
@@ -232,11 +245,6 @@ class WeightReceiver:
             self._shared = SharedReader(self.backend.device())
         # unmap what the sender no longer has (host and device segments); device ones it exports later map by this
         self._shared.retain(offer.segments, offer.device_segments, transports[offer.transport])
-        held = self._shared.plan
-        if offer.replay and (held is None or held.sync != offer.replay or held.sender_pid != offer.pid
-                             or offer.delta is not None):
-            raise ProtocolError(f"the sender offered a replay of the plan of its sync {offer.replay}, which this "
-                                f"receiver does not hold (it holds {'none' if held is None else held.sync}); refused")
         self._deltas.begin(offer.delta, offer.manifest)  # a delta only on what this receiver holds
         if self._deltas.is_delta:
             stats.delta = DeltaStats("delta", check=self._deltas.check)
@@ -266,6 +274,8 @@ class WeightReceiver:
             if self._staging is None:  # a staging receiver's engine is untouched until the Apply
                 self.incomplete = True
             if isinstance(frame, Refs):
+                if self._replaying:
+                    raise ProtocolError("the sender sent references in a sync it offered as a replay; refused")
                 views = self._shared.receive(frame, offer.pid, load, into, stats) or views
                 continue
             assert isinstance(frame, Bucket)
@@ -273,12 +283,16 @@ class WeightReceiver:
             seq += 1
 
     def _replay(self, offer: Offer, stats: SyncStats) -> None:
-        """A replayed sync: the plan's copies run again, then the sender's Done (no frame comes before it)."""
-        assert self._shared is not None
+        """A replayed sync: the plan's copies run again, its buckets are copied out as recorded, then the sender's
+        Done (no Refs frame comes)."""
+        assert self._shared is not None and self._shared.plan is not None
         self.incomplete = True
         self._shared.replay(stats)
-        self._control.await_frame(Done, offer.sync, "waiting for the end of a replayed sync", stats)
-        self._shared.finish(False, stats)
+        if self._shared.plan.buckets:  # and its buckets, each copied out as the plan says
+            self._receive_buckets(offer, None, None, stats)
+        else:
+            self._control.await_frame(Done, offer.sync, "waiting for the end of a replayed sync", stats)
+            self._shared.finish(False, stats)
         stats.notes["replay"] = offer.replay
 
     def _read_bucket(self, offer: Offer, frame: Bucket, seq: int, bell: Doorbell | None, load: LoadFn | None,
@@ -292,11 +306,28 @@ class WeightReceiver:
             raise ProtocolError(f"bucket {seq} claims {frame.nbytes} bytes in buffer {frame.buf}, outside the "
                                 f"offered {offer.num_buffers} buffers of {offer.bucket_bytes} bytes")
         assert self._shared is not None
-        self._shared.not_a_plan()  # a packed bucket: this sync's tensors are not all read in place
         t0 = time.perf_counter()
         view = self._buffers.view(frame.buf, frame.nbytes)
         where = view.device
-        tensors = self._reader.read(view, frame.entries, into)
+        replay = self._shared.plan if self._replaying else None
+        if replay is not None:  # a replayed sync's bucket: its recorded copies out of it, again
+            if frame.index >= len(replay.buckets) or replay.buckets[frame.index][0] != frame.nbytes:
+                raise ProtocolError(f"the sender replayed bucket {frame.index} of {frame.nbytes} bytes, which the "
+                                    f"plan of its sync {offer.replay} does not hold as such")
+            if replay.moves is None:
+                replay.moves = [host_moves(pieces) if view.device.type == "cpu" else None
+                                for _, pieces in replay.buckets]
+            moves = replay.moves[frame.index]
+            if moves is not None:
+                move_out(view.data_ptr(), moves)
+            else:
+                replay_bucket(view, replay.buckets[frame.index][1])
+            tensors = []
+        else:
+            recording = self._shared.recording
+            tensors = self._reader.read(view, frame.entries, into, recording)
+            if recording is not None and len(recording.buckets[-1][1]) != len(frame.entries):
+                self._shared.not_a_plan()  # a tensor went to load (or was reassembled): no replay of this sync
         del view  # no view may outlive the buffer's release
         early = not self._reader.aliases_view  # only reassembled tensors: the sender may refill now
         if early:
@@ -311,7 +342,7 @@ class WeightReceiver:
             self._release_bucket(offer, frame.buf, seq, bell, where)
         stats.load_s += time.perf_counter() - t0
         stats.buckets += 1
-        stats.tensors += sum(1 for e in frame.entries if e.is_last)
+        stats.tensors += sum(1 for e in frame.entries if e.is_last)  # a replay counts the plan's (SharedReader)
         stats.bytes += sum(e.chunk_bytes for e in frame.entries)
 
     def _ring_next(self, bell: Doorbell, seq: int, sync: int, what: str, pending: list[Done | Refs],

@@ -35,7 +35,7 @@ from hwsync.backend.shm import SHM_DIR, SharedSegment
 from hwsync.colocated.mapped_reader import MappedReader
 from hwsync.colocated.replay import ReadPlan
 from hwsync.errors import ProtocolError
-from hwsync.protocol import Refs, SegmentSpec
+from hwsync.protocol import Offer, Refs, SegmentSpec
 from hwsync.protocol.layout import SHARED_SEGMENT_NAME
 from hwsync.sync.bucket import IntoFn, LoadFn, checked_destination, copy_bytes
 from hwsync.sync.spec import dtype_from_name
@@ -163,6 +163,11 @@ class SharedReader:
         """Record this sync's copies as a plan (kept by `keep_plan` once the sync completed)."""
         self._recording = ReadPlan(sender_pid, sync, [], [], 0)
 
+    @property
+    def recording(self) -> ReadPlan | None:
+        """The plan this sync is recording (the bucket reader notes its copies in it too), or None."""
+        return self._recording
+
     def not_a_plan(self) -> None:
         """This sync is not a pure one-copy sync into host tensors: it makes no plan."""
         self._recording = None
@@ -173,16 +178,23 @@ class SharedReader:
         self.plan = recorded if recorded is not None and recorded.destinations else None
         if self.plan is not None:
             self.plan.merge_launches()
+            self.plan.nbytes += sum(n for _, pieces in self.plan.buckets for *_, n in pieces)
 
     def drop_plan(self) -> None:
         """Forget every plan (a failed sync, a segment unmapped)."""
         self.plan = self._recording = None
 
-    def plan_for(self, into: IntoFn | None) -> ReadPlan | None:
-        """The plan if `into` still gives each of its destinations (checked once per sync, before the Ready)."""
-        if self.plan is not None and (into is None or not self.plan.holds(into)):
+    def can_replay(self, offer: Offer, into: IntoFn | None) -> bool:
+        """Whether this receiver can run the replay `offer` proposes: it holds that plan, from that sender, the sync
+        is no delta, and `into` still gives each of the plan's destinations (else the plan is dropped)."""
+        plan = self.plan
+        if plan is None or into is None or offer.delta is not None or plan.sync != offer.replay \
+                or plan.sender_pid != offer.pid:
+            return False
+        if not plan.holds(into):
             self.plan = None
-        return self.plan
+            return False
+        return True
 
     def replay(self, stats: SyncStats) -> None:
         """Run the plan's copies again (the sender offered it as a replay): they read what the tensors hold now."""

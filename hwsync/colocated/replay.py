@@ -1,22 +1,24 @@
-"""Plan once, replay after: a one-copy sync whose tensors are the ones of the last is sent as one number.
+"""Plan once, replay after: a sync whose tensors are the ones of the last is sent without describing them again.
 
 From one training step to the next a trainer's tensors are the same: same names, same storage, same offsets, and
-the engine's destinations are the same too. A sync sent wholly as references into the sender's shared parameter
-segments (refs.py) leaves both sides a plan: the sender keeps each tensor's identity (`SentPlan`), each receiver
-the host copies it made (`ReadPlan`). The next sync whose tensors all match is offered as a replay of that plan
-(Offer.replay): no Refs frame is sent, and each receiver runs its recorded copies again, which read the bytes the
-tensors hold now.
+the engine's destinations are the same too. A full sync whose every tensor went by reference (into the sender's
+shared parameter segments: refs.py; into its own device segments: mapped.py) or into dense buckets for `into`
+receivers, read from the tensor's own memory, leaves both sides a plan: the sender keeps each tensor's identity
+and each bucket's copies (`SentPlan`), each receiver its copies (host memmoves; device copies merged into one launch
+per device and element width; each bucket's copies out of it) and the destinations `into` gave (`ReadPlan`).
 
-The trainer's own device memory read in place (mapped.py, mapped_reader.py) is planned alike: the receiver keeps
-its copies' views, merged into one launch per device and element width for the whole sync.
+The next sync whose tensors all match is offered as a replay of that plan (Offer.replay). Each receiver asks `into`
+for the plan's destinations and answers in its Accept whether they are all the same; the sender's Replay frame says
+whether every receiver could. In a replay no Refs frame is sent and buckets carry no entries: the sender refills
+them with its recorded copies, each receiver runs its own, which read what the tensors hold now.
 
-A plan holds only while nothing it was built from changed. The sender replays only when every tensor of the source
-is the same memory, read with the same shape, strides and dtype, in the same order, its segments (host and device)
-are all still live, the sync is no delta and every receiver of the sync said it holds this very plan (Ready.plan)
-and took part in the sync that made it. A receiver says it holds the plan only if `into` still gives the same
-destinations, and drops it when a sync fails, when a segment it reads is unmapped, and whenever a sync is not
-wholly read in place into `into` destinations (a packed bucket, a tensor for `load`, a device destination of a
-host tensor, staging). Anything else is planned and sent as before.
+A plan holds only while nothing it was built from changed. The sender proposes a replay only when every tensor of
+the source is the same memory, of the same type, read with the same shape, strides and dtype, in the same order,
+its segments (host and device) are all still live, its buffers were not reopened, the sync is no delta, and every
+receiver of the sync said it holds this very plan (Ready.plan) and took part in the sync that made it. A receiver
+drops its plan when a sync fails, when a segment it reads is unmapped, when a destination changed, and whenever a
+sync is not wholly taken `into` its destinations (a tensor for `load`, a reassembled one, staging). Anything else
+is planned and sent as before.
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ class SentPlan:
     device_segments: frozenset[int] = frozenset()
     #: the sync's counts by kind ("shared", "mapped": SyncStats.notes), which a replay reports alike
     kinds: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: the packed buckets, in order: each one's used bytes and its copies (offset in the buffer, the tensor's flat
+    #: bytes, offset in them, bytes); a replay refills the buckets with these and posts them without entries
+    buckets: list[tuple[int, list[tuple[int, torch.Tensor, int, int]]]] = field(default_factory=list)
+    #: each bucket's copies as host memmoves (made at the first replay; None where a tensor is on a device)
+    moves: list[list[tuple[int, int, int]] | None] | None = None
     #: the manifest the sync was checked against (a replay skips the check: only under the same one)
     manifest: list[TensorSpec] | None = None
     #: the sync that made it (what receivers report in Ready.plan), and the receivers (instances) that took it
@@ -64,8 +71,8 @@ class SentPlan:
             if item is None:
                 return False, iter(seen)
             seen.append(item)
-            name, tensor = item
-            if not same_tensor(name, tensor, planned):
+            if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], torch.Tensor)) \
+                    or not same_tensor(item[0], item[1], planned):  # (what is malformed, the stream names)
                 return False, chain(seen, it)
         extra = next(it, None)
         if extra is not None:
@@ -107,6 +114,11 @@ class ReadPlan:
     launches: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=list)
     #: the devices those copies run on (waited for before Complete)
     devices: set[torch.device] = field(default_factory=set)
+    #: the packed buckets, in order: each one's used bytes and its copies out of the buffer (destination's flat
+    #: bytes, offset in them, offset in the buffer, bytes)
+    buckets: list[tuple[int, list[tuple[torch.Tensor, int, int, int]]]] = field(default_factory=list)
+    #: each bucket's copies as host memmoves (made at the first replay; None where a tensor is on a device)
+    moves: list[list[tuple[int, int, int]] | None] | None = None
 
     def merge_launches(self) -> None:
         """One launch per device and element width for the whole sync (the frames' launches joined)."""

@@ -35,7 +35,7 @@ from hwsync.colocated.replay import SentPlan, SentTensor, sent_tensor
 from hwsync.colocated.sender_control import SyncReceivers
 from hwsync.protocol import Bucket, Frame, Ref, Refs, Release, SegmentSpec, encode
 from hwsync.protocol.layout import DeviceRef
-from hwsync.sync.bucket import BucketPacker, Closed, CopyBatch, as_bytes, entry_wire_bytes, lent
+from hwsync.sync.bucket import BucketPacker, Closed, CopyBatch, as_bytes, entry_wire_bytes, host_moves, lent, move_in
 from hwsync.sync.shared_params import LIVE, find_shared
 from hwsync.sync.spec import NamedTensors, TensorSpec, checked_items, dtype_name
 from hwsync.sync.stats import SyncStats
@@ -80,6 +80,10 @@ class BucketStream:
         self._planned: list[SentTensor] | None = [] if stable else None
         self._planned_segments: set[str] = set()
         self._planned_device_segments: set[int] = set()
+        self._planned_buckets: list[tuple[int, list[tuple[int, torch.Tensor, int, int]]]] = []
+        self._planned_pieces: list[tuple[int, torch.Tensor, int, int]] = []  # the open bucket's
+        #: buckets are replayed only when packed dense (every receiver copies into its own tensors)
+        self._dense = dense
 
     @property
     def plan(self) -> SentPlan | None:
@@ -87,7 +91,29 @@ class BucketStream:
         if not self._planned:
             return None
         return SentPlan(self._planned, frozenset(self._planned_segments), self.stats.bytes,
-                        frozenset(self._planned_device_segments))
+                        frozenset(self._planned_device_segments), buckets=self._planned_buckets)
+
+    def replay(self, plan: SentPlan, tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Refill and post the plan's buckets (`tensors`, the matched source, stay alive meanwhile); the next
+        sequence number."""
+        self.pool.begin_sync()
+        if plan.moves is None:  # host tensors into host buffers: plain memmoves on the addresses
+            plan.moves = [host_moves([(flat, at, offset, n) for offset, flat, at, n in pieces])
+                          if self.buffers.buffer(0).device.type == "cpu" else None for _, pieces in plan.buckets]
+        for (nbytes, pieces), moves in zip(plan.buckets, plan.moves):
+            self.link.check("replaying a bucket")
+            self.current = self._take()
+            buffer = self.buffers.buffer(self.current)
+            t0 = time.perf_counter()
+            if moves is not None:
+                move_in(buffer.data_ptr(), moves)
+            else:
+                for offset, flat, chunk_offset, chunk_bytes in pieces:
+                    self._copies.add(buffer, offset, flat, chunk_offset, chunk_bytes, non_blocking=True)
+            self.stats.pack_s += time.perf_counter() - t0
+            self._post(Closed(nbytes, []))
+        del tensors
+        return self.seq
 
     def run(self, source: NamedTensors, manifest: list[TensorSpec] | None) -> int:
         """Pack and post every tensor of `source`, checking it against `manifest` when given."""
@@ -102,7 +128,8 @@ class BucketStream:
             volatile = not self.stable or lent(tensor)
             if self.refs_to is not None and self._add_ref(name, tensor, nbytes, volatile):
                 continue
-            self._planned = None
+            if volatile or not self._dense:
+                self._planned = None
             flat = None
             for step in self.packer.place(name, dtype_name(tensor.dtype), tuple(tensor.shape), nbytes):
                 if isinstance(step, Closed):
@@ -110,6 +137,9 @@ class BucketStream:
                     continue
                 if flat is None:
                     flat = as_bytes(tensor)  # only now: a DTensor gathers here, one at a time
+                    if self._planned is not None and (hasattr(tensor, "full_tensor")
+                                                      or flat.data_ptr() != tensor.data_ptr()):
+                        self._planned = None  # a copy made for this sync (strided, gathered): nothing to replay
                 if self.current is None:
                     self.current = self._take()
                 entry = step.entry
@@ -118,10 +148,14 @@ class BucketStream:
                 self._copies.add(self.buffers.buffer(self.current), entry.offset, flat, entry.chunk_offset,
                                  entry.chunk_bytes, non_blocking=True)
                 stats.pack_s += time.perf_counter() - t0
+                if self._planned is not None:
+                    self._planned_pieces.append((entry.offset, flat, entry.chunk_offset, entry.chunk_bytes))
             if volatile:  # its memory changes once we ask for the next item: the copies are queued now
                 t0 = time.perf_counter()
                 self._copies.flush()
                 stats.pack_s += time.perf_counter() - t0
+            if self._planned is not None:
+                self._planned.append(sent_tensor(name, tensor))
             stats.tensors += 1
             stats.bytes += nbytes
         last = self.packer.close()
@@ -207,6 +241,9 @@ class BucketStream:
         self._copies.flush()  # the bucket's device copies, in one launch
         stats.pack_s += time.perf_counter() - t0
         self.buffers.publish(self.current, bucket.nbytes)
+        if self._planned is not None and bucket.entries:
+            self._planned_buckets.append((bucket.nbytes, self._planned_pieces))
+        self._planned_pieces = []
         self.link.post(self.seq, Bucket(sync=self.sync, index=stats.buckets, seq=self.seq, buf=self.current,
                                         nbytes=bucket.nbytes, entries=bucket.entries))
         self.pool.filled(bucket.nbytes)

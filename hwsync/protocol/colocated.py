@@ -57,7 +57,8 @@ class Ready(Frame):
     instance: str
     #: the receiver stages: its Complete means staged and checked, and it applies only on the sender's Apply
     stage: bool = False
-    #: the sync whose one-copy plan this receiver holds and can replay (hwsync.colocated.replay); 0: none
+    #: the sync whose plan this receiver holds (hwsync.colocated.replay; whether `into` still gives its destinations
+    #: is checked once a replay is offered); 0: none
     plan: Count = 0
 
 
@@ -89,6 +90,17 @@ class Accept(Frame):
     """The receiver checked the offer (protocol, transport, manifest) and mapped the buffers."""
 
     sync: Count
+    #: to an offer of a replay: the receiver holds that plan and `into` still gives each of its destinations
+    replay: bool = False
+
+
+@frame("replay")
+class Replay(Frame):
+    """To an offer of a replay, once every receiver accepted: `go`, the sync is the plan's replay (every receiver
+    said it can run it); else one could not, and the sync is sent as any other (a new plan)."""
+
+    sync: Count
+    go: bool
 
 
 @frame("release")
@@ -161,8 +173,9 @@ class Offer(Frame):
     #: ids of the device segments the sender still shares and knows this receiver maps (hwsync.colocated.mapped):
     #: the receiver unmaps the others (those of a failed sync too, which the sender released)
     device_segments: list[Count] = field(default_factory=list)
-    #: this sync's tensors are those of the plan made by sync `replay`, which every receiver said it holds: no
-    #: Refs frame follows, each receiver runs that plan's copies again (hwsync.colocated.replay); 0: none
+    #: this sync's tensors are those of the plan made by sync `replay`, which every receiver said it holds; each
+    #: says in its Accept whether it can run it, and the Replay frame says whether the sync is one (then no Refs
+    #: frame follows and buckets carry no entries: hwsync.colocated.replay); 0: none
     replay: Count = 0
 
     def validate(self) -> None:

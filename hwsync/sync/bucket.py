@@ -13,6 +13,7 @@ import ctypes
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -286,31 +287,38 @@ class BucketReader:
         """Free every scratch tensor (the receiver is closing); reassembled tensors handed out stay valid."""
         self._partial, self._into, self._scratch, self._used = {}, {}, {}, set()
 
-    def _destination(self, e: Entry, dtype: torch.dtype, into: IntoFn) -> torch.Tensor | None:
+    def _destination(self, e: Entry, dtype: torch.dtype, into: IntoFn, record: BucketRecord | None
+                     ) -> torch.Tensor | None:
         """The caller's tensor for this entry as flat bytes (asked once per tensor), or None."""
         if e.chunk_offset == 0:
-            self._into[e.name] = checked_destination(e.name, dtype, e.shape, into(e.name, dtype, e.shape))
+            given = into(e.name, dtype, e.shape)
+            self._into[e.name] = checked_destination(e.name, dtype, e.shape, given)
+            if record is not None and given is not None:
+                record.destinations.append((e.name, dtype, tuple(e.shape), given, given.data_ptr()))
         return self._into.get(e.name)
 
     def pending(self) -> list[str]:
         """Names of tensors whose chunks have not all arrived."""
         return list(self._partial)
 
-    def read(self, view: torch.Tensor, entries: list[Entry], into: IntoFn | None = None
-             ) -> list[tuple[str, torch.Tensor]]:
+    def read(self, view: torch.Tensor, entries: list[Entry], into: IntoFn | None = None,
+             record: BucketRecord | None = None) -> list[tuple[str, torch.Tensor]]:
         """Complete tensors of one bucket for `load`; whole ones are zero-copy views into `view`.
 
-        Tensors `into` gives a destination for are copied there and left out of the result.
+        Tensors `into` gives a destination for are copied there and left out of the result; `record` notes each
+        destination and each copy out of the bucket (a replay runs them again).
         """
         out: list[tuple[str, torch.Tensor]] = []
         self.aliases_view = False
         batch = CopyBatch()  # the bucket's device copies in one launch (flushed before anyone sees a tensor)
+        pieces: list[tuple[torch.Tensor, int, int, int]] = []
         for e in entries:
             dtype = dtype_from_name(e.dtype)
             if into is not None:
-                dest = self._destination(e, dtype, into)
+                dest = self._destination(e, dtype, into, record)
                 if dest is not None:
                     batch.add(dest, e.chunk_offset, view, e.offset, e.chunk_bytes)
+                    pieces.append((dest, e.chunk_offset, e.offset, e.chunk_bytes))
                     if e.is_last:
                         del self._into[e.name]
                     continue
@@ -340,4 +348,47 @@ class BucketReader:
             else:
                 self._partial[e.name] = (buf, got)
         batch.flush()
+        if record is not None:
+            record.buckets.append((view.numel(), pieces))
         return out
+
+
+class BucketRecord(Protocol):
+    """Where BucketReader.read notes what it did, for a replay (hwsync.colocated.replay.ReadPlan)."""
+
+    destinations: list[tuple[str, torch.dtype, tuple[int, ...], torch.Tensor, int]]
+    buckets: list[tuple[int, list[tuple[torch.Tensor, int, int, int]]]]
+
+
+def replay_bucket(view: torch.Tensor, pieces: list[tuple[torch.Tensor, int, int, int]]) -> None:
+    """Copy a recorded bucket's pieces out of `view` again (BucketReader.read's copies, launched together)."""
+    batch = CopyBatch()
+    for dest, dest_offset, offset, nbytes in pieces:
+        batch.add(dest, dest_offset, view, offset, nbytes)
+    batch.flush()
+
+
+def host_moves(pieces: list[tuple[torch.Tensor, int, int, int]]) -> list[tuple[int, int, int]] | None:
+    """Recorded copies (tensor, offset in it, offset in the buffer, bytes) as (address, buffer offset, bytes), for
+    memmoves without a torch call each; None unless every tensor is in host memory. The tensors must stay alive
+    and in place (a replay checks it) as long as the list is used."""
+    if any(t.device.type != "cpu" for t, _, _, _ in pieces):
+        return None
+    for t, at, _, nbytes in pieces:
+        if at + nbytes > t.numel():
+            raise IndexError(f"a recorded copy of {nbytes} bytes at {at} runs past a tensor of {t.numel()} bytes")
+    return [(t.data_ptr() + at, offset, nbytes) for t, at, offset, nbytes in pieces]
+
+
+def move_out(base: int, moves: list[tuple[int, int, int]]) -> None:
+    """memmove each (address, offset, bytes): from base + offset to the address."""
+    memmove = ctypes.memmove
+    for address, offset, nbytes in moves:
+        memmove(address, base + offset, nbytes)
+
+
+def move_in(base: int, moves: list[tuple[int, int, int]]) -> None:
+    """memmove each (address, offset, bytes): from the address to base + offset."""
+    memmove = ctypes.memmove
+    for address, offset, nbytes in moves:
+        memmove(base + offset, address, nbytes)
