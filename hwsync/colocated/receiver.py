@@ -168,7 +168,7 @@ class WeightReceiver:
                 self._shared.not_a_plan()
                 self._receive_buckets(offer, *self._deltas.intake(None, staging.into, self.backend.device()), stats)
                 self._await_apply(offer, staging, hooks, start, stats)
-            if hooks.done is not None:
+            if hooks.done is not None and staging is None:  # a staging receiver's ran inside the pause (apply)
                 t0 = time.perf_counter()
                 hooks.done()
                 stats.load_s += time.perf_counter() - t0

@@ -151,8 +151,7 @@ class CrossNodeReceiver:
                 applied = staging.apply(hooks)
                 assert stats.stage is not None
                 stats.stage.apply_s = applied.apply_s
-                stats.load_s += applied.apply_s
-                self._done(hooks, stats)
+                stats.load_s += applied.apply_s  # done() ran inside the pause, with the apply
                 self.version, self.incomplete = version, False
             self._deltas.complete()  # committed everywhere: this receiver holds sender 0's new baseline
         except BaseException as exc:

@@ -111,8 +111,8 @@ class StagingArea:
         return tensor
 
     def apply(self, hooks: Hooks) -> ApplyResult:
-        """Hand this sync's staged tensors to the engine: copied into what `into` names, the rest to `load`, all
-        inside the loader's `pause()` (the engine's safe point); returns once the copies have run."""
+        """Hand this sync's staged tensors to the engine: copied into what `into` names, the rest to `load`, then
+        `done()`, all inside the loader's `pause()` (the engine's safe point); returns once the copies have run."""
         load, into = hooks.load, hooks.into
         names, nbytes = list(dict.fromkeys(self._staged)), 0
         t0 = time.perf_counter()
@@ -132,6 +132,8 @@ class StagingArea:
                     raise ValueError(f"into() returned None for {whole[0][0]!r} and no load was given; return "
                                      "a destination for every tensor or pass load")
                 load(whole)
+            if hooks.done is not None:  # the engine's end of a sync (its loader's finalize) is part of the apply
+                hooks.done()
             if self.device.torch_type != "cpu" and self.device.runtime_in_use():
                 self.device.synchronize()  # the copies into the engine's tensors have run when the pause ends
         self._staged = []
