@@ -110,7 +110,7 @@ def test_the_test_job_builds_the_verl_environment_lints_and_runs_both_suites(tmp
     assert code == 0, log
     ran = [line for line in log if not line.startswith("pip")]
     assert ran.index("setup-verl.sh ") < ran.index("python -m ruff check hwsync backends tools") < \
-        ran.index("python -m mypy") < ran.index("python -m pytest -ra")
+        ran.index("python -m mypy") < ran.index("python -m pytest -ra --durations=30")
     assert "verl-python -m pytest -ra tests/test_verl_*.py" in ran
 
 
@@ -118,7 +118,7 @@ def test_a_lint_failure_fails_ci_and_the_tests_still_run(tmp_path):
     code, log = _run(_sandbox(tmp_path, verl_venv=True), ".ci/run", LINT_FAILS="1")
     assert code != 0
     assert "python -m mypy" in log, "mypy runs even when ruff failed"
-    assert "python -m pytest -ra" in log and "verl-python -m pytest -ra tests/test_verl_*.py" in log
+    assert "python -m pytest -ra --durations=30" in log and "verl-python -m pytest -ra tests/test_verl_*.py" in log
 
 
 def test_every_install_keeps_the_pinned_torch_and_brings_the_lint_tools_and_numba(tmp_path):
