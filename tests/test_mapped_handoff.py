@@ -77,35 +77,34 @@ def test_packed_copy_launches_do_not_grow_with_the_number_of_tensors_and_no_buck
     assert seen[8] == seen[128], f"launches per sync grew with the number of tensors: {seen}"
 
 
-def test_a_mapped_sync_waits_by_events_and_launches_once(sim):
+def _stepped_syncs(sim, syncs: int):
+    """A model's parameters on the sim, stepped in place and sent `syncs` times to one receiver process; per sync
+    (version, the model, the sender's stats, what each side's device counted)."""
     device = sim.device()
     net = procs.model(device.torch_device())
     with WeightSender(options=SenderOptions(timeout_s=60)) as sender:
-        p, q = start_receiver(procs.receive, sender.endpoint, syncs=2)
-        for version in range(2):
+        p, q = start_receiver(procs.receive, sender.endpoint, syncs=syncs)
+        for version in range(syncs):
             procs.step(net, version)
-            stats, sent, result = _sync(sender, device, dict(net.state_dict()), version, q)
-            assert result["digests"] == digests(net.state_dict())
-            assert sent.get("device_syncs", 0) == 0 and result["counts"].get("device_syncs", 0) == 0
-            assert result["counts"]["copy_launches"] == 1 and stats.buckets == 0
+            yield (version, net, *_sync(sender, device, dict(net.state_dict()), version, q))
         p.join(30)
+
+
+def test_a_mapped_sync_waits_by_events_and_launches_once(sim):
+    for _version, net, stats, sent, result in _stepped_syncs(sim, 2):
+        assert result["digests"] == digests(net.state_dict())
+        assert sent.get("device_syncs", 0) == 0 and result["counts"].get("device_syncs", 0) == 0
+        assert result["counts"]["copy_launches"] == 1 and stats.buckets == 0
 
 
 def test_a_replayed_mapped_sync_sends_no_reference_and_launches_once(sim):
     """Issue 50: after the first sync, the same parameters (stepped in place) are a replay of its plan: no Refs frame,
     the receiver's recorded copies run again in one launch per width, and every sync is exact."""
-    device = sim.device()
-    net = procs.model(device.torch_device())
-    with WeightSender(options=SenderOptions(timeout_s=60)) as sender:
-        p, q = start_receiver(procs.receive, sender.endpoint, syncs=3)
-        for version in range(3):
-            procs.step(net, version)
-            stats, sent, result = _sync(sender, device, dict(net.state_dict()), version, q)
-            assert result["digests"] == digests(net.state_dict()), f"sync {version} is not exact"
-            assert ("replay" in stats.notes) == (version > 0), stats.notes
-            assert result["counts"]["copy_launches"] == 1 and sent.get("copy_launches", 0) == 0
-            assert stats.notes["mapped"]["tensors"] == len(net.state_dict())
-        p.join(30)
+    for version, net, stats, sent, result in _stepped_syncs(sim, 3):
+        assert result["digests"] == digests(net.state_dict()), f"sync {version} is not exact"
+        assert ("replay" in stats.notes) == (version > 0), stats.notes
+        assert result["counts"]["copy_launches"] == 1 and sent.get("copy_launches", 0) == 0
+        assert stats.notes["mapped"]["tensors"] == len(net.state_dict())
 
 
 def _staged(where: torch.device, values: dict, lent: bool):
