@@ -155,9 +155,20 @@ class Trainer:
             yield name, view
 
 
+def _compiled_copies() -> None:
+    """Under HWSYNC_TEST_COMPILED_COPIES=1, every plan's host copies run as the compiled loop from the first."""
+    if os.environ.get("HWSYNC_TEST_COMPILED_COPIES") == "1":
+        from hwsync.sync import host_copy
+
+        host_copy.COMPILED_FROM = 0
+        if not host_copy.wait(120):
+            raise RuntimeError("the compiled copy loop did not load (numba installed?)")
+
+
 def sender_main(commands, results) -> None:
     """The trainer: {"open"}, {"tensors"}, {"change"}, {"sync"}, {"drop"}, {"stop"}; one reply each ("sync": two)."""
     torch.set_num_threads(1)
+    _compiled_copies()
     from hwsync import WeightSender
 
     device = _device()
@@ -232,6 +243,7 @@ def receiver_main(commands, results) -> None:
     "mixed" gives destinations for some names and takes the others through load().
     """
     torch.set_num_threads(1)
+    _compiled_copies()
     from hwsync import WeightReceiver
 
     device = _device()

@@ -23,6 +23,7 @@ shortest sequence Hypothesis found for each defect of issue 46.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -430,6 +431,28 @@ def test_a_replayed_sync_reads_what_training_wrote_and_any_change_plans_afresh(f
     cfg = _config(("into",), source="shared", delta=False,
                   tensors=(((64, 128), "float32"), ((4096,), "bfloat16"), ((33, 7), "float32")))
     assert _replay(cfg, REPLAYS).replayed == REPLAYED
+
+
+@pytest.mark.timeout(300)
+def test_replays_through_the_compiled_copy_loop_stay_exact():
+    """The same sequence with every plan's host copies run as numba's compiled loop from the first replay
+    (hwsync.sync.host_copy; in use only for plans of thousands of tensors): from shared memory (the receiver's
+    memmoves) and from the trainer's own tensors packed into buckets (the sender's and the receiver's)."""
+    if importlib.util.find_spec("numba") is None:
+        pytest.skip("numba is not installed here: copies run as ctypes calls only")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HWSYNC_BACKEND", "cpu")
+        mp.setenv("HWSYNC_TEST_COMPILED_COPIES", "1")  # the processes load the loop before their first sync
+        own = Fleet(size=1)
+        fleet, DeltaModel.fleet = getattr(DeltaModel, "fleet", None), own
+        try:
+            for source in ("shared", "parameters"):
+                cfg = _config(("into",), source=source, delta=False,
+                              tensors=(((64, 128), "float32"), ((4096,), "bfloat16"), ((33, 7), "float32")))
+                assert _replay(cfg, REPLAYS).replayed == REPLAYED, source
+        finally:
+            DeltaModel.fleet = fleet
+            own.stop()
 
 
 @pytest.mark.timeout(300)

@@ -47,6 +47,7 @@ from hwsync.protocol import (
     encode,
 )
 from hwsync.sizes import DEFAULT_NUM_BUFFERS
+from hwsync.sync import host_copy
 from hwsync.sync.options import SenderOptions
 from hwsync.sync.prepared import Prepared
 from hwsync.sync.report import ReceiverReport
@@ -140,23 +141,23 @@ class SharedBuffers:
     def _stream(self, receivers: SyncReceivers, sync: Prepared, version: int, stats: SyncStats) -> None:
         assert sync.source is not None  # the same-host path announces a delta's headers: never streamed
         source, replay = sync.source, self._replayable(receivers, sync)
-        matched: list[tuple[str, torch.Tensor]] = []
-        if replay is not None:
+        bell = self._offer(receivers, version, sync, replay=0 if replay is None else replay.sync)
+        same, matched = False, list[tuple[str, torch.Tensor]]()
+        if replay is not None:  # the tensors are matched while the receivers check their destinations: both at once
             same, source = replay.match(source)
-            if not same:
-                replay = self._plan = None
-            else:
+            if same:
                 matched = list(source)  # held until the buckets are refilled from them
-                if replay.device_segments:  # receivers read the trainer's memory once they accept: its writes first
-                    assert self._mapped is not None
-                    self._mapped.hold([t for _, t in matched])
-        link, accepts = self._offer(receivers, version, sync, stats, replay=0 if replay is None else replay.sync)
-        if replay is not None:  # a receiver whose destinations changed cannot run it: then a fresh sync, for all
-            go = all(a.replay for a in accepts)
+        link, accepts = self._await_accepts(receivers, bell, stats)
+        if replay is not None:  # a tensor or a receiver's destination changed: a fresh sync, for all
+            go = same and all(a.replay for a in accepts)
+            if go and replay.device_segments:  # receivers read the trainer's memory once told: its writes first
+                assert self._mapped is not None
+                self._mapped.hold([t for _, t in matched])
             receivers.broadcast(Replay(sync=receivers.sync, go=go))
             if not go:
                 replay = self._plan = None
-                source = iter(matched)
+                if same:
+                    source = iter(matched)
         self._made = replay
         assert self._buffers is not None and self._pool is not None
         here = socket.gethostname()  # references into our segments only for receivers that can map them
@@ -201,10 +202,9 @@ class SharedBuffers:
         if doorbell_supported():
             self._doorbell = Doorbell.create(self.num_receivers, self.num_buffers)
 
-    def _offer(self, receivers: SyncReceivers, version: int, sync: Prepared, stats: SyncStats,
-               replay: int = 0) -> tuple[BucketLink, list[Accept]]:
-        """Announce the sync's geometry to each receiver (its rank, the signalling way); the link, once every
-        receiver accepted, and the accepts."""
+    def _offer(self, receivers: SyncReceivers, version: int, sync: Prepared, replay: int = 0) -> Doorbell | None:
+        """Announce the sync's geometry to each receiver (its rank, the signalling way); the doorbell its buckets
+        ring, if they ring one."""
         assert self._buffers is not None
         here = socket.gethostname()
         bell = self._doorbell if self._doorbell is not None and all(
@@ -227,6 +227,11 @@ class SharedBuffers:
             data = check_size(encode(dataclasses.replace(offer, rank=rank, handles=handles, device_segments=mapped)),
                               MAX_SENDER_FRAME_BYTES, f"the offer of {len(sync.targets or [])} tensors")
             self._control.send_to(peer, data)
+        return bell
+
+    def _await_accepts(self, receivers: SyncReceivers, bell: Doorbell | None,
+                       stats: SyncStats) -> tuple[BucketLink, list[Accept]]:
+        """The link, once every receiver accepted the offer, and the accepts."""
         accepts = receivers.await_each(Accept, "waiting for receivers to accept the offer", stats)
         self._accepted = True
         if bell is None:
@@ -265,6 +270,7 @@ class SharedBuffers:
             self._plan = None
         elif made is not self._plan:  # a new plan: every receiver of this sync holds it now
             self._plan = replace(made, sync=receivers.sync, instances=frozenset(p.instance for p in receivers.peers))
+            host_copy.warm(sum(len(pieces) for _, pieces in made.buckets))
         stats.peer = reports[0] if len(reports) == 1 else {"receivers": reports}
         stats.load_s = max((r.get("load_s", 0.0) for r in reports), default=0.0)
         self._control.end_sync(failed=False)

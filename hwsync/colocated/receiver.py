@@ -53,7 +53,7 @@ from hwsync.protocol import (
     Replay,
     decode,
 )
-from hwsync.sync.bucket import BucketReader, IntoFn, LoadFn, host_moves, move_out, replay_bucket
+from hwsync.sync.bucket import BucketReader, IntoFn, LoadFn, host_moves, replay_bucket
 from hwsync.sync.delta_receiver import ReceiverDeltas
 from hwsync.sync.loader import Hooks, Loader
 from hwsync.sync.report import ReceiverReport, ReceiverState
@@ -319,7 +319,7 @@ class WeightReceiver:
                                 for _, pieces in replay.buckets]
             moves = replay.moves[frame.index]
             if moves is not None:
-                move_out(view.data_ptr(), moves)
+                moves.move_out(view.data_ptr())
             else:
                 replay_bucket(view, replay.buckets[frame.index][1])
             tensors = []

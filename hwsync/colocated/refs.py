@@ -21,7 +21,6 @@ another process hands its share to the other, and `finish` waits for the queue b
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import time
@@ -37,7 +36,9 @@ from hwsync.colocated.replay import ReadPlan
 from hwsync.errors import ProtocolError
 from hwsync.protocol import Offer, Refs, SegmentSpec
 from hwsync.protocol.layout import SHARED_SEGMENT_NAME
+from hwsync.sync import host_copy
 from hwsync.sync.bucket import IntoFn, LoadFn, checked_destination, copy_bytes
+from hwsync.sync.host_copy import Moves
 from hwsync.sync.spec import dtype_from_name
 from hwsync.sync.stats import SyncStats
 
@@ -52,13 +53,8 @@ _PARALLEL_BYTES = 32 << 20
 COPY_CHUNK_BYTES = 16 << 20
 
 
-def _memmove_all(jobs: list[tuple[int, int, int]]) -> None:
-    for dst, src, nbytes in jobs:
-        ctypes.memmove(dst, src, nbytes)
-
-
-def chunk_copies(jobs: list[tuple[int, int, int]], chunk: int) -> list[list[tuple[int, int, int]]]:
-    """(dst, src, nbytes) copies cut into lists of about `chunk` bytes each (a copy is cut where it must)."""
+def chunk_copies(jobs: list[tuple[int, int, int]], chunk: int) -> list[Moves]:
+    """(dst, src, nbytes) copies cut into batches of about `chunk` bytes each (a copy is cut where it must)."""
     out, current, room = [], [], chunk
     for dst, src, nbytes in jobs:
         while nbytes:
@@ -66,9 +62,9 @@ def chunk_copies(jobs: list[tuple[int, int, int]], chunk: int) -> list[list[tupl
             current.append((dst, src, take))
             dst, src, nbytes, room = dst + take, src + take, nbytes - take, room - take
             if not room:
-                out.append(current)
+                out.append(Moves(current))
                 current, room = [], chunk
-    return out + ([current] if current else [])
+    return out + ([Moves(current)] if current else [])
 
 
 class SharedReader:
@@ -179,6 +175,7 @@ class SharedReader:
         if self.plan is not None:
             self.plan.merge_launches()
             self.plan.nbytes += sum(n for _, pieces in self.plan.buckets for *_, n in pieces)
+            host_copy.warm(len(self.plan.copies) + sum(len(pieces) for _, pieces in self.plan.buckets))
 
     def drop_plan(self) -> None:
         """Forget every plan (a failed sync, a segment unmapped)."""
@@ -213,19 +210,19 @@ class SharedReader:
         """Run host memmoves: a small batch here, a large one queued in pieces on the copy threads."""
         self._run(self._pieces(jobs, sum(n for _, _, n in jobs)))
 
-    def _pieces(self, jobs: list[tuple[int, int, int]], nbytes: int) -> list[list[tuple[int, int, int]]]:
-        """The copies as one piece (run here) or as pieces of about COPY_CHUNK_BYTES (for the copy threads)."""
+    def _pieces(self, jobs: list[tuple[int, int, int]], nbytes: int) -> list[Moves]:
+        """The copies as one batch (run here) or as batches of about COPY_CHUNK_BYTES (for the copy threads)."""
         if self.copy_threads == 1 or nbytes < _PARALLEL_BYTES:
-            return [jobs]
+            return [Moves(jobs)]
         return chunk_copies(jobs, COPY_CHUNK_BYTES)
 
-    def _run(self, pieces: list[list[tuple[int, int, int]]]) -> None:
+    def _run(self, pieces: list[Moves]) -> None:
         if len(pieces) == 1:
-            _memmove_all(pieces[0])
+            pieces[0].move_out()
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="hwsync-copy")
-        self._copies += [self._pool.submit(_memmove_all, part) for part in pieces]
+        self._copies += [self._pool.submit(part.move_out) for part in pieces]
 
     def _wait_copies(self) -> None:
         """Wait for every queued host copy; raise the first one's error after all have ended."""

@@ -30,6 +30,7 @@ from itertools import chain
 import torch
 
 from hwsync.sync.bucket import IntoFn
+from hwsync.sync.host_copy import Moves
 from hwsync.sync.spec import TensorSpec
 
 #: what one sent tensor was: its name, and its data pointer, shape, strides and dtype at the time (the bytes a
@@ -54,7 +55,7 @@ class SentPlan:
     #: bytes, offset in them, bytes); a replay refills the buckets with these and posts them without entries
     buckets: list[tuple[int, list[tuple[int, torch.Tensor, int, int]]]] = field(default_factory=list)
     #: each bucket's copies as host memmoves (made at the first replay; None where a tensor is on a device)
-    moves: list[list[tuple[int, int, int]] | None] | None = None
+    moves: list[Moves | None] | None = None
     #: the manifest the sync was checked against (a replay skips the check: only under the same one)
     manifest: list[TensorSpec] | None = None
     #: the sync that made it (what receivers report in Ready.plan), and the receivers (instances) that took it
@@ -66,13 +67,18 @@ class SentPlan:
         those read so far first, then the rest, to send as a fresh sync."""
         it = iter(items)
         seen: list[tuple[str, torch.Tensor]] = []
-        for planned in self.tensors:
+        keep = seen.append
+        for planned in self.tensors:  # one tuple compared per tensor: this loop is a replay's whole check
             item = next(it, None)
             if item is None:
                 return False, iter(seen)
-            seen.append(item)
-            if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], torch.Tensor)) \
-                    or not same_tensor(item[0], item[1], planned):  # (what is malformed, the stream names)
+            keep(item)
+            try:
+                name, tensor = item
+                same = sent_tensor(name, tensor) == planned
+            except (TypeError, ValueError, AttributeError, RuntimeError):
+                same = False  # malformed, or no memory of its own: what is wrong, the fresh sync names
+            if not same:
                 return False, chain(seen, it)
         extra = next(it, None)
         if extra is not None:
@@ -80,17 +86,11 @@ class SentPlan:
         return True, iter(seen)
 
 
-def same_tensor(name: str, tensor: torch.Tensor, planned: SentTensor) -> bool:
-    """Whether (name, tensor) is what the plan sent: the same memory, read as the same layout."""
-    p_name, p_type, p_ptr, p_shape, p_stride, p_dtype = planned
+def sent_tensor(name: str, tensor: torch.Tensor) -> SentTensor:
+    """One tensor as a plan records it (and as a replay compares it: equal only if it is the same memory, read as
+    the same layout)."""
     # every field: `param.data = ...` keeps the object and changes its storage, shape or strides; the type, because
     # a subclass may read its memory otherwise (a DTensor's data_ptr is its local shard's)
-    return (name == p_name and type(tensor) is p_type and tensor.data_ptr() == p_ptr and tensor.dtype is p_dtype
-            and tensor.shape == p_shape and tensor.stride() == p_stride)
-
-
-def sent_tensor(name: str, tensor: torch.Tensor) -> SentTensor:
-    """One tensor as a plan records it."""
     return (name, type(tensor), tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
 
 
@@ -108,7 +108,7 @@ class ReadPlan:
     copies: list[tuple[int, int, int]]
     nbytes: int
     #: the copies as the copy threads take them (cut at the first replay)
-    pieces: list[list[tuple[int, int, int]]] | None = None
+    pieces: list[Moves] | None = None
     #: device copies from the sender's mapped segments, as (destinations, sources) views: one launch each, merged
     #: per device and width when the plan is kept
     launches: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=list)
@@ -118,7 +118,7 @@ class ReadPlan:
     #: bytes, offset in them, offset in the buffer, bytes)
     buckets: list[tuple[int, list[tuple[torch.Tensor, int, int, int]]]] = field(default_factory=list)
     #: each bucket's copies as host memmoves (made at the first replay; None where a tensor is on a device)
-    moves: list[list[tuple[int, int, int]] | None] | None = None
+    moves: list[Moves | None] | None = None
 
     def merge_launches(self) -> None:
         """One launch per device and element width for the whole sync (the frames' launches joined)."""
@@ -131,14 +131,13 @@ class ReadPlan:
 
     def holds(self, into: IntoFn) -> bool:
         """Whether `into` still gives every destination the plan copies into (then the plan can replay)."""
-        for i, (name, dtype, shape, dest, ptr) in enumerate(self.destinations):
+        destinations = self.destinations
+        for i, (name, dtype, shape, dest, ptr) in enumerate(destinations):
             now = into(name, dtype, shape)
-            if now is dest:
-                if dest.data_ptr() != ptr:  # the same tensor given new storage (`.data = ...`)
-                    return False
+            if now is dest and now.data_ptr() == ptr:  # (the same tensor given new storage, `.data = ...`, is not)
                 continue
-            if (now is None or now.device != dest.device or now.dtype != dtype or tuple(now.shape) != shape
-                    or not now.is_contiguous() or now.data_ptr() != ptr):
+            if (now is None or now is dest or now.device != dest.device or now.dtype != dtype
+                    or tuple(now.shape) != shape or not now.is_contiguous() or now.data_ptr() != ptr):
                 return False
-            self.destinations[i] = (name, dtype, shape, now, ptr)
+            destinations[i] = (name, dtype, shape, now, ptr)
         return True

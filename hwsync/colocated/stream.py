@@ -35,7 +35,7 @@ from hwsync.colocated.replay import SentPlan, SentTensor, sent_tensor
 from hwsync.colocated.sender_control import SyncReceivers
 from hwsync.protocol import Bucket, Frame, Ref, Refs, Release, SegmentSpec, encode
 from hwsync.protocol.layout import DeviceRef
-from hwsync.sync.bucket import BucketPacker, Closed, CopyBatch, as_bytes, entry_wire_bytes, host_moves, lent, move_in
+from hwsync.sync.bucket import BucketPacker, Closed, CopyBatch, as_bytes, entry_wire_bytes, host_moves, lent
 from hwsync.sync.shared_params import LIVE, find_shared
 from hwsync.sync.spec import NamedTensors, TensorSpec, checked_items, dtype_name
 from hwsync.sync.stats import SyncStats
@@ -106,7 +106,7 @@ class BucketStream:
             buffer = self.buffers.buffer(self.current)
             t0 = time.perf_counter()
             if moves is not None:
-                move_in(buffer.data_ptr(), moves)
+                moves.move_in(buffer.data_ptr())
             else:
                 for offset, flat, chunk_offset, chunk_bytes in pieces:
                     self._copies.add(buffer, offset, flat, chunk_offset, chunk_bytes, non_blocking=True)

@@ -19,6 +19,7 @@ import torch
 
 from hwsync.errors import DestinationError
 from hwsync.protocol import Entry
+from hwsync.sync.host_copy import Moves
 from hwsync.sync.spec import dtype_from_name
 
 #: into(name, dtype, shape): the caller's own tensor to receive straight into, or None
@@ -368,27 +369,13 @@ def replay_bucket(view: torch.Tensor, pieces: list[tuple[torch.Tensor, int, int,
     batch.flush()
 
 
-def host_moves(pieces: list[tuple[torch.Tensor, int, int, int]]) -> list[tuple[int, int, int]] | None:
-    """Recorded copies (tensor, offset in it, offset in the buffer, bytes) as (address, buffer offset, bytes), for
-    memmoves without a torch call each; None unless every tensor is in host memory. The tensors must stay alive
-    and in place (a replay checks it) as long as the list is used."""
+def host_moves(pieces: list[tuple[torch.Tensor, int, int, int]]) -> Moves | None:
+    """Recorded copies (tensor, offset in it, offset in the buffer, bytes) as Moves (address, buffer offset, bytes),
+    for memmoves without a torch call each; None unless every tensor is in host memory. The tensors must stay alive
+    and in place (a replay checks it) as long as the moves are used."""
     if any(t.device.type != "cpu" for t, _, _, _ in pieces):
         return None
     for t, at, _, nbytes in pieces:
         if at + nbytes > t.numel():
             raise IndexError(f"a recorded copy of {nbytes} bytes at {at} runs past a tensor of {t.numel()} bytes")
-    return [(t.data_ptr() + at, offset, nbytes) for t, at, offset, nbytes in pieces]
-
-
-def move_out(base: int, moves: list[tuple[int, int, int]]) -> None:
-    """memmove each (address, offset, bytes): from base + offset to the address."""
-    memmove = ctypes.memmove
-    for address, offset, nbytes in moves:
-        memmove(address, base + offset, nbytes)
-
-
-def move_in(base: int, moves: list[tuple[int, int, int]]) -> None:
-    """memmove each (address, offset, bytes): from the address to base + offset."""
-    memmove = ctypes.memmove
-    for address, offset, nbytes in moves:
-        memmove(base + offset, address, nbytes)
+    return Moves([(t.data_ptr() + at, offset, nbytes) for t, at, offset, nbytes in pieces])
