@@ -45,6 +45,7 @@ from hwsync_tools.bench.transfer_parts import (
     count_summary,
     counted,
     host_to_device_gbps,
+    load_copy_loop,
 )
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -136,6 +137,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     spec = model_spec(int(args.gb * 1e9), args.dtype, args.tensors)
     device, settle = bench_device()
     named = build(spec, device)
+    copy_loop_s = load_copy_loop(len(named), args.timeout)
     settle()  # filled: nothing but this list holds them, so they go packed (the mapped row sends views)
     total = sum(t.numel() * t.element_size() for _, t in named)
     bucket = None if args.bucket_mb is None else int(args.bucket_mb * (1 << 20))
@@ -245,6 +247,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         # syncs after the first that were replays of its plan (hwsync.colocated.replay)
         "one_copy_replayed": sum("replay" in s.notes for s in one_copy[1:]),
         "mapped_replayed": sum("replay" in s.notes for s in mapped[1:]),
+        # seconds each side took to load the compiled host copy loop before the syncs (None: not used, or no numba)
+        "copy_loop_load_s": {"sender": copy_loop_s, "receiver": hello.get("copy_loop_s")},
         "mapped_gbps": mgb, "mapped_s": mp_s, "mapped_vs_copy": mgb / memcpy if mgb else None,
         "mapped_vs_packed": mgb / hw if mgb else None, "mapped_seconds": [s.total_s for s in mapped],
         "mapped_tensors": mapped[-1].notes.get("mapped", {}).get("tensors", 0) if mapped else None,
@@ -346,6 +350,10 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
         if r[f"{path}_gbps"]:
             print(f"{path.replace('_', '-')} syncs after the first replayed as planned: {r[f'{path}_replayed']} of "
                   f"{len(r[f'{path}_seconds']) - 1}")
+    loop = r["copy_loop_load_s"]
+    if loop["sender"] is not None or loop["receiver"] is not None:
+        print("host copies of a replay: numba's compiled loop, loaded before the syncs in "
+              + ", ".join(f"{side} {s:.1f} s" for side, s in loop.items() if s is not None))
     print(f"hwsync per sync: sender pack {p['pack_s']:.3f} s, wait {p['wait_s']:.3f} s; receiver buckets "
           f"{p['receiver_load_s']:.3f} s, of which load()'s copies {p['receiver_engine_copy_s']:.3f} s")
     for path, c in (r["counts"] or {}).items():  # what the device counted (the simulated accelerator counts)
