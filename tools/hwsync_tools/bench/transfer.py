@@ -69,8 +69,33 @@ def _transformer(hidden: int, mlp: int, vocab: int, kv: int, layers: int) -> lis
     return out + [("model.norm.weight", [hidden], False)]
 
 
-def model_spec(total_bytes: int, dtype: str, tensors: int | None = None) -> Spec:
-    """(name, shape, dtype) of the synthetic state dict: transformer-shaped, or `tensors` equal ones."""
+# a Qwen3-30B-A3B-shaped mixture of experts: hidden, expert mlp, vocab, q width, kv width, head dim, layers
+_MOE_HIDDEN, _MOE_MLP, _MOE_VOCAB, _MOE_Q, _MOE_KV, _MOE_HEAD, _MOE_LAYERS = 2048, 768, 151936, 4096, 512, 128, 48
+
+
+def _moe(hidden: int, mlp: int, vocab: int, q: int, kv: int, head: int, layers: int,
+         experts: int) -> list[tuple[str, list[int], bool]]:
+    """(name, shape, is_matrix) of a mixture-of-experts model: per layer attention, a router and `experts` experts
+    of three matrices each (Qwen3-30B-A3B: 128 experts, 48 layers, ~18,900 tensors)."""
+    out: list[tuple[str, list[int], bool]] = [("model.embed_tokens.weight", [vocab, hidden], True)]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", [hidden], False),
+                (p + "self_attn.q_proj.weight", [q, hidden], True), (p + "self_attn.k_proj.weight", [kv, hidden], True),
+                (p + "self_attn.v_proj.weight", [kv, hidden], True), (p + "self_attn.o_proj.weight", [hidden, q], True),
+                (p + "self_attn.q_norm.weight", [head], False), (p + "self_attn.k_norm.weight", [head], False),
+                (p + "post_attention_layernorm.weight", [hidden], False),
+                (p + "mlp.gate.weight", [experts, hidden], True)]
+        for e in range(experts):
+            x = f"{p}mlp.experts.{e}."
+            out += [(x + "gate_proj.weight", [mlp, hidden], True), (x + "up_proj.weight", [mlp, hidden], True),
+                    (x + "down_proj.weight", [hidden, mlp], True)]
+    return out + [("model.norm.weight", [hidden], False), ("lm_head.weight", [vocab, hidden], True)]
+
+
+def model_spec(total_bytes: int, dtype: str, tensors: int | None = None, moe: int | None = None) -> Spec:
+    """(name, shape, dtype) of the synthetic state dict: transformer-shaped, a mixture of `moe` experts a layer, or
+    `tensors` equal ones."""
     def dt(matrix: bool) -> str:
         if dtype == "mix":  # mixed precision: matrices bf16, norms and biases fp32
             return "bfloat16" if matrix else "float32"
@@ -84,6 +109,21 @@ def model_spec(total_bytes: int, dtype: str, tensors: int | None = None) -> Spec
 
     def nbytes(layout: list[tuple[str, list[int], bool]]) -> int:
         return sum(math.prod(s) * (size if m or dtype != "mix" else 4) for _, s, m in layout)
+
+    if moe:  # every layer and expert kept (the tensor count is the point): widths, or above full size depth, scaled
+        full = nbytes(_moe(_MOE_HIDDEN, _MOE_MLP, _MOE_VOCAB, _MOE_Q, _MOE_KV, _MOE_HEAD, _MOE_LAYERS, moe))
+        if total_bytes >= full:
+            layout = _moe(_MOE_HIDDEN, _MOE_MLP, _MOE_VOCAB, _MOE_Q, _MOE_KV, _MOE_HEAD,
+                          max(1, round(_MOE_LAYERS * total_bytes / full)), moe)
+        else:
+            g = math.sqrt(total_bytes / full)
+
+            def w(n: int) -> int:
+                return max(16, int(n * g) // 16 * 16)
+
+            layout = _moe(w(_MOE_HIDDEN), w(_MOE_MLP), w(_MOE_VOCAB), w(_MOE_Q), w(_MOE_KV), w(_MOE_HEAD),
+                          _MOE_LAYERS, moe)
+        return [(name, shape, dt(m)) for name, shape, m in layout]
 
     embed = nbytes(_transformer(_HIDDEN, _MLP, _VOCAB, _KV, 0))
     layer = nbytes(_transformer(_HIDDEN, _MLP, _VOCAB, _KV, 1)) - embed
@@ -134,7 +174,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from hwsync.sync.shared_params import SharedTensors
 
     torch.set_num_threads(args.threads)
-    spec = model_spec(int(args.gb * 1e9), args.dtype, args.tensors)
+    spec = model_spec(int(args.gb * 1e9), args.dtype, args.tensors, args.moe)
     device, settle = bench_device()
     named = build(spec, device)
     copy_loop_s = load_copy_loop(len(named), args.timeout)
@@ -245,6 +285,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "one_copy_gbps": oc, "one_copy_s": oc_s, "one_copy_vs_copy": oc / memcpy if oc else None,
         "one_copy_vs_packed": oc / hw if oc else None, "one_copy_seconds": [s.total_s for s in one_copy],
         # syncs after the first that were replays of its plan (hwsync.colocated.replay)
+        "packed_replayed": sum("replay" in s.notes for s in runs[1:]),
         "one_copy_replayed": sum("replay" in s.notes for s in one_copy[1:]),
         "mapped_replayed": sum("replay" in s.notes for s in mapped[1:]),
         # seconds each side took to load the compiled host copy loop before the syncs (None: not used, or no numba)
@@ -267,6 +308,9 @@ def add_bench_transfer_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tensor dtype; mix: matrices bf16, norms and biases fp32")
     parser.add_argument("--tensors", type=int, default=None,
                         help="N equal tensors instead of the ~1.5B transformer's shapes")
+    parser.add_argument("--moe", type=int, nargs="?", const=128, default=None, metavar="EXPERTS",
+                        help="a mixture-of-experts model of this many experts a layer (default 128: Qwen3-30B-A3B's "
+                             "48 layers, ~18,900 tensors), its widths scaled to --gb")
     parser.add_argument("--syncs", type=int, default=8, help="syncs per transfer; the median excludes the first")
     parser.add_argument("--bucket-mb", type=float, default=None,
                         help="hwsync's bucket size in MiB (default: the transport's, for how the receiver takes "
@@ -301,6 +345,8 @@ def add_bench_transfer_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench_transfer(args: argparse.Namespace) -> int:
     """Run the benchmark and print a table (or JSON); 0 on success."""
+    if args.moe is not None and (args.tensors or args.moe < 1):
+        raise SystemExit("--moe takes a positive number of experts and does not go with --tensors")
     if args.syncs < 1 or (args.num_buffers is not None and args.num_buffers < 2) or args.threads < 1 \
             or args.verl_syncs < 1:
         raise SystemExit("--syncs, --verl-syncs and --threads must be at least 1, --num-buffers at least 2")
@@ -346,10 +392,10 @@ def run_bench_transfer(args: argparse.Namespace) -> int:
     for label, gbps, secs in rows:
         print(f"{label:26} {gbps:>8} {secs:>8}")
     p = r["hwsync_phases"]
-    for path in ("one_copy", "mapped"):
-        if r[f"{path}_gbps"]:
+    for path in ("packed", "one_copy", "mapped"):
+        if path == "packed" or r[f"{path}_gbps"]:
             print(f"{path.replace('_', '-')} syncs after the first replayed as planned: {r[f'{path}_replayed']} of "
-                  f"{len(r[f'{path}_seconds']) - 1}")
+                  f"{len(r['hwsync_seconds' if path == 'packed' else f'{path}_seconds']) - 1}")
     loop = r["copy_loop_load_s"]
     if loop["sender"] is not None or loop["receiver"] is not None:
         print("host copies of a replay: numba's compiled loop, loaded before the syncs in "
