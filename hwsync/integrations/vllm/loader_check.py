@@ -12,6 +12,7 @@ saw is one it would silently skip.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,6 +37,17 @@ class LoaderVerdict:
     dtypes: dict[str, str] = field(default_factory=dict)
 
 
+def _own_loader(tensor: Any) -> Any:
+    """The weight_loader `tensor` holds, or _MISSING: in its __dict__ (a Parameter given one), or behind a property
+    of its class (vLLM's parameters, whose deleter drops the loader: restored by setting it again, never deleted)."""
+    if isinstance(inspect.getattr_static(type(tensor), "weight_loader", None), property):
+        try:
+            return tensor.weight_loader
+        except AttributeError:  # deleted before (vLLM's getter raises then): deleted again after
+            return _MISSING
+    return tensor.__dict__.get("weight_loader", _MISSING)
+
+
 @contextmanager
 def recording_loaders(model: torch.nn.Module) -> Iterator[dict[int, torch.dtype | None]]:
     """Swap every parameter's and buffer's weight_loader for a recorder of the tensors handed to it: id of each
@@ -58,7 +70,7 @@ def recording_loaders(model: torch.nn.Module) -> Iterator[dict[int, torch.dtype 
             if id(tensor) in done:
                 continue
             done.add(id(tensor))
-            saved.append((tensor, tensor.__dict__.get("weight_loader", _MISSING)))
+            saved.append((tensor, _own_loader(tensor)))
             tensor.weight_loader = record
         yield seen
     finally:

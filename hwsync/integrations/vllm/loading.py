@@ -175,16 +175,8 @@ class ManifestChecks:
         if key not in self._accepted:  # refusals are not kept: they raise every time
             if len(self._accepted) >= 8:  # a few manifests in use at once at most (e.g. base and partial)
                 self._accepted.clear()
-            # vLLM parameters keep their loader as `_weight_loader` behind a property; the check's restore deletes
-            # it (loader_check.recording_loaders), which breaks any load_weights outside vLLM's reload: kept here
-            kept = [(t, t.__dict__["_weight_loader"]) for t in target.model.parameters()
-                    if "_weight_loader" in t.__dict__]
-            try:
-                verdict = check_announced(target.model, target.model_config, target.vllm_config,
-                                          self.expected(target), announced, allow_partial=allow_partial)
-            finally:
-                for tensor, loader in kept:
-                    tensor.__dict__["_weight_loader"] = loader
+            verdict = check_announced(target.model, target.model_config, target.vllm_config, self.expected(target),
+                                      announced, allow_partial=allow_partial)
             self._accepted[key] = verdict.skipped
             self._dtypes[id(target.model)] = verdict.dtypes
         return self._accepted[key]
