@@ -45,8 +45,10 @@ fetch() {  # VERSION [PLATFORM]
 if [ $# -ge 1 ]; then
   fetch "$1" "${2:-${TORCH_NPU_PLATFORM:-}}"
 else
-  fetch "${TORCH_NPU_VERSION:-2.13.0}"
-  fetch 2.10.0.post4
-  fetch 2.10.0.post4 manylinux_2_28_aarch64
+  # the three at once (separate files): mostly waiting on the network
+  fetch "${TORCH_NPU_VERSION:-2.13.0}" &
+  fetch 2.10.0.post4 &
+  fetch 2.10.0.post4 manylinux_2_28_aarch64 &
+  wait
 fi
 exit 0
