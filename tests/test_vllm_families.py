@@ -5,8 +5,9 @@ a transformers config with random weights is sent as it is — with `VllmWeightS
 (the worker extension) and with vLLM's own weight-transfer API (`backend="hwsync"`, the trainer
 engine over `LLMClient`) — and the engine's greedy tokens and prompt logprobs then equal those of
 a fresh engine started on the same weights. References: the engine's own outputs before any sync
-are a fresh engine on v0; one fresh engine per family on v1 runs first, in a spawned process.
-One in-process engine per family (module-scoped), float32, 2 layers.
+are a fresh engine on v0; one fresh engine per family on v1, in a spawned process started first (it
+works while this module's engines start and serve). One in-process engine per family
+(module-scoped), float32, 2 layers.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from hwsync.integrations.vllm.loader_check import check_announced  # noqa: E402
 from hwsync.integrations.vllm.loading import LayerwiseReload, Target  # noqa: E402
 from hwsync.sync.spec import manifest_from_tensors  # noqa: E402
 from vllm_families import FAMILIES, build, save, with_wrong_shape  # noqa: E402
-from vllm_helpers import checkpoint_tensors, in_process_engine, reference_outputs  # noqa: E402
+from vllm_helpers import References, checkpoint_tensors, in_process_engine  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -50,9 +51,12 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]
 
 
 @pytest.fixture(scope="module")
-def fresh_v1(checkpoints: dict[str, list[str]]) -> dict[str, EngineOutputs]:
-    # one spawned process, one engine at a time, before any engine of this module starts
-    return dict(zip(NAMES, reference_outputs([checkpoints[f][1] for f in NAMES]), strict=True))
+def fresh_v1(checkpoints: dict[str, list[str]]) -> Iterator[References]:
+    # one spawned process, one engine at a time, in the order the families are tested; started before any engine
+    # of this module, read as each family's test needs it
+    refs = References({family: checkpoints[family][1] for family in NAMES})
+    yield refs
+    refs.close()
 
 
 @dataclass
@@ -68,7 +72,8 @@ class Family:
 
 
 @pytest.fixture(scope="module", params=NAMES)
-def family(request: pytest.FixtureRequest, checkpoints: dict[str, list[str]], fresh_v1: dict) -> Iterator[Family]:
+def family(request: pytest.FixtureRequest, checkpoints: dict[str, list[str]], fresh_v1: References
+           ) -> Iterator[Family]:
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -173,7 +178,7 @@ def test_manifest_check_agrees_with_the_engines_loader(family: Family):
     _assert_same(family.llm, family.fresh_v0)
 
 
-def test_module_syncs_through_both_entries_equal_fresh_engines(family: Family, fresh_v1: dict):
+def test_module_syncs_through_both_entries_equal_fresh_engines(family: Family, fresh_v1: References):
     llm, v0, v1 = family.llm, build(family.name, 0), build(family.name, 1)
     family.native.send_weights("v1")  # the trainer engine's source: the v1 module
     assert llm.get_weight_version() == "v1"

@@ -1,13 +1,15 @@
 """hwsync into a real, running vLLM engine: outputs after a sync equal a fresh engine's.
 
-One engine per module (on checkpoint A); fresh reference engines on B, C, D run first, in a
-spawned process, one at a time. The toy model is a random 2-layer Llama in float32.
+One engine per module (on checkpoint A); fresh reference engines on B, C, D, E run in a spawned
+process, one at a time, started first: they work while the engine under test starts. The toy model
+is a random 2-layer Llama in float32.
 """
 
 from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -18,7 +20,7 @@ from hwsync.integrations.vllm import VllmWeightSync  # noqa: E402
 from hwsync.cli.toy_model import ToyModel, cpu_engine_env, engine_kwargs, engine_outputs, \
     shutdown_engine  # noqa: E402
 from hwsync.sync.options import SenderOptions  # noqa: E402
-from vllm_helpers import TrainerProcess, checkpoint_tensors, reference_outputs  # noqa: E402
+from vllm_helpers import References, TrainerProcess, checkpoint_tensors  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -57,14 +59,15 @@ def _sparsely_changed(source: str, target: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def references(checkpoints: dict[str, str]) -> dict:
-    names = ["B", "C", "D", "E"]
-    return dict(zip(names, reference_outputs([checkpoints[n] for n in names]), strict=True))
+def references(checkpoints: dict[str, str]) -> Iterator[References]:
+    refs = References({name: checkpoints[name] for name in ("B", "C", "D", "E")})  # in the order the tests read them
+    yield refs
+    refs.close()
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoints: dict[str, str], references: dict):
-    # `references` first: only one engine runs at a time on these small machines
+def llm(checkpoints: dict[str, str], references: References):
+    # `references` first: its process starts its engines while this one starts
     cpu_engine_env()
     from vllm import LLM
 

@@ -2,6 +2,8 @@
 
 Both run in spawned processes: a reference engine must not share vLLM's global state with the
 engine under test, and the trainer must be a different process from the engine, as in an RL job.
+A reference process starts before the engine under test and works while it starts (most of an
+engine's start on a CPU is importing vLLM, on one core): tests read its outputs when they need them.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -34,29 +36,63 @@ def _reference_main(model_dirs: list[str], conn: Connection) -> None:
     from hwsync.cli.toy_model import cpu_engine_env, engine_kwargs, engine_outputs, shutdown_engine
 
     cpu_engine_env()
-    results = []
     for model_dir in model_dirs:
+        if conn.poll():  # told to stop: no test will read the rest
+            break
         llm = LLM(**engine_kwargs(model_dir, extension=False))
-        results.append(engine_outputs(llm))
+        conn.send(engine_outputs(llm))  # each checkpoint's as soon as it is known: the first test waits the least
         shutdown_engine(llm)
-    conn.send(results)
     conn.close()
 
 
-def reference_outputs(model_dirs: list[str], timeout_s: float = 600.0) -> list[Any]:
-    """EngineOutputs of a fresh engine started on each checkpoint, one engine at a time."""
-    parent, child = SPAWN.Pipe()
-    proc = SPAWN.Process(target=_reference_main, args=(model_dirs, child), daemon=True)
-    proc.start()
-    child.close()
-    try:
-        if not parent.poll(timeout_s):
-            raise TimeoutError(f"reference engines gave no outputs in {timeout_s}s")
-        return parent.recv()
-    finally:
-        proc.join(60)
-        if proc.is_alive():
-            proc.kill()
+class References(Mapping[str, Any]):
+    """EngineOutputs of a fresh engine started on each named checkpoint, one engine at a time, in a spawned process.
+
+    The process starts at once and runs while the engine under test starts and serves: reading a name waits only
+    for the checkpoints up to that one (in the given order). Its engines share nothing with the engine under test
+    (nor with anything an earlier test did in this process); on a 2-core machine the two start side by side.
+    """
+
+    def __init__(self, model_dirs: dict[str, str], timeout_s: float = 600.0) -> None:
+        self._names = list(model_dirs)
+        self._outputs: dict[str, Any] = {}
+        self._timeout_s = timeout_s
+        self._conn, child = SPAWN.Pipe()
+        self._proc = SPAWN.Process(target=_reference_main, args=(list(model_dirs.values()), child), daemon=True)
+        self._proc.start()
+        child.close()
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._names:
+            raise KeyError(name)
+        while name not in self._outputs:
+            waiting_for = self._names[len(self._outputs)]
+            try:
+                if not self._conn.poll(self._timeout_s):
+                    raise TimeoutError(f"the reference engine on {waiting_for} gave no outputs in {self._timeout_s}s")
+                self._outputs[waiting_for] = self._conn.recv()
+            except EOFError:
+                self._proc.join(10)
+                raise RuntimeError(f"the reference process ended (exit code {self._proc.exitcode}) before its "
+                                   f"engine on {waiting_for} gave outputs (its error: in the output)") from None
+        return self._outputs[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def close(self) -> None:
+        """Stop the reference process (after its current engine, where it still has checkpoints to go)."""
+        try:
+            self._conn.send("stop")
+        except (BrokenPipeError, OSError):  # it has ended already
+            pass
+        self._proc.join(120)
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._conn.close()
 
 
 def _trainer_main(model_dir: str, version: int, conn: Connection) -> None:
