@@ -5,7 +5,8 @@ A steady load of concurrent streamed requests runs throughout. Checked: every re
 "keep" and "wait" modes); each finished output's `weight_versions` spans name the version each token range came
 from (contiguous, "default" then the synced version); after the commit the engine's prompt logprobs equal the
 trainer module's (a fresh engine's, within float32 kernel noise); a sync whose source breaks midway never pauses
-the engine, changes no weight and leaves its weight version as it was.
+the engine, changes no weight and leaves its weight version as it was. The module's tests share their engines (an
+engine's start is most of a test's time on a CPU), each handed over as a fresh engine is seen (`Engines.fresh`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -95,57 +97,104 @@ async def _under_load(engine: Any, sync: Any, weights: Any, version: int, before
     return stats
 
 
-async def _staged_rounds(v0_dir: str) -> None:
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    from hwsync.cli.toy_model import engine_kwargs
+async def _staged_rounds(engine: Any) -> None:
     from hwsync.integrations.vllm import AsyncVllmWeightSync
 
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(v0_dir)))
-    try:
-        sync = await AsyncVllmWeightSync.create(engine, stage=True, pause_mode="keep", timeout_s=60.0,
-                                                bucket_bytes=1 << 20, delta=True)
-        v1 = build("llama", 1)
-        # keep: requests in flight are frozen and resume on the new version (their spans may hold both)
-        await _under_load(engine, sync, v1, 1, "default", mixed=True)
-        after = await _generate(engine)
-        assert after.max_logprob_diff(model_prompt_logprobs(v1)) <= MODULE_TOL
+    sync = await AsyncVllmWeightSync.create(engine, stage=True, pause_mode="keep", timeout_s=60.0,
+                                            bucket_bytes=1 << 20, delta=True)
+    v1 = build("llama", 1)
+    # keep: requests in flight are frozen and resume on the new version (their spans may hold both)
+    await _under_load(engine, sync, v1, 1, "default", mixed=True)
+    after = await _generate(engine)
+    assert after.max_logprob_diff(model_prompt_logprobs(v1)) <= MODULE_TOL
 
-        # a sync whose source breaks while it stages: nothing applied, no pause, the version stays
-        with pytest.raises((RuntimeError, HwsyncError), match="the trainer died midway"):
-            await sync.sync(BreakingSource(build("llama", 0), 15), version=2)
-        assert await engine.get_weight_version() == "1" and not await engine.is_paused()
-        (status,) = await engine.collective_rpc("hwsync_status")
-        assert status["incomplete"] is False and status["version"] == 1
-        again = await _generate(engine)
-        assert again.tokens == after.tokens and again.prompt_logprobs == after.prompt_logprobs
+    # a sync whose source breaks while it stages: nothing applied, no pause, the version stays
+    with pytest.raises((RuntimeError, HwsyncError), match="the trainer died midway"):
+        await sync.sync(BreakingSource(build("llama", 0), 15), version=2)
+    assert await engine.get_weight_version() == "1" and not await engine.is_paused()
+    (status,) = await engine.collective_rpc("hwsync_status")
+    assert status["incomplete"] is False and status["version"] == 1
+    again = await _generate(engine)
+    assert again.tokens == after.tokens and again.prompt_logprobs == after.prompt_logprobs
 
-        # wait: requests in flight finish on the old weights first. The broken sync failed before its offer (a
-        # delta is encoded whole first): the staged base was kept, and this sync is a delta on it, exact
-        sync.pause_mode = "wait"
-        v0 = build("llama", 0)
-        stats = await _under_load(engine, sync, v0, 3, "1", mixed=False)  # no request spans both versions
-        assert stats.delta is not None and stats.delta.mode == "delta", stats.delta
-        assert (await _generate(engine)).max_logprob_diff(model_prompt_logprobs(v0)) <= MODULE_TOL
-        sync.close()
-    finally:
-        engine.shutdown()
+    # wait: requests in flight finish on the old weights first. The broken sync failed before its offer (a
+    # delta is encoded whole first): the staged base was kept, and this sync is a delta on it, exact
+    sync.pause_mode = "wait"
+    v0 = build("llama", 0)
+    stats = await _under_load(engine, sync, v0, 3, "1", mixed=False)  # no request spans both versions
+    assert stats.delta is not None and stats.delta.mode == "delta", stats.delta
+    assert (await _generate(engine)).max_logprob_diff(model_prompt_logprobs(v0)) <= MODULE_TOL
+    sync.close()
+
+
+class Engines:
+    """AsyncLLM engines on the v0 checkpoint with hwsync's worker extension, on one event loop, shared by this module's
+    tests (an engine's start is most of a test's time on a CPU): started as the tests first ask for them, stopped after
+    the module.
+
+    `fresh(n)` gives n of them, each as a fresh engine is seen: serving and not paused, weights reloaded from the
+    checkpoint by vLLM's own `reload_weights`, weight version "default", prefix cache empty, hwsync's receiver closed
+    (what a new trainer connecting to a long-running engine meets). The worker's hwsync record of earlier syncs stays.
+    """
+
+    def __init__(self, model_dir: str) -> None:
+        self.model_dir = model_dir
+        self.runner = asyncio.Runner()
+        self.engines: list[Any] = []
+
+    def run(self, coro: Any) -> Any:
+        """Run `coro` on the engines' event loop."""
+        return self.runner.run(coro)
+
+    async def fresh(self, n: int) -> list[Any]:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from hwsync.cli.toy_model import engine_kwargs
+
+        for engine in self.engines[:n]:  # used by an earlier test: back to a fresh engine's state
+            if await engine.is_paused():
+                await engine.resume_generation()
+            await engine.collective_rpc("hwsync_close")
+            await engine.collective_rpc("reload_weights", kwargs={"weights_path": self.model_dir})
+            await engine.reset_prefix_cache()
+            await engine.update_weight_version("default")
+        while len(self.engines) < n:
+            self.engines.append(AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(self.model_dir))))
+        return self.engines[:n]
+
+    async def _shutdown(self) -> None:
+        for engine in self.engines:
+            engine.shutdown()
+        self.engines.clear()  # now, not at the interpreter's exit (where an AsyncLLM's __del__ fails on vLLM's globals)
+
+    def close(self) -> None:
+        """Stop every engine, then the loop."""
+        try:
+            self.run(self._shutdown())
+        finally:
+            self.runner.close()
 
 
 @pytest.fixture(scope="module")
-def llama0(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = str(tmp_path_factory.mktemp("staged") / "llama-v0")
-    save("llama", 0, path)
-    return path
-
-
-def test_async_llm_stages_under_load_and_pauses_only_to_apply_in_keep_and_wait_modes(llama0: str):
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     from hwsync.cli.toy_model import cpu_engine_env
 
+    path = str(tmp_path_factory.mktemp("staged") / "llama-v0")
+    save("llama", 0, path)
     cpu_engine_env()
-    os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
-    asyncio.run(_staged_rounds(llama0))
+    os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)  # nothing of hwsync's needs pickle
+    shared = Engines(path)
+    yield shared
+    shared.close()
+
+
+def test_async_llm_stages_under_load_and_pauses_only_to_apply_in_keep_and_wait_modes(engines: Engines):
+    async def run() -> None:
+        (engine,) = await engines.fresh(1)
+        await _staged_rounds(engine)
+
+    engines.run(run())
 
 
 class SecondTimeBreaks(BreakingSource):
@@ -162,56 +211,46 @@ class SecondTimeBreaks(BreakingSource):
         return super().__iter__()
 
 
-async def _rolling(v0_dir: str) -> None:
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    from hwsync.cli.toy_model import engine_kwargs
+async def _rolling(engines: list[Any]) -> None:
     from hwsync.integrations.vllm import AsyncVllmWeightSync, rolling_commit
 
-    engines = [AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(v0_dir))) for _ in range(2)]
-    try:
-        syncs = [await AsyncVllmWeightSync.create(e, stage=True, timeout_s=60.0, bucket_bytes=1 << 20)
-                 for e in engines]
-        both_paused, stop = [], asyncio.Event()
+    syncs = [await AsyncVllmWeightSync.create(e, stage=True, timeout_s=60.0, bucket_bytes=1 << 20)
+             for e in engines]
+    both_paused, stop = [], asyncio.Event()
 
-        async def watch() -> None:  # the fleet never pauses at once
-            while not stop.is_set():
-                paused = [await e.is_paused() for e in engines]
-                both_paused.append(all(paused))
-                await asyncio.sleep(0.005)
+    async def watch() -> None:  # the fleet never pauses at once
+        while not stop.is_set():
+            paused = [await e.is_paused() for e in engines]
+            both_paused.append(all(paused))
+            await asyncio.sleep(0.005)
 
-        watcher = asyncio.ensure_future(watch())
-        v1 = build("llama", 1)
-        stats = await rolling_commit(syncs, v1, version=1)
-        stop.set()
-        await watcher
-        assert len(stats) == 2 and all(s.stage is not None and s.stage.pause_s > 0 for s in stats)
-        assert not any(both_paused) and len(both_paused) > 3
-        for engine in engines:
-            assert await engine.get_weight_version() == "1"
-            assert (await _generate(engine)).max_logprob_diff(model_prompt_logprobs(v1)) <= MODULE_TOL
+    watcher = asyncio.ensure_future(watch())
+    v1 = build("llama", 1)
+    stats = await rolling_commit(syncs, v1, version=1)
+    stop.set()
+    await watcher
+    assert len(stats) == 2 and all(s.stage is not None and s.stage.pause_s > 0 for s in stats)
+    assert not any(both_paused) and len(both_paused) > 3
+    for engine in engines:
+        assert await engine.get_weight_version() == "1"
+        assert (await _generate(engine)).max_logprob_diff(model_prompt_logprobs(v1)) <= MODULE_TOL
 
-        # the second engine fails to stage version 2: neither applies it, neither pauses
-        before = [await _generate(e) for e in engines]
-        with pytest.raises((RuntimeError, HwsyncError), match="the trainer died midway"):
-            await rolling_commit(syncs, SecondTimeBreaks(build("llama", 0), 15), version=2)
-        for engine, was in zip(engines, before):
-            assert await engine.get_weight_version() == "1" and not await engine.is_paused()
-            now = await _generate(engine)
-            assert now.tokens == was.tokens and now.prompt_logprobs == was.prompt_logprobs
-        stats = await rolling_commit(syncs, build("llama", 0), version=3)
-        assert [await e.get_weight_version() for e in engines] == ["3", "3"]
-        for sync in syncs:
-            sync.close()
-    finally:
-        for engine in engines:
-            engine.shutdown()
+    # the second engine fails to stage version 2: neither applies it, neither pauses
+    before = [await _generate(e) for e in engines]
+    with pytest.raises((RuntimeError, HwsyncError), match="the trainer died midway"):
+        await rolling_commit(syncs, SecondTimeBreaks(build("llama", 0), 15), version=2)
+    for engine, was in zip(engines, before):
+        assert await engine.get_weight_version() == "1" and not await engine.is_paused()
+        now = await _generate(engine)
+        assert now.tokens == was.tokens and now.prompt_logprobs == was.prompt_logprobs
+    stats = await rolling_commit(syncs, build("llama", 0), version=3)
+    assert [await e.get_weight_version() for e in engines] == ["3", "3"]
+    for sync in syncs:
+        sync.close()
 
 
-def test_rolling_commit_stages_everywhere_then_pauses_one_engine_at_a_time(llama0: str):
-    from hwsync.cli.toy_model import cpu_engine_env
+def test_rolling_commit_stages_everywhere_then_pauses_one_engine_at_a_time(engines: Engines):
+    async def run() -> None:
+        await _rolling(await engines.fresh(2))
 
-    cpu_engine_env()
-    os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
-    asyncio.run(_rolling(llama0))
+    engines.run(run())
