@@ -164,33 +164,83 @@ def _http(url: str, body: dict | None = None, timeout_s: float = 60.0) -> Any:
         return json.loads(response.read())
 
 
-@pytest.fixture
-def server(llama: list[str], free_port: int) -> Iterator[str]:
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
-    env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", llama[0], "--skip-tokenizer-init",
-           "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8", "--seed", "0",
-           "--host", "127.0.0.1", "--port", str(free_port), "--weight-transfer-config", '{"backend": "hwsync"}']
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    url = f"http://127.0.0.1:{free_port}"
-    try:
-        deadline = time.monotonic() + 300
+def _port_outside_the_ephemeral_range() -> int:
+    """A free TCP port below the kernel's ephemeral range: no socket another test opens meanwhile is given it."""
+    import random
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+        low = int(f.read().split()[0])
+    for port in random.sample(range(max(1024, low - 8000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in the 8000 below {low}")
+
+
+class Server:
+    """A `vllm serve`-style server with the hwsync backend on `model`, in its own process group, started at once."""
+
+    def __init__(self, model: str, log_path: str) -> None:
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+        env.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+        port = _port_outside_the_ephemeral_range()
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--skip-tokenizer-init",
+               "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8", "--seed",
+               "0", "--host", "127.0.0.1", "--port", str(port), "--weight-transfer-config", '{"backend": "hwsync"}']
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path  # a file, not a pipe: nobody reads the log while the server starts
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+
+    def _log_tail(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")[-2000:]
+
+    def wait_until_up(self, timeout_s: float = 300.0) -> str:
+        """The server's URL once it answers /health."""
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
-                urllib.request.urlopen(url + "/health", timeout=2)
-                break
+                urllib.request.urlopen(self.url + "/health", timeout=2)
+                return self.url
             except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not start: {proc.stderr.read().decode()[-2000:]}") from None
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the server did not start: {self._log_tail()}") from None
                 time.sleep(1)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server and the engine core it started, nothing else
+
+    def stop(self) -> None:
+        """Stop the server and the engine core it started, nothing else."""
+        os.killpg(self.proc.pid, signal.SIGTERM)
         try:
-            proc.wait(60)
+            self.proc.wait(60)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def early_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server | None]:
+    """The HTTP test's server, started with the module's first test where that test is to run: most of its start is
+    three processes importing vLLM one after another, on one core, while the tests before it use the other."""
+    if not any(item.module is request.module and item.name == "test_http_routes_take_syncs"
+               for item in request.session.items):
+        yield None
+        return
+    server = Server(request.getfixturevalue("llama")[0], str(tmp_path_factory.mktemp("server") / "server.log"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def server(early_server: Server | None) -> str:
+    assert early_server is not None, "started for the HTTP test at the module's first test"
+    return early_server.wait_until_up()
 
 
 def _completion(url: str, model: str) -> EngineOutputs:
