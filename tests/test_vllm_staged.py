@@ -102,29 +102,31 @@ async def _staged_rounds(engine: Any) -> None:
 
     sync = await AsyncVllmWeightSync.create(engine, stage=True, pause_mode="keep", timeout_s=60.0,
                                             bucket_bytes=1 << 20, delta=True)
-    v1 = build("llama", 1)
-    # keep: requests in flight are frozen and resume on the new version (their spans may hold both)
-    await _under_load(engine, sync, v1, 1, "default", mixed=True)
-    after = await _generate(engine)
-    assert after.max_logprob_diff(model_prompt_logprobs(v1)) <= MODULE_TOL
+    try:
+        v1 = build("llama", 1)
+        # keep: requests in flight are frozen and resume on the new version (their spans may hold both)
+        await _under_load(engine, sync, v1, 1, "default", mixed=True)
+        after = await _generate(engine)
+        assert after.max_logprob_diff(model_prompt_logprobs(v1)) <= MODULE_TOL
 
-    # a sync whose source breaks while it stages: nothing applied, no pause, the version stays
-    with pytest.raises((RuntimeError, HwsyncError), match="the trainer died midway"):
-        await sync.sync(BreakingSource(build("llama", 0), 15), version=2)
-    assert await engine.get_weight_version() == "1" and not await engine.is_paused()
-    (status,) = await engine.collective_rpc("hwsync_status")
-    assert status["incomplete"] is False and status["version"] == 1
-    again = await _generate(engine)
-    assert again.tokens == after.tokens and again.prompt_logprobs == after.prompt_logprobs
+        # a sync whose source breaks while it stages: nothing applied, no pause, the version stays
+        with pytest.raises((RuntimeError, HwsyncError), match="the trainer died midway"):
+            await sync.sync(BreakingSource(build("llama", 0), 15), version=2)
+        assert await engine.get_weight_version() == "1" and not await engine.is_paused()
+        (status,) = await engine.collective_rpc("hwsync_status")
+        assert status["incomplete"] is False and status["version"] == 1
+        again = await _generate(engine)
+        assert again.tokens == after.tokens and again.prompt_logprobs == after.prompt_logprobs
 
-    # wait: requests in flight finish on the old weights first. The broken sync failed before its offer (a
-    # delta is encoded whole first): the staged base was kept, and this sync is a delta on it, exact
-    sync.pause_mode = "wait"
-    v0 = build("llama", 0)
-    stats = await _under_load(engine, sync, v0, 3, "1", mixed=False)  # no request spans both versions
-    assert stats.delta is not None and stats.delta.mode == "delta", stats.delta
-    assert (await _generate(engine)).max_logprob_diff(model_prompt_logprobs(v0)) <= MODULE_TOL
-    sync.close()
+        # wait: requests in flight finish on the old weights first. The broken sync failed before its offer (a
+        # delta is encoded whole first): the staged base was kept, and this sync is a delta on it, exact
+        sync.pause_mode = "wait"
+        v0 = build("llama", 0)
+        stats = await _under_load(engine, sync, v0, 3, "1", mixed=False)  # no request spans both versions
+        assert stats.delta is not None and stats.delta.mode == "delta", stats.delta
+        assert (await _generate(engine)).max_logprob_diff(model_prompt_logprobs(v0)) <= MODULE_TOL
+    finally:
+        sync.close()
 
 
 class Engines:
@@ -216,37 +218,39 @@ async def _rolling(engines: list[Any]) -> None:
 
     syncs = [await AsyncVllmWeightSync.create(e, stage=True, timeout_s=60.0, bucket_bytes=1 << 20)
              for e in engines]
-    both_paused, stop = [], asyncio.Event()
+    try:
+        both_paused, stop = [], asyncio.Event()
 
-    async def watch() -> None:  # the fleet never pauses at once
-        while not stop.is_set():
-            paused = [await e.is_paused() for e in engines]
-            both_paused.append(all(paused))
-            await asyncio.sleep(0.005)
+        async def watch() -> None:  # the fleet never pauses at once
+            while not stop.is_set():
+                paused = [await e.is_paused() for e in engines]
+                both_paused.append(all(paused))
+                await asyncio.sleep(0.005)
 
-    watcher = asyncio.ensure_future(watch())
-    v1 = build("llama", 1)
-    stats = await rolling_commit(syncs, v1, version=1)
-    stop.set()
-    await watcher
-    assert len(stats) == 2 and all(s.stage is not None and s.stage.pause_s > 0 for s in stats)
-    assert not any(both_paused) and len(both_paused) > 3
-    for engine in engines:
-        assert await engine.get_weight_version() == "1"
-        assert (await _generate(engine)).max_logprob_diff(model_prompt_logprobs(v1)) <= MODULE_TOL
+        watcher = asyncio.ensure_future(watch())
+        v1 = build("llama", 1)
+        stats = await rolling_commit(syncs, v1, version=1)
+        stop.set()
+        await watcher
+        assert len(stats) == 2 and all(s.stage is not None and s.stage.pause_s > 0 for s in stats)
+        assert not any(both_paused) and len(both_paused) > 3
+        for engine in engines:
+            assert await engine.get_weight_version() == "1"
+            assert (await _generate(engine)).max_logprob_diff(model_prompt_logprobs(v1)) <= MODULE_TOL
 
-    # the second engine fails to stage version 2: neither applies it, neither pauses
-    before = [await _generate(e) for e in engines]
-    with pytest.raises((RuntimeError, HwsyncError), match="the trainer died midway"):
-        await rolling_commit(syncs, SecondTimeBreaks(build("llama", 0), 15), version=2)
-    for engine, was in zip(engines, before):
-        assert await engine.get_weight_version() == "1" and not await engine.is_paused()
-        now = await _generate(engine)
-        assert now.tokens == was.tokens and now.prompt_logprobs == was.prompt_logprobs
-    stats = await rolling_commit(syncs, build("llama", 0), version=3)
-    assert [await e.get_weight_version() for e in engines] == ["3", "3"]
-    for sync in syncs:
-        sync.close()
+        # the second engine fails to stage version 2: neither applies it, neither pauses
+        before = [await _generate(e) for e in engines]
+        with pytest.raises((RuntimeError, HwsyncError), match="the trainer died midway"):
+            await rolling_commit(syncs, SecondTimeBreaks(build("llama", 0), 15), version=2)
+        for engine, was in zip(engines, before):
+            assert await engine.get_weight_version() == "1" and not await engine.is_paused()
+            now = await _generate(engine)
+            assert now.tokens == was.tokens and now.prompt_logprobs == was.prompt_logprobs
+        stats = await rolling_commit(syncs, build("llama", 0), version=3)
+        assert [await e.get_weight_version() for e in engines] == ["3", "3"]
+    finally:
+        for sync in syncs:
+            sync.close()
 
 
 def test_rolling_commit_stages_everywhere_then_pauses_one_engine_at_a_time(engines: Engines):
