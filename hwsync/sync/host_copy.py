@@ -112,6 +112,9 @@ def _load() -> None:
         from hwsync.sync import copy_kernel
     except ImportError:  # no numba: the ctypes calls stay
         return
+    except Exception as exc:  # noqa: BLE001  # a numba that does not import here (e.g. against this numpy)
+        log.warning("hwsync: numba did not import (%s: %s); host copies run as ctypes calls", type(exc).__name__, exc)
+        return
     try:  # each kernel once on a real buffer (this compiles it, or loads it from numba's cache), checked
         buf = np.zeros(16, dtype=np.uint8)
         buf[:4] = (1, 2, 3, 4)
