@@ -25,7 +25,7 @@ from hwsync._pretorch import run_pre_torch_hooks as _run_pre_torch_hooks
 _run_pre_torch_hooks()
 
 from hwsync.colocated import WeightReceiver, WeightSender  # noqa: E402
-from hwsync.disaggregated import CrossNodeReceiver, CrossNodeSender, LocalForwarder  # noqa: E402
+from hwsync.disaggregated import CrossNodeReceiver, CrossNodeSender, LocalForwarder, StagedForwarder  # noqa: E402
 from hwsync.errors import (  # noqa: E402
     ClosedError,
     HwsyncError,
@@ -46,8 +46,8 @@ from hwsync.sync.stats import SyncStats  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
-    "WeightSender", "WeightReceiver", "CrossNodeSender", "CrossNodeReceiver", "LocalForwarder", "SenderOptions",
-    "StageOptions",
+    "WeightSender", "WeightReceiver", "CrossNodeSender", "CrossNodeReceiver", "LocalForwarder", "StagedForwarder",
+    "SenderOptions", "StageOptions",
     "CrossNodeOptions", "ReceiverState", "ReceiverReport", "engine_dtypes", "SyncStats",
     "Source", "TrainerModel", "EngineState", "SyncMode", "TensorSpec", "manifest_from_module", "SharedParameters",
     "HwsyncError", "SyncError", "SyncTimeoutError", "ClosedError", "ManifestError",

@@ -116,6 +116,10 @@ class WeightReceiver:
         caller's own values) is reported to the sender, which plans from it.
         """
         hooks = Hooks.of(loader, into)
+        if hooks.commit is not None:
+            raise TypeError(f"{type(loader).__name__} stages on its own (it has commit() and abandon()), which "
+                            "CrossNodeReceiver drives; on the same host make the WeightReceiver with stage=True "
+                            "and give it a plain loader")
         with self._lifetime.call("receive"):
             return self._receive(hooks, state)
 

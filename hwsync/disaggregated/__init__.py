@@ -18,11 +18,11 @@ ZeroMQ control plane as msgpack, never pickle. See docs/disaggregated.md.
 
 from __future__ import annotations
 
-from hwsync.disaggregated.forwarder import LocalForwarder
+from hwsync.disaggregated.forwarder import LocalForwarder, StagedForwarder
 from hwsync.disaggregated.plan import CollectivePlan, assign_owners, make_plan, pack_layout
 from hwsync.disaggregated.receiver import CrossNodeReceiver
 from hwsync.disaggregated.sender import CrossNodeSender
 from hwsync.protocol import BucketSpec
 
 __all__ = ["BucketSpec", "CollectivePlan", "CrossNodeReceiver", "CrossNodeSender",
-           "LocalForwarder", "assign_owners", "make_plan", "pack_layout"]
+           "LocalForwarder", "StagedForwarder", "assign_owners", "make_plan", "pack_layout"]

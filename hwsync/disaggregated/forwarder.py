@@ -12,6 +12,14 @@ views are never used after the collective receiver reuses its buffer.
 
 The local sync runs on a thread of its own, on the device current in the thread that calls
 `accept` (the receiver's), so the local sender's buffers land there.
+
+A `StagedForwarder` forwards into a local sync that stages (the engine keeps serving what it
+serves): its local sync returns once the engine staged and verified the version, which the
+CrossNodeReceiver then reports; the engine applies it only when sender 0 commits it (every rank
+staged it), and drops it if the sync fails anywhere first:
+
+    forward = StagedForwarder(stage=lambda src, v, manifest: ...,   # stage v locally; raise if it failed
+                              commit=..., abandon=...)               # apply it / drop it
 """
 
 from __future__ import annotations
@@ -103,3 +111,27 @@ class LocalForwarder:
             raise SyncTimeoutError(f"the local sync did not finish within {self.timeout_s:.1f}s after the last tensor")
         if self._error is not None:
             raise SyncError(f"the local sync failed: {type(self._error).__name__}: {self._error}") from self._error
+
+
+class StagedForwarder(LocalForwarder):
+    """A LocalForwarder into a local sync that stages: the engine applies the version only once every rank of the
+    collective sync staged it (`commit`), and drops it if the sync fails before that (`abandon`)."""
+
+    def __init__(self, stage: LocalSync, *, commit: Callable[[], Any], abandon: Callable[[], Any],
+                 timeout_s: float = DEFAULT_TIMEOUT_S, device: Device | None = None) -> None:
+        """`stage(source, version, manifest)` stages the version on the engine and returns once it is staged and
+        verified (raising if it failed there); `commit()` applies it, `abandon()` drops it."""
+        super().__init__(stage, timeout_s=timeout_s, device=device)
+        self._commit, self._abandon = commit, abandon
+
+    def commit(self) -> None:
+        """Every rank staged the version: apply it on the engine (what `commit` returns, if anything, becomes
+        `self.result`)."""
+        applied = self._commit()
+        if applied is not None:
+            self.result = applied
+
+    def abandon(self) -> None:
+        """The sync failed before its commit: end the local stage if it still runs, and drop what it staged."""
+        self.cancel()
+        self._abandon()

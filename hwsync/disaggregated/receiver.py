@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -98,11 +99,15 @@ class CrossNodeReceiver:
         plans from (a TrainerModel, or a callable source).
         """
         hooks = Hooks.of(loader, into)
+        if hooks.commit is not None and self._staging is not None:
+            raise TypeError(f"{type(loader).__name__} stages on its own (it has commit() and abandon()) and this "
+                            "receiver was made with stage=: pick one (a plain loader with stage=, or a staging "
+                            "loader without)")
         load, into = hooks.load, hooks.into
         start = time.perf_counter()
         stats = SyncStats(transport=f"collective/{self.backend.name}")
         link = self._link
-        began = False
+        began = staged_apart = committing = False  # staged_apart: a loader that stages on its own staged this sync
         try:
             self._data = []
             said = ReceiverState.of(state)
@@ -138,12 +143,16 @@ class CrossNodeReceiver:
             else:
                 self._stream(plan, load, into, stats)
             if staging is None:
-                self._done(hooks, stats)
-                self.version, self.incomplete = version, False
+                self._done(hooks, stats)  # a loader that stages on its own: staged and verified when it returns
+                if hooks.commit is None:
+                    self.version, self.incomplete = version, False
+                else:
+                    stats.stage, staged_apart, self.staged = StageStats(receivers=1), True, version
             stats.total_s = time.perf_counter() - start
-            if staging is not None:
-                assert stats.stage is not None
-                stats.stage.stage_s, stats.stage.held_bytes, self.staged = stats.total_s, staging.held_bytes, version
+            if stats.stage is not None:
+                stats.stage.stage_s, self.staged = stats.total_s, version
+                if staging is not None:
+                    stats.stage.held_bytes = staging.held_bytes
             link.send(RankComplete(version=version, stats=stats.to_dict()))
             link.next((Commit,), f"waiting for every rank to confirm version {version}", self._worker)
             if staging is not None:  # committed: every rank staged it; apply inside the engine's pause
@@ -153,6 +162,13 @@ class CrossNodeReceiver:
                 stats.stage.apply_s = applied.apply_s
                 stats.load_s += applied.apply_s  # done() ran inside the pause, with the apply
                 self.version, self.incomplete = version, False
+            elif staged_apart:  # committed: every rank staged it; the loader applies what it staged
+                assert hooks.commit is not None and stats.stage is not None
+                self.staged, self.incomplete, committing = None, True, True
+                t0 = time.perf_counter()
+                hooks.commit()
+                stats.stage.apply_s = time.perf_counter() - t0
+                self.version, self.incomplete = version, False
             self._deltas.complete()  # committed everywhere: this receiver holds sender 0's new baseline
         except BaseException as exc:
             link.report(exc)
@@ -161,12 +177,21 @@ class CrossNodeReceiver:
             if self._staging is not None and began:  # nothing staged is applied: the engine keeps its version
                 self._staging.release()
                 self._deltas.clear()  # the staging area was its base
+            if began and hooks.abandon is not None and not committing:  # whatever it staged of this sync goes
+                self._abandon(hooks.abandon)
             self._drop_groups(failed=True)
             if isinstance(exc, SyncTimeoutError) and self._data:
                 raise SyncTimeoutError(f"{exc}. {self._progress()}") from exc
             raise
         stats.total_s = time.perf_counter() - start
         return stats
+
+    def _abandon(self, abandon: Callable[[], None]) -> None:
+        """Have a loader that stages on its own drop this sync: its engine keeps the version it serves."""
+        try:
+            abandon()
+        except Exception as exc:  # noqa: BLE001 - the sync's own error is the one raised
+            log.warning("hwsync: receiver %d's loader failed to drop the uncommitted sync: %s", self.rank, exc)
 
     @staticmethod
     def _done(hooks: Hooks, stats: SyncStats) -> None:

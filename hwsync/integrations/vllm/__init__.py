@@ -16,7 +16,8 @@ or hwsync's worker extension and trainer helpers:
 
 An AsyncLLM keeps generating while the next version stages (`AsyncVllmWeightSync`, `stage="auto"`: where the
 host has the memory) and pauses (vLLM's `pause_generation`) only to apply it; `rolling_commit` does so across
-engines, staged everywhere first, committed one engine at a time.
+engines, staged everywhere first, committed one engine at a time. An AsyncLLM on another node than the trainer
+receives across nodes and stages just the same (`engine_forwarder`, cross_node.py).
 
 A LoRA trainer passes a planner TrainerModel (hwsync.integrations.peft.peft_trainer_model):
 the base goes only when the engine lacks it, the adapter from memory, served to
@@ -30,7 +31,8 @@ loader_check.py (the engine's own loader, dry-run), adapters.py (LoRA adapters f
 vLLM's LoRA manager), fingerprint.py (what a worker checks its base against before each plan),
 kernels.py (MoE and tied-head kernels the reload leaves stale), checkpoint.py (the checkpoint's
 manifest), sources.py (what a trainer holds, as checkpoint-named tensors), staged.py and staged_trainer.py (staged
-syncs: the worker's staging thread, and stage then commit inside vLLM's pause). Importing this
+syncs: the worker's staging thread, and stage then commit inside vLLM's pause), cross_node.py (an engine node fed
+by a CrossNodeReceiver, staged). Importing this
 package imports no vLLM; `HwsyncTrainerInitInfo` / `HwsyncTrainerEngine` import it when first named.
 """
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 from hwsync.integrations.vllm.clients import AsyncLLMClient, LLMClient
+from hwsync.integrations.vllm.cross_node import engine_forwarder
 from hwsync.integrations.vllm.plugin import BACKEND, register
 from hwsync.integrations.vllm.sources import weights_and_manifest
 from hwsync.integrations.vllm.trainer import (
@@ -67,4 +70,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = ["BACKEND", "EXTENSION", "AsyncLLMClient", "AsyncVllmWeightSync", "HttpVllmWeightSync",
            "HwsyncTrainerEngine", "HwsyncTrainerInitInfo", "HwsyncWorkerExtension", "LLMClient", "VllmWeightSync",
-           "auto_bucket_bytes", "lora_request", "register", "rolling_commit", "settle", "weights_and_manifest"]
+           "auto_bucket_bytes", "engine_forwarder", "lora_request", "register", "rolling_commit", "settle",
+           "weights_and_manifest"]

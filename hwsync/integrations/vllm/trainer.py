@@ -271,7 +271,8 @@ class AsyncVllmWeightSync(_EngineSync):
         """Stage every sync from now on (stage() and rolling_commit() stage whatever `stage` said)."""
         self.staging = True
 
-    def _stages(self, specs: list[TensorSpec]) -> bool:
+    def stages(self, specs: list[TensorSpec]) -> bool:
+        """Whether a sync of `specs` stages (`stage="auto"` decides at the first sync, and says why in the log)."""
         if self.staging == "auto":
             chosen, why = stage_choice(specs, self.num_workers)
             log.info("hwsync: %s", why)
@@ -284,7 +285,7 @@ class AsyncVllmWeightSync(_EngineSync):
         sync pauses generation only to apply it (stats.stage.pause_s)."""
         parts = sync_parts(weights, manifest)
         sender = self._session(parts.specs)
-        if self._stages(parts.specs):
+        if self.stages(parts.specs):
             await self._stage(parts, sender, version)
             return await self.commit()
         rpc = asyncio.ensure_future(self.engine.collective_rpc("hwsync_receive", args=self._receive_args(parts)))

