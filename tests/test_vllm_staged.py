@@ -258,3 +258,109 @@ def test_rolling_commit_stages_everywhere_then_pauses_one_engine_at_a_time(engin
         await _rolling(await engines.fresh(2))
 
     engines.run(run())
+
+
+#: the weights each version of the cross-node test carries (version 2 breaks midway)
+SEED_OF = {1: 1, 2: 0, 3: 0}
+
+
+def _cross_node_trainer(endpoint: str, secret: str, versions: list[int], out: Any) -> None:
+    """A trainer process on "another node": CrossNodeSender syncs each version to both engine nodes; version 2's
+    source breaks midway. Reports each send's outcome."""
+    from hwsync import CrossNodeOptions, CrossNodeSender
+    from hwsync.integrations.vllm.sources import weights_and_manifest
+
+    options = CrossNodeOptions(timeout_s=60.0, bucket_bytes=1 << 20, secret_key=secret)
+    with CrossNodeSender(endpoint, num_receivers=2, group_host="127.0.0.1", options=options) as sender:
+        for version in versions:
+            source, manifest = weights_and_manifest(build("llama", SEED_OF[version]), None)
+            if version == 2:
+                source = _breaks_at(list(source), 15)
+            try:
+                sender.send(source, version=version, manifest=manifest)
+                out.put((version, "ok"))
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                out.put((version, f"{type(exc).__name__}: {exc}"))
+
+
+def _breaks_at(pairs: list[Any], fail_at: int) -> Iterator[Any]:
+    for i, pair in enumerate(pairs):
+        if i == fail_at:
+            raise RuntimeError("the trainer died midway")
+        yield pair
+
+
+async def _cross_node(engines: list[Any], port: int) -> None:
+    import multiprocessing as mp
+
+    from hwsync import CrossNodeReceiver
+    from hwsync.control.endpoints import new_token
+    from hwsync.control.sockets import curve_key_pair
+    from hwsync.integrations.vllm import AsyncVllmWeightSync, engine_forwarder
+    public, secret = curve_key_pair()
+    endpoint = f"tcp://127.0.0.1:{port}#{new_token()}#{public}"
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    trainer = ctx.Process(target=_cross_node_trainer, args=(endpoint, secret, [1, 2, 3], out), daemon=True)
+    trainer.start()
+    syncs = [await AsyncVllmWeightSync.create(e, stage=True, timeout_s=60.0, bucket_bytes=1 << 20) for e in engines]
+    receivers = [CrossNodeReceiver(endpoint, rank=r, timeout_s=60.0) for r in (0, 1)]
+    forwards = [engine_forwarder(sync) for sync in syncs]
+    try:
+        async def receive_all() -> list[Any]:
+            return await asyncio.gather(*(asyncio.to_thread(rx.receive, fw) for rx, fw in zip(receivers, forwards)),
+                                        return_exceptions=True)
+
+        # version 1, staged on both engine nodes while they serve a load, then applied on each in its own pause
+        load = Load(engines[0])
+        load.start()
+        await asyncio.sleep(0.5)
+        got = await receive_all()
+        await asyncio.sleep(0.5)
+        await load.stop()
+        assert not any(isinstance(g, BaseException) for g in got), got
+        assert all(g.stage is not None and g.stage.apply_s > 0 for g in got), got
+        assert {o.outputs[0].finish_reason for o in load.finished} == {"length"}  # none aborted
+        v1 = build("llama", SEED_OF[1])
+        for engine, forward in zip(engines, forwards):
+            assert await engine.get_weight_version() == "1"
+            assert forward.result.stage is not None and forward.result.stage.pause_s > 0
+            assert (await _generate(engine)).max_logprob_diff(model_prompt_logprobs(v1)) <= MODULE_TOL
+        assert out.get(timeout=30) == (1, "ok")
+
+        # version 2: the trainer's source breaks midway; neither engine node applies any of it, neither pauses
+        before = [await _generate(e) for e in engines]
+        got = await receive_all()
+        assert all(isinstance(g, BaseException) for g in got), got
+        version, said = out.get(timeout=30)
+        assert version == 2 and "the trainer died midway" in said, said
+        for engine, was in zip(engines, before):
+            assert await engine.get_weight_version() == "1" and not await engine.is_paused()
+            now = await _generate(engine)
+            assert now.tokens == was.tokens and now.prompt_logprobs == was.prompt_logprobs
+        assert all(not sync.staged_ok for sync in syncs)
+
+        # version 3 (the v0 weights) commits on both, exact
+        got = await receive_all()
+        assert not any(isinstance(g, BaseException) for g in got), got
+        assert out.get(timeout=30) == (3, "ok")
+        v3 = build("llama", SEED_OF[3])
+        for engine in engines:
+            assert await engine.get_weight_version() == "3"
+            assert (await _generate(engine)).max_logprob_diff(model_prompt_logprobs(v3)) <= MODULE_TOL
+    finally:
+        for rx in receivers:
+            rx.close()
+        for sync in syncs:
+            sync.close()
+        trainer.join(30)
+        if trainer.is_alive():
+            trainer.kill()
+
+
+def test_engine_nodes_fed_across_nodes_stage_under_load_and_commit_everywhere_or_nowhere(engines: Engines,
+                                                                                        free_port: int):
+    async def run() -> None:
+        await _cross_node(await engines.fresh(2), free_port)
+
+    engines.run(run())
