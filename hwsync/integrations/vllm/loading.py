@@ -364,6 +364,7 @@ class WorkerSync:
             "version": version,
             "weight_version": self.weight_version,
             "incomplete": False if receiver is None else receiver.incomplete,
+            "copy_plan_replays": self.copy_plans.replays,  # syncs applied as copy-only replays (copy_plan.py)
         }
         if target is None:
             return out

@@ -205,8 +205,9 @@ async def _rows(args: argparse.Namespace, engine: Any, toy: ToyModel) -> dict[st
     aborted = load.aborted()
     requests = len(load.reasons)
     weight_version = await engine.get_weight_version()
+    replays = (await engine.collective_rpc("hwsync_status"))[0].get("copy_plan_replays", 0)
     return {"idle_tokens_per_s": idle, "rows": rows, "aborted": aborted, "requests": requests,
-            "weight_version": weight_version}
+            "weight_version": weight_version, "copy_plan_replays": replays}
 
 
 def run_bench_pause(args: argparse.Namespace) -> int:
@@ -277,7 +278,7 @@ def _print_table(r: dict[str, Any]) -> None:
           f"{TARGET_VS_STREAMED}); staged stall / apply = " + ", ".join(
               f"{k} {v:.2f}x" for k, v in r["staged_stall_vs_apply"].items()) + f" (target <= {TARGET_VS_APPLY}x)")
     print(f"requests: {r['requests']} finished, {r['aborted']} aborted; engine weight_version {r['weight_version']!r}; "
-          f"targets met: {r['targets_met']}")
+          f"applies that replayed the loader's copies: {r['copy_plan_replays']}; targets met: {r['targets_met']}")
 
 
 if __name__ == "__main__":

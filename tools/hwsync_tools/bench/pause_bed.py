@@ -117,7 +117,8 @@ async def _serve_and_receive(llm: Any, endpoint: str, requests: int, max_tokens:
                 sync.close()
     await load.stop()
     return {"idle_tokens_per_s": idle, "rows": rows, "aborted": load.aborted(), "requests": len(load.reasons),
-            "weight_version": await llm.get_weight_version()}
+            "weight_version": await llm.get_weight_version(),
+            "copy_plan_replays": (await llm.collective_rpc("hwsync_status"))[0].get("copy_plan_replays", 0)}
 
 
 def run_across(args: argparse.Namespace, model_dir: str, toy_args: dict[str, Any], extension: str) -> dict[str, Any]:

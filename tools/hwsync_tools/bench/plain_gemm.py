@@ -17,11 +17,15 @@ from hwsync.integrations.vllm.worker import HwsyncWorkerExtension
 PLAIN_GEMM_EXTENSION = "hwsync_tools.bench.plain_gemm.PlainGemmExtension"
 
 
-class PlainGemmExtension(HwsyncWorkerExtension):
-    """HwsyncWorkerExtension, and vLLM's CPU GEMM on torch's linear (weights stay in their parameters)."""
+class PlainGemm:
+    """Mixed in before a worker extension: vLLM's CPU GEMM on torch's linear (weights stay in their parameters)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         from vllm import _custom_ops
 
         _custom_ops._supports_onednn = False  # vLLM reads it when each linear layer is processed after loading
         return super().__new__(cls, *args, **kwargs)
+
+
+class PlainGemmExtension(PlainGemm, HwsyncWorkerExtension):
+    """HwsyncWorkerExtension with vLLM's CPU GEMM on torch's linear."""

