@@ -1,8 +1,8 @@
 """The collective (disaggregated) path over gloo on 127.0.0.1, with real processes.
 
 Sender rank 0 runs in the test process; receivers and striped senders are spawned. Children
-report on a queue; each waits for "up" before the first sync so imports do not count against
-the short timeout.
+report on a queue; each waits for "up" before the first sync so imports, and the seconds a
+process's first device op can take (_warm), do not count against the short timeout.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from hwsync.backend.registry import load_backend
 from hwsync.disaggregated import CrossNodeReceiver, CrossNodeSender, assign_owners, make_plan, pack_layout
 from hwsync.disaggregated.plan import CollectivePlan
 from hwsync.protocol import TO_RANK, decode, encode
@@ -26,6 +27,8 @@ from placement import need_devices, place
 BUCKET = 64 << 10
 TIMEOUT = 6.0
 HOST = "127.0.0.1"
+#: how long the spawned ranks may take to import and warm up (seconds each under CPU load)
+START_S = 90.0
 
 
 def _tensors(version: int) -> list[tuple[str, torch.Tensor]]:
@@ -51,11 +54,30 @@ def _exact(got: dict[str, torch.Tensor], version: int) -> bool:
         got[n].dtype == t.dtype and got[n].shape == t.shape and torch.equal(got[n].cpu(), t) for n, t in want.items())
 
 
+def _warm(backend: str) -> None:
+    """One copy on this process's current device of `backend`, as a trainer or engine made long before its first sync.
+
+    A process's first op on a device costs seconds: on the sim, torch imports torch.distributed.tensor
+    (and sympy) when it first dispatches the sim's tensor subclass, 3-8 s with the CPUs loaded; on a GPU
+    the context. Paid inside the first sync, it stalls that rank's control loop past the 6 s timeout.
+    """
+    buffer = torch.zeros(16, dtype=torch.uint8, device=load_backend(backend).device().torch_device())
+    buffer[4:12].copy_(torch.arange(8, dtype=torch.uint8))
+    assert buffer.cpu()[4:12].tolist() == list(range(8))
+
+
 def _receiver(endpoint: str, out, where: tuple[str, int], rank: int, versions: list[int],
-              fault: tuple | None = None) -> None:
+              fault: tuple | None = None, go=None) -> None:
+    """A receiver rank; with `go` (an Event) it reports "up" warmed but joins only once `go` is set."""
     place(*where)
+    _warm(where[0])
+    if go is not None:
+        out.put(("up", rank))
+        if not go.wait(START_S):
+            return
     rx = CrossNodeReceiver(endpoint, rank=rank, timeout_s=TIMEOUT)
-    out.put(("up", rank))
+    if go is None:
+        out.put(("up", rank))
     for v in versions:
         got: dict[str, torch.Tensor] = {}
         calls = [0]
@@ -86,6 +108,7 @@ def _receiver(endpoint: str, out, where: tuple[str, int], rank: int, versions: l
 def _sender(endpoint: str, out, where: tuple[str, int], rank: int, senders: int, receivers: int,
             versions: list[int]) -> None:
     place(*where)
+    _warm(where[0])
     tx = CrossNodeSender(endpoint, rank=rank, num_senders=senders, num_receivers=receivers, group_host=HOST, options=CrossNodeOptions(timeout_s=TIMEOUT))
     out.put(("up", -rank))
     for v in versions:
@@ -110,6 +133,7 @@ class Cluster:
         self.name = backend.name
         if self.name != "cpu":
             backend.device().set_index(0)  # sender 0, here
+        _warm(self.name)
         self.ctx = mp.get_context("spawn")
         self.out = self.ctx.Queue()
         self.procs: list = []
@@ -135,7 +159,7 @@ class Cluster:
 
     def wait_up(self, n: int) -> None:
         for _ in range(n):
-            assert self.out.get(timeout=30)[0] == "up"
+            assert self.out.get(timeout=START_S)[0] == "up"
 
     def reports(self, n: int) -> list[tuple]:
         return [self.out.get(timeout=3 * TIMEOUT) for _ in range(n)]
@@ -242,7 +266,14 @@ def test_released_buffers_come_back_at_the_next_sync_on_the_same_group(backend):
 def test_killed_receiver_fails_every_rank_naming_it_then_a_rebuilt_group_works(backend):
     cluster = Cluster(backend, 2, 3)
     try:
+        # receiver 2's replacement engine rank starts with the others and joins once told: after the failure the
+        # survivors wait for the hub in their next receive() and time out (rightly) if it stays out of send() for
+        # TIMEOUT, less than spawning a process can take with the CPUs loaded
+        go = cluster.ctx.Event()
+        cluster.spawn(_receiver, cluster.receiver_at(2), 2, [2], None, go)
         cluster.start([0, 1, 2], faults={2: ("kill", 1, 1)})  # receiver 2 dies in its first load of version 1
+        cluster.wait_up(1)
+        killed = cluster.procs[1 + 2]  # the replacement, then receivers 0, 1, 2
         cluster.tx.send(_tensors(0), version=0)
         epoch = cluster.tx.group_epoch
         t0 = time.monotonic()
@@ -252,10 +283,9 @@ def test_killed_receiver_fails_every_rank_naming_it_then_a_rebuilt_group_works(b
         reports = cluster.reports(4 + 3)  # version 0: every rank; version 1: all but the killed one
         failed = [r for r in reports if r[2] == 1]
         assert len(failed) == 3 and all("receiver 2" in r[3] and r[4] < TIMEOUT for r in failed), failed
-        cluster.procs[2].join(5)
-        assert cluster.procs[2].exitcode == -signal.SIGKILL
-        cluster.spawn(_receiver, cluster.receiver_at(2), 2, [2], None)  # a replacement engine rank
-        cluster.wait_up(1)
+        killed.join(5)
+        assert killed.exitcode == -signal.SIGKILL
+        go.set()  # the replacement engine rank joins
         cluster.tx.send(_tensors(2), version=2)
         assert cluster.tx.group_epoch != epoch  # rebuilt
         assert all(r[3].startswith("ok") for r in cluster.reports(4)), "sync after the rebuild failed"
@@ -300,6 +330,7 @@ def test_a_receivers_load_error_reaches_every_rank(backend):
 
 def _stateful_receiver(endpoint: str, out, where: tuple[str, int], rank: int, versions: list[int]) -> None:
     place(*where)
+    _warm(where[0])
     rx = CrossNodeReceiver(endpoint, rank=rank, timeout_s=TIMEOUT)
     out.put(("up", rank))
     for v in versions:
@@ -312,6 +343,7 @@ def _stateful_receiver(endpoint: str, out, where: tuple[str, int], rank: int, ve
 def _callable_sender(endpoint: str, out, where: tuple[str, int], rank: int, senders: int, receivers: int,
                      versions: list[int]) -> None:
     place(*where)
+    _warm(where[0])
     tx = CrossNodeSender(endpoint, rank=rank, num_senders=senders, num_receivers=receivers, group_host=HOST, options=CrossNodeOptions(timeout_s=TIMEOUT))
     out.put(("up", -rank))
     for v in versions:
