@@ -121,19 +121,22 @@ def test_striped_senders_to_two_engine_hosts_bit_exact_on_the_interface_of_their
                        and f"from {addr} on hwbed{host}: gloo device bound to {addr}" in line for line in lines), lines
 
 
-def test_link_down_mid_sync_every_rank_raises_naming_the_host_then_the_next_sync_is_exact(bed3, tmp_path):
+@pytest.mark.parametrize("stage", [False, True], ids=["streamed", "staged"])
+def test_link_down_mid_sync_every_rank_raises_naming_the_host_then_the_next_sync_is_exact(bed3, tmp_path, stage):
     """Engine host 2's cable pulled mid-sync: every rank raises within its timeout (the others name receiver 1 and
-    host 2's address; host 2's receiver names the hub's); cable back, the next sync is exact on new groups."""
+    host 2's address; host 2's receiver names the hub's); cable back, the next sync is exact on new groups. Receivers
+    that stage: the surviving engine applied nothing of the broken sync (it serves the last version bit-exact) and
+    released its staging."""
     bed, timeout = bed3, 6.0
     for host in range(3):
         bed.set_rate(host, 100e6)  # 16 MB to two hosts through host 0's uplink: ~2.7 s, a window for the fault
     cluster = Cluster(bed, str(tmp_path), [{"versions": [1, 2, 3], "timeout_s": timeout, "bucket_bytes": MiB,
-                                            "mb": 16}])
+                                            "mb": 16, "stage": stage}])
     cluster.go(0, 1)
     first = cluster.outcomes(0, 1)
     _all_exact(first)
     cluster.go(0, 2)
-    cluster.loaded("r0", 0, 2)
+    cluster.loaded("r0", 0, 2)  # a staging receiver: staged its first bucket
     bed.link_down(2)
     cut = time.time()
     broken = cluster.outcomes(0, 2, timeout=3 * timeout)
@@ -144,6 +147,10 @@ def test_link_down_mid_sync_every_rank_raises_naming_the_host_then_the_next_sync
         named = a0 if who == "r1" else a2  # the cut-off host hears nothing from the hub; the others name it
         assert named in o["error"], f"{who}: {o['error']}"
     assert "receiver 1" in broken["s0"]["error"] and "stopped answering" in broken["s0"]["error"]
+    if stage:  # nothing of version 2 reached the surviving engine, and nothing of it is kept
+        r0 = broken["r0"]
+        assert r0["serves"] == 1, f"r0 serves {r0['serves'] or 'a mix'} after version 2 broke, not version 1"
+        assert r0["staged"] is None and r0["staging_bytes"] == 0, r0
     bed.link_up(2)
     cluster.go(0, 3)
     again = cluster.outcomes(0, 3)
