@@ -31,6 +31,8 @@ import torch  # noqa: E402
 from hwsync.cli.toy_model import PROMPT_TOKENS, EngineOutputs, model_prompt_logprobs  # noqa: E402
 from vllm_families import build, save  # noqa: E402
 
+from hwsync.errors import HwsyncError  # noqa: E402
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 #: the synced engine and the trainer module run different kernels: equal within float32 noise
@@ -190,7 +192,8 @@ class Server:
         port = _port_outside_the_ephemeral_range()
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--skip-tokenizer-init",
                "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8", "--seed",
-               "0", "--host", "127.0.0.1", "--port", str(port), "--weight-transfer-config", '{"backend": "hwsync"}']
+               "0", "--host", "127.0.0.1", "--port", str(port), "--weight-transfer-config", '{"backend": "hwsync"}',
+               "--worker-extension-cls", "hwsync.integrations.vllm.HwsyncWorkerExtension"]
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path  # a file, not a pipe: nobody reads the log while the server starts
         with open(log_path, "wb") as log:
@@ -222,12 +225,15 @@ class Server:
             self.proc.wait(30)
 
 
+#: the tests that use the module's `vllm serve` server
+HTTP_TESTS = ("test_http_routes_take_syncs", "test_http_server_stages_syncs_and_pauses_only_to_apply")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def early_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server | None]:
     """The HTTP test's server, started with the module's first test where that test is to run: most of its start is
     three processes importing vLLM one after another, on one core, while the tests before it use the other."""
-    if not any(item.module is request.module and item.name == "test_http_routes_take_syncs"
-               for item in request.session.items):
+    if not any(item.module is request.module and item.name in HTTP_TESTS for item in request.session.items):
         yield None
         return
     server = Server(request.getfixturevalue("llama")[0], str(tmp_path_factory.mktemp("server") / "server.log"))
@@ -273,3 +279,49 @@ def test_http_routes_take_syncs(server: str, llama: list[str]):
         assert back.tokens == fresh_v0.tokens and back.prompt_logprobs == fresh_v0.prompt_logprobs
     finally:
         trainer.shutdown()
+
+
+def test_http_server_stages_syncs_and_pauses_only_to_apply(server: str, llama: list[str]):
+    """HttpVllmWeightSync(stage=True): the workers stage while the server answers completions, the server pauses
+    (/pause, keep) only to apply; a sync whose source breaks midway never pauses it and changes nothing."""
+    import threading
+
+    from hwsync.integrations.vllm import HttpVllmWeightSync
+
+    finished: list[str] = []
+    stop = threading.Event()
+
+    def load() -> None:  # completions throughout the sync: none may be aborted
+        body = {"model": llama[0], "prompt": [1, 5, 9], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        while not stop.is_set():
+            finished.append(_http(server + "/v1/completions", body)["choices"][0]["finish_reason"])
+
+    lanes = [threading.Thread(target=load) for _ in range(2)]
+    for lane in lanes:
+        lane.start()
+    v1 = build("llama", 1)
+    try:
+        with HttpVllmWeightSync(server, stage=True, timeout_s=60.0) as sync:
+            time.sleep(0.5)
+            stats = sync.sync(v1, version=11)
+            time.sleep(0.5)
+            stop.set()
+            for lane in lanes:
+                lane.join(60)
+            assert stats.stage is not None and 0 < stats.stage.apply_s <= stats.stage.pause_s, stats.stage
+            assert _http(server + "/weight_info") == {"weight_version": "11"}
+            assert finished and set(finished) == {"length"}, finished  # every completion ran to its end
+            after = _completion(server, llama[0])
+            assert after.max_logprob_diff(model_prompt_logprobs(v1)) <= MODULE_TOL
+
+            with pytest.raises((RuntimeError, HwsyncError), match="the trainer died midway"):
+                sync.sync(BreakingSource(build("llama", 0), 15), version=12)
+            assert _http(server + "/weight_info") == {"weight_version": "11"}
+            with urllib.request.urlopen(server + "/is_paused", timeout=30) as response:
+                assert json.loads(response.read()) == {"is_paused": False}
+            again = _completion(server, llama[0])
+            assert again.tokens == after.tokens and again.prompt_logprobs == after.prompt_logprobs
+    finally:
+        stop.set()
+        for lane in lanes:
+            lane.join(60)

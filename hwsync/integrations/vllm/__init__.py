@@ -25,7 +25,8 @@ the base goes only when the engine lacks it, the adapter from memory, served to
 
 Files: engine.py (worker side of the backend) and native.py (its trainer side), clients.py
 (LLMClient / AsyncLLMClient for vLLM's client protocol), worker.py (the extension), trainer.py
-(VllmWeightSync, AsyncVllmWeightSync, HttpVllmWeightSync), loading.py (the one way into the
+(VllmWeightSync, AsyncVllmWeightSync), http.py (HttpVllmWeightSync, staged over the server's routes too),
+loading.py (the one way into the
 model: check, MoE kernel reset, layerwise reload, finalize; WorkerSync's reported state),
 loader_check.py (the engine's own loader, dry-run), adapters.py (LoRA adapters from memory into
 vLLM's LoRA manager), fingerprint.py (what a worker checks its base against before each plan),
@@ -42,12 +43,12 @@ from typing import Any
 
 from hwsync.integrations.vllm.clients import AsyncLLMClient, LLMClient
 from hwsync.integrations.vllm.cross_node import engine_forwarder
+from hwsync.integrations.vllm.http import HttpVllmWeightSync
 from hwsync.integrations.vllm.plugin import BACKEND, register
 from hwsync.integrations.vllm.sources import weights_and_manifest
 from hwsync.integrations.vllm.trainer import (
     EXTENSION,
     AsyncVllmWeightSync,
-    HttpVllmWeightSync,
     VllmWeightSync,
     auto_bucket_bytes,
     lora_request,

@@ -22,9 +22,7 @@ is native.py's.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -355,37 +353,3 @@ async def rolling_commit(syncs: list[AsyncVllmWeightSync], weights: Weights | Tr
         await failed.commit()  # raises the failure with the engine's message (it applies nothing)
         raise HwsyncError(f"version {version} failed to stage on an engine, but its commit did not say why")
     return [await sync.commit() for sync in syncs]
-
-
-class HttpVllmWeightSync(_BlockingEngineSync):
-    """Trainer side for `vllm serve` started with VLLM_SERVER_DEV_MODE=1 (its /collective_rpc route)."""
-
-    def __init__(self, base_url: str, *, sender: WeightSender | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 bucket_bytes: int | None = None, allow_partial: bool = False, delta: bool = False) -> None:
-        self.base_url = base_url.rstrip("/")
-        try:
-            workers = self._post("/collective_rpc", {"method": "hwsync_status"}, timeout_s)["results"]
-        except Exception as exc:
-            raise _missing_extension(exc) from exc
-        super().__init__(len(workers), sender, timeout_s, bucket_bytes, allow_partial, delta)
-
-    def _post(self, path: str, body: dict[str, Any] | None, timeout_s: float) -> Any:
-        data = json.dumps(body or {}).encode()
-        request = urllib.request.Request(self.base_url + path, data=data, method="POST",
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            text = response.read()
-        return json.loads(text) if text else None
-
-    def sync(self, weights: Weights | TrainerModel, *, version: int,
-             manifest: list[TensorSpec] | None = None) -> SyncStats:
-        """Push `weights` (or a TrainerModel to plan) as `version` over the server's /collective_rpc."""
-        return self._drive(sync_parts(weights, manifest), version)
-
-    def _receive_rpc(self, args: tuple[Any, ...]) -> Any:
-        # the route passes arguments as strings; hwsync_receive converts them back (the adapter from JSON)
-        body = {"method": "hwsync_receive", "args": [json.dumps(a) if isinstance(a, dict) else str(a) for a in args]}
-        return self._post("/collective_rpc", body, self.timeout_s + RPC_GRACE_S)["results"]
-
-    def _reset_prefix_cache(self) -> None:
-        self._post("/reset_prefix_cache", None, self.timeout_s)
