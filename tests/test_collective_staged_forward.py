@@ -94,6 +94,8 @@ def _agent(endpoint: str, out: Any, where: tuple[str, int], rank: int, fault: st
         engine.join(3 * TIMEOUT)
 
 
+@pytest.mark.cpu_is_enough("the two phases are the control plane's and the forwarder's; the staging engines' copies "
+                            "run on the sim in test_staged.py")
 @pytest.mark.parametrize("fault", ["refused", "after staging"])
 def test_engine_nodes_stage_and_apply_only_once_every_node_staged(backend, fault):
     need_devices(backend, 3)
