@@ -31,6 +31,7 @@ from hwsync.errors import (  # noqa: E402
     HwsyncError,
     ManifestError,
     NotAppliedError,
+    PartlyAppliedError,
     StagingMemoryError,
     SyncError,
     SyncTimeoutError,
@@ -51,5 +52,5 @@ __all__ = [
     "CrossNodeOptions", "ReceiverState", "ReceiverReport", "engine_dtypes", "SyncStats",
     "Source", "TrainerModel", "EngineState", "SyncMode", "TensorSpec", "manifest_from_module", "SharedParameters",
     "HwsyncError", "SyncError", "SyncTimeoutError", "ClosedError", "ManifestError",
-    "NotAppliedError", "StagingMemoryError",
+    "NotAppliedError", "PartlyAppliedError", "StagingMemoryError",
 ]

@@ -51,6 +51,12 @@ class NotAppliedError(SyncError):
     previous one; the message names the receiver that failed and why."""
 
 
+class PartlyAppliedError(SyncError):
+    """A staged sync was committed (every receiver had staged it and the Apply went out), but a receiver failed or
+    exited before it said applied: the others apply the version; the one named holds no known version, and its
+    next sync is full."""
+
+
 class SupersededError(SyncError):
     """A staged version was never committed: a newer stage or send replaced it, and no receiver applied it."""
 

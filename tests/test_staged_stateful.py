@@ -46,7 +46,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from hwsync import HwsyncError, NotAppliedError, WeightSender
+from hwsync import HwsyncError, NotAppliedError, PartlyAppliedError, WeightSender
 from hwsync.sync.options import SenderOptions
 
 EXAMPLES = int(os.environ.get("HWSYNC_STAGED_EXAMPLES", "0"))
@@ -241,8 +241,8 @@ class StagedMachine(RuleBasedStateMachine):
         """An engine killed once every engine staged, before the commit (stage(), the kill, commit()): NotAppliedError
         naming it, and the other keeps what it served. Or killed right as it says it staged (in send(), or before
         stage() returns): NotAppliedError and none applied, or, where the sender sent its Apply before it saw the
-        death (docs/staged.md: the row "a receiver fails inside its apply"), another error and the survivor applied
-        the version."""
+        death, PartlyAppliedError naming it and the survivor applied the version (docs/staged.md: the row "a receiver
+        fails or dies after the Apply went out")."""
         self.kills -= 1
         self._offer({which: {"die_after_staging": True}} if when == "as it staged" else {})
         version, digest = self.bed.next_version(), model_digest(self.trainer)
@@ -269,6 +269,8 @@ class StagedMachine(RuleBasedStateMachine):
             self._kept(survivor, reply, "not applied")
             event(f"kill {when}: NotAppliedError")
         else:  # the Apply went out before the death was seen: the survivor applied (or failed) on its own
+            assert isinstance(failed, PartlyAppliedError) and str(doomed.proc.pid) in str(failed), \
+                f"a death after the Apply must say the version was committed, naming the engine: {failed!r}"
             if reply["ok"]:
                 self._applied(survivor, reply, version, digest)
             else:

@@ -32,7 +32,7 @@ from hwsync.colocated.replay import SentPlan
 from hwsync.colocated.sender_control import Peer, SenderControl, SyncReceivers
 from hwsync.colocated.stream import BucketLink, BucketStream, BufferPool, DoorbellLink, FrameLink
 from hwsync.control.endpoints import CloseSignal, new_token, private_ipc_dir, remove_ipc_dir
-from hwsync.errors import NotAppliedError, SyncError
+from hwsync.errors import NotAppliedError, PartlyAppliedError, SyncError
 from hwsync.protocol import (
     MAX_SENDER_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -264,7 +264,7 @@ class SharedBuffers:
         if stagers:
             with applied_by_none(stagers, version):  # one that died or failed since it staged: none applies
                 receivers.poll("before sending the Apply")
-            reports = self._commit(receivers, stagers, reports, stats)
+            reports = self._commit(receivers, stagers, reports, stats, version)
         made, self._made = self._made, None
         if stagers or made is None:
             self._plan = None
@@ -276,14 +276,21 @@ class SharedBuffers:
         self._control.end_sync(failed=False)
         self._receivers = None
 
-    def _commit(self, receivers: SyncReceivers, stagers: list[Peer], reports: list[dict],
-                stats: SyncStats) -> list[dict]:
+    def _commit(self, receivers: SyncReceivers, stagers: list[Peer], reports: list[dict], stats: SyncStats,
+                version: int) -> list[dict]:
         """Every receiver staged the sync: Apply to those that stage, and their Applied (with their figures)."""
         t0 = time.perf_counter()
         data = encode(Apply(sync=receivers.sync))
         for peer in stagers:
             self._control.send_to(peer, data)
-        applied = receivers.await_each(Applied, "waiting for receivers to apply the staged sync", stats, peers=stagers)
+        try:
+            applied = receivers.await_each(Applied, "waiting for receivers to apply the staged sync", stats,
+                                           peers=stagers)
+        except SyncError as exc:  # past the point of no return: every receiver that stays up applies the version
+            raise PartlyAppliedError(f"version {version} was committed: every receiver "
+                                     "had staged it and was sent the Apply, so each one still running applies it; "
+                                     f"then {type(exc).__name__}: {exc}. The receiver that failed holds no known "
+                                     "version: its next sync is full") from exc
         staged = dict(zip([p.identity for p in stagers], applied))
         merged = [report if peer.identity not in staged else {**report, **staged[peer.identity].stats}
                   for peer, report in zip(receivers.peers, reports)]
