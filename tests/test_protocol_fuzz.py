@@ -29,8 +29,8 @@ import pytest
 
 from hwsync.errors import ProtocolError
 from hwsync.control.sockets import Gate
-from hwsync.protocol import TO_HUB, TO_RANK, TO_RECEIVER, TO_SENDER, BadFrame, Count, Frame, Ready, RankReady, decode, \
-    encode, peek, refused_reason
+from hwsync.protocol import TO_HUB, TO_RANK, TO_RECEIVER, TO_SENDER, Accept, BadFrame, Count, Frame, Ready, RankReady, \
+    decode, encode, peek, refused_reason
 from hwsync.protocol.fields import INT_MAX, INT_MIN
 
 from test_protocol import _example
@@ -320,3 +320,18 @@ def test_refused_reason_reads_any_version_and_nothing_else():
             assert refused_reason(tag) is None
         if reason is not None:
             assert refused_reason(reason) == (value if type(value) is str else None)
+
+
+def test_a_late_frame_from_a_peer_let_go_is_dropped_quietly_and_a_strangers_loudly(caplog):
+    """After an aborted sync the sender lets its receivers go; their frames still in flight are dropped (nothing they
+    say changes state) but are no stranger's: no warning about a peer that never presented the token."""
+    caplog.set_level(logging.DEBUG, logger="hwsync")
+    gate = Gate(TOKEN, Ready, TO_SENDER, lambda identity, frame: None)
+    late = encode(Accept(sync=3))
+    gate.bind(b"receiver")
+    gate.unbind(b"receiver")  # the sync was aborted
+    assert gate.admit([_Part(b"receiver"), _Part(late)]) is None
+    assert gate.admit([_Part(b"stranger"), _Part(late)]) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "never presented the token" in warnings[0], warnings  # the stranger's alone
+    assert gate.drops.total == 1

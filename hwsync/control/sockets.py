@@ -299,6 +299,9 @@ class Gate:
         self._frames = frames
         self._reply = reply
         self.bound: set[bytes] = set()
+        #: identities trusted once and let go (a peer of an aborted sync, one that left): their late frames are
+        #: still dropped, but quietly: they are no stranger's
+        self._left: OrderedDict[bytes, None] = OrderedDict()
         self.drops = DropLog(f"the {names[1]}")
         #: reasons of refusals that mean the deployment is wrong, since the owner last looked
         self.fatal: list[str] = []
@@ -314,6 +317,10 @@ class Gate:
             frame = decode(data, self._frames if bound else self._ready)
         except BadFrame as exc:
             if not bound and self._refuse_other_version(identity, data):
+                return None
+            if not bound and identity in self._left:
+                log.debug("hwsync: the %s dropped a late frame from a %s it no longer trusts (it left, or its sync "
+                          "was aborted): %s", self._names[1], self._names[0], str(exc)[:MAX_DROP_REASON_CHARS])
                 return None
             self.drops.drop(identity, peer_address(parts[1]),
                             str(exc) if bound else f"{exc}, from a peer that never presented the token")
@@ -355,6 +362,10 @@ class Gate:
 
     def unbind(self, identity: bytes) -> None:
         """Trust `identity` no more (a peer that left, or reconnected under a new identity)."""
+        if identity in self.bound:
+            self._left[identity] = None
+            while len(self._left) > DropLog.MAX_PEERS:
+                self._left.popitem(last=False)
         self.bound.discard(identity)
 
     def refuse(self, identity: bytes, reason: str, *, fatal: bool) -> None:
