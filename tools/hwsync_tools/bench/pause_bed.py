@@ -103,6 +103,7 @@ async def _serve_and_receive(llm: Any, endpoint: str, requests: int, max_tokens:
                     t0 = time.monotonic()
                     stats = await asyncio.to_thread(receiver.receive, forward)
                     t1 = time.monotonic()
+                    await asyncio.sleep(settle_s)  # the outputs that end the sync's gaps arrive after it
                     local = forward.result  # the engine's side: the local sync's (staged: its commit's) stats
                     stage = local.stage if local is not None else None
                     rows.append({"way": "staged" if staged else "streamed", "sync": kind,
@@ -112,7 +113,6 @@ async def _serve_and_receive(llm: Any, endpoint: str, requests: int, max_tokens:
                                  "tokens_per_s": load.tokens_per_s(t0, t1),
                                  "staging_bytes": stage.held_bytes if stage is not None else 0,
                                  "link_stage_s": stats.stage.stage_s if stats.stage is not None else None})
-                    await asyncio.sleep(settle_s)
             finally:
                 sync.close()
     await load.stop()
