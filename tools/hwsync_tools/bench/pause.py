@@ -107,10 +107,11 @@ class Load:
         self._stop = True
         await asyncio.gather(*self._tasks)
 
-    def stall(self, start: float, end: float) -> float:
-        """The longest wait between consecutive outputs of a request, over gaps that overlap [start, end]."""
+    def stall(self, start: float, end: float, ends_by: bool = False) -> float:
+        """The longest wait between consecutive outputs of a request, over gaps that overlap [start, end] (`ends_by`:
+        that end by `end`)."""
         return max((b[0] - a[0] for events in self.requests for a, b in zip(events[1:], events[2:])
-                    if b[0] >= start and a[0] <= end), default=0.0)
+                    if b[0] >= start and a[0] <= end and (not ends_by or b[0] <= end)), default=0.0)
 
     def tokens_per_s(self, start: float, end: float) -> float:
         """Tokens generated between `start` and `end`, per second."""
@@ -166,7 +167,8 @@ async def _rows(args: argparse.Namespace, engine: Any, toy: ToyModel) -> dict[st
     await asyncio.sleep(args.settle_s)  # warm: the first requests compile nothing but page weights in
     idle_start = time.monotonic()
     await asyncio.sleep(args.settle_s)
-    idle = load.tokens_per_s(idle_start, time.monotonic())
+    idle_end = time.monotonic()
+    idle, idle_stall = load.tokens_per_s(idle_start, idle_end), load.stall(idle_start, idle_end, ends_by=True)
     version = 0
     for staged in (False, True):
         sync = await AsyncVllmWeightSync.create(engine, stage=staged, pause_mode=args.mode, delta=True,
@@ -206,7 +208,8 @@ async def _rows(args: argparse.Namespace, engine: Any, toy: ToyModel) -> dict[st
     requests = len(load.reasons)
     weight_version = await engine.get_weight_version()
     replays = (await engine.collective_rpc("hwsync_status"))[0].get("copy_plan_replays", 0)
-    return {"idle_tokens_per_s": idle, "rows": rows, "aborted": aborted, "requests": requests,
+    return {"idle_tokens_per_s": idle, "idle_stall_s": idle_stall, "rows": rows,
+            "aborted": aborted, "requests": requests,
             "weight_version": weight_version, "copy_plan_replays": replays}
 
 
@@ -267,7 +270,8 @@ def _print_table(r: dict[str, Any]) -> None:
     print(f"model: Llama {model['params'] / 1e6:.0f}M params float32; load: {r['load']['requests_concurrent']} "
           f"concurrent requests of {r['load']['max_tokens']} tokens, pause mode {r['load']['mode']}; {r['path']}; "
           f"GEMM {r['gemm']}")
-    print(f"idle: {r['idle_tokens_per_s']:.1f} tokens/s")
+    print(f"idle: {r['idle_tokens_per_s']:.1f} tokens/s, longest wait between two outputs {r['idle_stall_s']:.3f} s "
+          "(the engine's own step)")
     print(f"{'way':<9} {'sync':<6} {'sent as':<7} {'sync s':>7} {'stall s':>8} {'held s':>7} {'apply s':>8} "
           f"{'tok/s':>6} {'staging MB':>11}")
     for row in r["rows"]:

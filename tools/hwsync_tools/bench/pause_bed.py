@@ -91,7 +91,8 @@ async def _serve_and_receive(llm: Any, endpoint: str, requests: int, max_tokens:
     await asyncio.sleep(settle_s)
     idle_start = time.monotonic()
     await asyncio.sleep(settle_s)
-    idle = load.tokens_per_s(idle_start, time.monotonic())
+    idle_end = time.monotonic()
+    idle, idle_stall = load.tokens_per_s(idle_start, idle_end), load.stall(idle_start, idle_end, ends_by=True)
     rows: list[dict[str, Any]] = []
     with CrossNodeReceiver(endpoint, rank=0, timeout_s=timeout_s) as receiver:
         for staged in WAYS:
@@ -99,7 +100,10 @@ async def _serve_and_receive(llm: Any, endpoint: str, requests: int, max_tokens:
                                                     timeout_s=timeout_s)
             try:
                 forward = engine_forwarder(sync)
+                marks: dict[str, float] = {}
+                forward.commit = _timed(forward.commit, marks)  # type: ignore[method-assign]  # when the pause falls
                 for kind in KINDS:
+                    marks.clear()
                     t0 = time.monotonic()
                     stats = await asyncio.to_thread(receiver.receive, forward)
                     t1 = time.monotonic()
@@ -112,13 +116,30 @@ async def _serve_and_receive(llm: Any, endpoint: str, requests: int, max_tokens:
                                  "apply_s": stage.apply_s if stage is not None else None,
                                  "tokens_per_s": load.tokens_per_s(t0, t1),
                                  "staging_bytes": stage.held_bytes if stage is not None else 0,
-                                 "link_stage_s": stats.stage.stage_s if stats.stage is not None else None})
+                                 "link_stage_s": stats.stage.stage_s if stats.stage is not None else None,
+                                 # staged: the longest gap before the commit began, and the longest one it overlaps
+                                 "stall_staging_s": load.stall(t0, marks["commit"], ends_by=True)
+                                 if staged and "commit" in marks else None,
+                                 "stall_commit_s": load.stall(marks["commit"], marks["committed"])
+                                 if staged and "committed" in marks else None})
             finally:
                 sync.close()
     await load.stop()
-    return {"idle_tokens_per_s": idle, "rows": rows, "aborted": load.aborted(), "requests": len(load.reasons),
+    return {"idle_tokens_per_s": idle, "idle_stall_s": idle_stall, "rows": rows,
+            "aborted": load.aborted(), "requests": len(load.reasons),
             "weight_version": await llm.get_weight_version(),
             "copy_plan_replays": (await llm.collective_rpc("hwsync_status"))[0].get("copy_plan_replays", 0)}
+
+
+def _timed(commit: Any, marks: dict[str, float]) -> Any:
+    """`commit`, noting in `marks` when it began and ended."""
+    def timed() -> None:
+        marks["commit"] = time.monotonic()
+        try:
+            commit()
+        finally:
+            marks["committed"] = time.monotonic()
+    return timed
 
 
 def run_across(args: argparse.Namespace, model_dir: str, toy_args: dict[str, Any], extension: str) -> dict[str, Any]:
