@@ -107,7 +107,7 @@ class CrossNodeReceiver:
         start = time.perf_counter()
         stats = SyncStats(transport=f"collective/{self.backend.name}")
         link = self._link
-        began = staged_apart = committing = False  # staged_apart: a loader that stages on its own staged this sync
+        began = committing = False
         try:
             self._data = []
             said = ReceiverState.of(state)
@@ -147,7 +147,7 @@ class CrossNodeReceiver:
                 if hooks.commit is None:
                     self.version, self.incomplete = version, False
                 else:
-                    stats.stage, staged_apart, self.staged = StageStats(receivers=1), True, version
+                    stats.stage = StageStats(receivers=1)
             stats.total_s = time.perf_counter() - start
             if stats.stage is not None:
                 stats.stage.stage_s, self.staged = stats.total_s, version
@@ -162,8 +162,8 @@ class CrossNodeReceiver:
                 stats.stage.apply_s = applied.apply_s
                 stats.load_s += applied.apply_s  # done() ran inside the pause, with the apply
                 self.version, self.incomplete = version, False
-            elif staged_apart:  # committed: every rank staged it; the loader applies what it staged
-                assert hooks.commit is not None and stats.stage is not None
+            elif hooks.commit is not None:  # committed: every rank staged it; the loader applies what it staged
+                assert stats.stage is not None
                 self.staged, self.incomplete, committing = None, True, True
                 t0 = time.perf_counter()
                 hooks.commit()

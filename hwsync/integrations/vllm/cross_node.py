@@ -38,28 +38,24 @@ def engine_forwarder(sync: AsyncVllmWeightSync) -> StagedForwarder:
     """The Loader a CrossNodeReceiver on the engine's node receives into, feeding `sync`'s engine; make it in the
     event loop's thread and call `receive` on another (`asyncio.to_thread`)."""
     loop = asyncio.get_running_loop()
-    staged: list[bool] = [False]
 
     def run(coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
     def stage(source: Iterator[tuple[str, torch.Tensor]], version: int,
               manifest: list[TensorSpec] | None) -> SyncStats | None:
-        staged[0] = manifest is not None and sync.stages(manifest)
-        if not staged[0]:  # streamed: applied as it arrives (the sync's choice, or the host is short of memory)
+        if manifest is None or not sync.stages(manifest):  # streamed: applied as it arrives (stage=False, or
+            # "auto" where the host is short of memory)
             return run(sync.sync(source, version=version, manifest=manifest))
         run(sync.stage(source, version=version, manifest=manifest))
         if not sync.staged_ok:  # a worker failed to stage or verify: commit() raises its error, applying nothing
-            staged[0] = False
             run(sync.commit())
         return None
 
-    def commit() -> SyncStats | None:
-        was, staged[0] = staged[0], False
-        return run(sync.commit()) if was else None
+    def commit() -> SyncStats | None:  # nothing to apply after a streamed sync
+        return run(sync.commit()) if sync.staged_ok else None
 
     def abandon() -> None:
-        staged[0] = False
         run(sync.abandon())
 
     return StagedForwarder(stage, commit=commit, abandon=abandon, timeout_s=sync.timeout_s)
