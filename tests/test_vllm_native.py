@@ -147,8 +147,81 @@ async def _async_llm_round_trip(v0_dir: str) -> None:
             assert back.tokens == fresh_v0.tokens and back.prompt_logprobs == fresh_v0.prompt_logprobs
         finally:
             trainer.shutdown()
+        await _staged_through_the_native_door(engine, client, fresh_v0)
     finally:
         engine.shutdown()
+
+
+class WaitsForRequests(BreakingSource):
+    """A source that, at tensor `at`, waits until `more` requests of a load finished: only an engine that generates
+    while the sync is in flight lets it go on."""
+
+    def __init__(self, module: torch.nn.Module, at: int, finished: Any, more: int = 2) -> None:
+        super().__init__(module, fail_at=-1)
+        self.at, self.finished, self.more = at, finished, more
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, pair in enumerate(self._pairs):
+            if i == self.at:
+                start, deadline = len(self.finished), time.monotonic() + 60.0
+                while len(self.finished) < start + self.more:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("no request finished while the sync was in flight: the engine was held")
+                    time.sleep(0.05)
+            yield pair
+
+
+async def _staged_through_the_native_door(engine: Any, client: Any, fresh_v0: EngineOutputs) -> None:
+    """HwsyncTrainerInitInfo(stage=True): the engine generates while the sync stages, pauses only to apply it; a sync
+    that breaks while it stages applies nothing and never pauses."""
+    from test_vllm_staged import Load  # noqa: PLC0415 - that module imports this one
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from hwsync.integrations.vllm import HwsyncTrainerInitInfo
+
+    info = HwsyncTrainerInitInfo(rank=0, timeout_s=60.0, bucket_bytes=1 << 20, stage=True, pause_mode="keep")
+    v1 = build("llama", 1)
+    trainer = await asyncio.to_thread(WeightTransferTrainerFactory.trainer_init, info, client=client, source=v1)
+    try:
+        load = Load(engine)
+        load.start()
+        await asyncio.sleep(1.0)
+        stats = await asyncio.to_thread(trainer.send_weights, "s-1", source=WaitsForRequests(v1, 15, load.finished))
+        await asyncio.sleep(0.5)
+        await load.stop()
+        assert stats.stage is not None and stats.stage.pause_s > 0, stats.stage
+        assert await engine.get_weight_version() == "s-1" and not await engine.is_paused()
+        assert {out.outputs[0].finish_reason for out in load.finished} == {"length"}  # keep: none aborted
+        after = await _generate(engine)
+        assert after.max_logprob_diff(model_prompt_logprobs(v1)) <= MODULE_TOL
+
+        with pytest.raises(RuntimeError, match="the trainer died midway"):
+            await asyncio.to_thread(trainer.send_weights, "s-2", source=BreakingSource(build("llama", 0), 15))
+        assert await engine.get_weight_version() == "s-1" and not await engine.is_paused()
+        (status,) = await engine.collective_rpc("hwsync_status")
+        assert status["incomplete"] is False and status["weight_version"] == "s-1"  # staged: nothing was applied
+        again = await _generate(engine)
+        assert again.tokens == after.tokens and again.prompt_logprobs == after.prompt_logprobs
+
+        await asyncio.to_thread(trainer.send_weights, "s-3", source=build("llama", 0))
+        back = await _generate(engine)
+        assert back.tokens == fresh_v0.tokens and back.prompt_logprobs == fresh_v0.prompt_logprobs
+    finally:
+        trainer.shutdown()
+
+
+def test_staged_native_door_needs_a_client_that_pauses_and_a_known_phase():
+    from hwsync.integrations.vllm import HwsyncTrainerInitInfo, LLMClient
+    from hwsync.integrations.vllm.engine import HwsyncUpdateInfo
+    from hwsync.integrations.vllm.native import HwsyncTrainerEngine
+
+    with pytest.raises(TypeError, match="cannot pause it: use hwsync's AsyncLLMClient"):
+        HwsyncTrainerEngine.trainer_init(HwsyncTrainerInitInfo(rank=0, stage=True), client=LLMClient(object()))
+    with pytest.raises(ValueError, match="pause_mode='later'"):
+        HwsyncTrainerEngine.trainer_init(HwsyncTrainerInitInfo(rank=0, pause_mode="later"), client=LLMClient(object()))
+    with pytest.raises(ValueError, match="phase='later'"):
+        HwsyncUpdateInfo(phase="later")
 
 
 def test_async_llm_takes_syncs_and_survives_a_broken_one(llama: list[str]):
@@ -279,6 +352,19 @@ def test_http_routes_take_syncs(server: str, llama: list[str]):
         assert back.tokens == fresh_v0.tokens and back.prompt_logprobs == fresh_v0.prompt_logprobs
     finally:
         trainer.shutdown()
+    # staged through the same door: vLLM's HTTP client reaches the server's /pause and /resume
+    staged = WeightTransferTrainerFactory.trainer_init(HwsyncTrainerInitInfo(rank=0, timeout_s=60.0, stage=True),
+                                                       client=HTTPVLLMWeightSyncClient(server), source=v1)
+    try:
+        stats = staged.send_weights("http-3")
+        assert stats.stage is not None and stats.stage.pause_s > 0, stats.stage
+        assert _http(server + "/weight_info") == {"weight_version": "http-3"}
+        assert _completion(server, llama[0]).max_logprob_diff(model_prompt_logprobs(v1)) <= MODULE_TOL
+        staged.send_weights("http-4", source=build("llama", 0))
+        back = _completion(server, llama[0])
+        assert back.tokens == fresh_v0.tokens and back.prompt_logprobs == fresh_v0.prompt_logprobs
+    finally:
+        staged.shutdown()
 
 
 def test_http_server_stages_syncs_and_pauses_only_to_apply(server: str, llama: list[str]):

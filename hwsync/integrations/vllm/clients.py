@@ -5,13 +5,16 @@ A trainer-side weight-transfer engine drives the inference side through vLLM's
 vLLM provides it for HTTP (`HTTPVLLMWeightSyncClient`) and Ray actors; `vllm.LLM` has the same
 four methods but takes request dicts (`{"init_info": ...}`), and `AsyncLLM`'s are coroutines.
 These adapters add only that wrapping, plus `world_size()` (how many workers receive) and
-`reset_prefix_cache()`, which the hwsync trainer engine uses when a client has them.
+`reset_prefix_cache()`, which the hwsync trainer engine uses when a client has them, and, for staged syncs
+(`HwsyncTrainerInitInfo(stage=True)`), `pause_generation(mode)` and `resume_generation()` where the engine serves
+while it syncs (AsyncLLM; vLLM's HTTP client reaches the server's /pause and /resume: `pause_generation` here).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import urllib.parse
 import urllib.request
 from collections.abc import Coroutine
 from typing import Any
@@ -98,6 +101,14 @@ class AsyncLLMClient:
         """Drop cached KV blocks: they were computed with the old weights."""
         self._run(self.engine.reset_prefix_cache())
 
+    def pause_generation(self, mode: str) -> None:
+        """vLLM's pause in `mode` ("keep", "wait" or "abort"); caches are cleared except in "keep"."""
+        self._run(self.engine.pause_generation(mode=mode, clear_cache=mode != "keep"))
+
+    def resume_generation(self) -> None:
+        """Resume generation after pause_generation."""
+        self._run(self.engine.resume_generation())
+
 
 def engine_world_size(client: Any, timeout_s: float = 30.0) -> int | None:
     """How many workers receive each update, when the client can tell (ours, or an HTTP client's server)."""
@@ -123,3 +134,33 @@ def reset_prefix_cache(client: Any, timeout_s: float = 30.0) -> bool:
         with urllib.request.urlopen(request, timeout=timeout_s):
             return True
     return False
+
+
+def can_pause(client: Any) -> bool:
+    """Whether `client` can pause and resume its engine's generation (ours for AsyncLLM; an HTTP client's server)."""
+    return callable(getattr(client, "pause_generation", None)) or isinstance(getattr(client, "base_url", None), str)
+
+
+def pause_generation(client: Any, mode: str, timeout_s: float = 300.0) -> None:
+    """Pause the engine's generation through `client` (see can_pause): vLLM's pause in `mode`."""
+    pause = getattr(client, "pause_generation", None)
+    if callable(pause):
+        pause(mode)
+        return
+    query = urllib.parse.urlencode({"mode": mode, "clear_cache": str(mode != "keep").lower()})
+    _post(client.base_url, "/pause?" + query, timeout_s)
+
+
+def resume_generation(client: Any, timeout_s: float = 300.0) -> None:
+    """Resume the engine's generation through `client` (see can_pause)."""
+    resume = getattr(client, "resume_generation", None)
+    if callable(resume):
+        resume()
+        return
+    _post(client.base_url, "/resume", timeout_s)
+
+
+def _post(base_url: str, route: str, timeout_s: float) -> None:
+    request = urllib.request.Request(base_url.rstrip("/") + route, data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=timeout_s):
+        pass

@@ -8,6 +8,10 @@ plugin.py) and drives it through its weight-transfer API, whichever entry the tr
     start_weight_update                                                (nothing changes yet)
     update_weights {weight_version, adapter}   one whole hwsync sync: receive, check, load, finalize
                                            (adapter: the LoRA adapter the sync ends with, adapters.py)
+    update_weights {..., phase: "stage"}   or, staged: start receiving into staging memory on a thread and
+                                           return at once (the engine keeps generating, its weights untouched)
+    update_weights {phase: "apply"}        then, with generation paused: apply what was staged (once the
+                                           trainer's sender commits it), or raise why nothing was applied
     finish_weight_update(weight_version)   vLLM stamps the version on the engine's outputs
 
 Every value is a str, float, bool or None: msgpack and JSON carry them natively, so no pickle
@@ -42,12 +46,16 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 from hwsync.errors import HwsyncError
 from hwsync.integrations.vllm.adapters import AdapterSpec
 from hwsync.integrations.vllm.loading import Target, WorkerSync
-from hwsync.integrations.vllm.worker import target_of
+from hwsync.integrations.vllm.staged import StagedReceive
+from hwsync.integrations.vllm.worker import STAGED_PAUSE_WAIT_S, target_of
 from hwsync.timing import DEFAULT_TIMEOUT_S
 
 BACKEND = "hwsync"
 #: the vLLM logger that warns "Failed to load weights" for each layer a finalize restores unloaded
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+#: what an update does: "whole" receives and applies inside the call; "stage" starts receiving into staging memory
+#: and returns at once; "apply" applies the staged version (call it with generation paused)
+PHASES = ("whole", "stage", "apply")
 
 
 def open_reload_layers(model: torch.nn.Module) -> int:
@@ -100,6 +108,12 @@ class HwsyncUpdateInfo(WeightTransferUpdateInfo):
     adapter: dict[str, Any] | None = None
     #: the trainer plans from the workers' state (a TrainerModel): they check their base's fingerprint
     plans: bool = True
+    #: one of PHASES: the whole sync in this call, or staged (stage, then apply inside the engine's pause)
+    phase: str = "whole"
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"HwsyncUpdateInfo(phase={self.phase!r}): one of {', '.join(PHASES)}")
 
 
 class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpdateInfo]):
@@ -112,6 +126,8 @@ class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpda
         super().__init__(config, vllm_config, device, model)
         self.worker = WorkerSync(rank=int(getattr(self.parallel_config, "rank", 0)))
         self._init: HwsyncInitInfo | None = None
+        #: the sync a "stage" update started, until the "apply" update that ends it
+        self._staged: StagedReceive | None = None
 
     def init_transfer_engine(self, init_info: HwsyncInitInfo) -> None:
         """Remember the trainer's sender; a later init (a new sender) replaces it."""
@@ -124,7 +140,8 @@ class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpda
 
     def receive_weights(self, update_info: HwsyncUpdateInfo,
                         load_weights: Callable[[Any], Any] | None = None) -> None:
-        """Receive one whole sync into the model (checked, loaded layerwise, finalized).
+        """Receive one whole sync into the model (checked, loaded layerwise, finalized), or stage it, or apply what
+        was staged (`update_info.phase`).
 
         `load_weights`: given by a worker that opened vLLM's layerwise reload itself (vllm-ascend up to 0.26.0rc1,
         which passes `model.load_weights`): that reload is closed untouched first, and hwsync loads through the
@@ -132,11 +149,35 @@ class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpda
         init = self._require_init()
         if load_weights is not None:
             close_untouched_reload(self.target())
+        if update_info.phase == "apply":
+            self._apply(float(init.timeout_s))
+            return
+        if self._staged is not None and self._staged.running:
+            raise HwsyncError(f"update_weights(phase={update_info.phase!r}) while a staged sync still runs on this "
+                              "worker: end it with update_weights(phase='apply') first")
+        self._staged = None
         adapter = None if update_info.adapter is None else AdapterSpec.parse(update_info.adapter)
-        self.worker.receive(update_info.endpoint or init.endpoint, self.target(),
-                            timeout_s=float(init.timeout_s), allow_partial=bool(init.allow_partial),
-                            weight_version=update_info.weight_version, adapter=adapter,
-                            plans=bool(update_info.plans))
+        target, timeout_s = self.target(), float(init.timeout_s)
+
+        def receive(pause: Any = None) -> dict[str, Any]:
+            return self.worker.receive(update_info.endpoint or init.endpoint, target, timeout_s=timeout_s,
+                                       allow_partial=bool(init.allow_partial),
+                                       weight_version=update_info.weight_version, adapter=adapter,
+                                       plans=bool(update_info.plans), pause=pause)
+
+        if update_info.phase == "stage":  # the engine generates on while the thread receives; nothing is applied
+            self._staged = StagedReceive(receive, wait_s=timeout_s + STAGED_PAUSE_WAIT_S)
+        else:
+            receive()
+
+    def _apply(self, timeout_s: float) -> None:
+        """With generation paused: let the staged sync apply and wait for it; raises its error (nothing applied when
+        it failed before the sender's commit)."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            raise HwsyncError("update_weights(phase='apply') without a staged sync: send "
+                              "update_weights(phase='stage') first (the hwsync trainer engine does, with stage=True)")
+        staged.apply(timeout_s)
 
     def finish_weight_update(self) -> None:
         """Nothing left to do: update_weights finalized the reload (vLLM sets the version itself).
@@ -145,7 +186,10 @@ class HwsyncWeightTransferEngine(WeightTransferEngine[HwsyncInitInfo, HwsyncUpda
         (adapters.py wraps the manager's remove_all_adapters)."""
 
     def shutdown(self) -> None:
-        """Drop the receiver: its socket and buffer mappings."""
+        """Drop the receiver: its socket and buffer mappings (a staged sync waiting for its apply ends unapplied)."""
+        if self._staged is not None:
+            self._staged.release()
+            self._staged = None
         self.worker.close()
 
     def target(self) -> Target:

@@ -12,13 +12,20 @@ an unmerged LoRA one (LoraTrainerModel) delivering its adapter, which outlives v
 `finish_weight_update` dropping every adapter (adapters.py).
 `send_weights` is one whole hwsync sync inside vLLM's update: `start_weight_update`, then
 `update_weights` on a thread (each worker's WeightReceiver blocks in it) while this thread's
-WeightSender sends, then `finish_weight_update(weight_version)`. Importing this module imports
-vLLM.
+WeightSender sends, then `finish_weight_update(weight_version)`.
+
+With `stage=True` (docs/staged.md) the engine pauses only to apply: `update_weights(phase="stage")` returns at once
+and each worker receives into staging memory on a thread while the engine generates and the sender stages; once
+every worker staged and verified the version, vLLM's pause (`pause_mode`), `update_weights(phase="apply")` while
+the sender commits, `finish_weight_update(weight_version)` and the resume. A failure before the commit applies
+nothing anywhere and never pauses. The client must be able to pause its engine (clients.can_pause: hwsync's
+AsyncLLMClient, vLLM's HTTP client). Importing this module imports vLLM.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any, ClassVar
@@ -26,13 +33,20 @@ from typing import Any, ClassVar
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
 from hwsync.colocated import WeightSender
-from hwsync.integrations.vllm.clients import engine_world_size, reset_prefix_cache
+from hwsync.integrations.vllm.clients import (
+    can_pause,
+    engine_world_size,
+    pause_generation,
+    reset_prefix_cache,
+    resume_generation,
+)
 from hwsync.integrations.vllm.engine import HwsyncInitInfo, HwsyncUpdateInfo
 from hwsync.integrations.vllm.plugin import BACKEND, register
-from hwsync.integrations.vllm.sources import sync_parts
-from hwsync.integrations.vllm.trainer import auto_bucket_bytes, send_while
+from hwsync.integrations.vllm.sources import SyncParts, sync_parts
+from hwsync.integrations.vllm.staged_trainer import PAUSE_MODES
+from hwsync.integrations.vllm.trainer import Outcome, auto_bucket_bytes, call_while, send_while
 from hwsync.sync.options import SenderOptions
-from hwsync.sync.stats import SyncStats
+from hwsync.sync.stats import StageStats, SyncStats
 from hwsync.timing import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("hwsync")
@@ -56,6 +70,11 @@ class HwsyncTrainerInitInfo(TrainerInitInfo):
     endpoint: str | None = None
     #: send only what changed since what every worker holds (docs/vllm.md, "Delta syncs")
     delta: bool = False
+    #: stage each sync while the engine generates and pause it only to apply (docs/staged.md); the client must
+    #: be able to pause its engine (hwsync's AsyncLLMClient, vLLM's HTTP client)
+    stage: bool = False
+    #: vLLM's pause mode around a staged sync's apply: "keep", "wait" or "abort"
+    pause_mode: str = "keep"
 
 
 def _version_number(weight_version: str | None, fallback: int) -> int:
@@ -83,6 +102,13 @@ class HwsyncTrainerEngine(TrainerWeightTransferEngine[HwsyncTrainerInitInfo]):
     def trainer_init(cls, init_info: HwsyncTrainerInitInfo, *, client: Any, source: Any = None
                      ) -> "HwsyncTrainerEngine":
         """Open the sender and tell every worker where it listens (rank 0 only)."""
+        if init_info.pause_mode not in PAUSE_MODES:
+            raise ValueError(f"HwsyncTrainerInitInfo(pause_mode={init_info.pause_mode!r}): one of {PAUSE_MODES} "
+                             "(vLLM's pause modes)")
+        if init_info.stage and init_info.is_sender and not can_pause(client):
+            raise TypeError(f"HwsyncTrainerInitInfo(stage=True) pauses the engine to apply each sync, and "
+                            f"{type(client).__name__} cannot pause it: use hwsync's AsyncLLMClient (an AsyncLLM) or "
+                            "vLLM's HTTP client, or stage=False (an offline LLM generates nothing during a sync)")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, init_info=init_info)
         if engine.is_sender:
             engine.sender = engine._open_sender()
@@ -127,16 +153,56 @@ class HwsyncTrainerEngine(TrainerWeightTransferEngine[HwsyncTrainerInitInfo]):
         assert self.sender is not None, "trainer_init opens the sender"
         self._rounds += 1
         number = version if version is not None else _version_number(weight_version, self._rounds)
-        update = asdict(HwsyncUpdateInfo(weight_version=weight_version, adapter=parts.adapter,
-                                         plans=parts.plans))
         self.client.start_weight_update()
-        outcome = send_while(partial(self.client.update_weights, update), self.sender, parts.source,
-                             version=number, manifest=parts.manifest, timeout_s=float(self.init_info.timeout_s))
-        self._finish(weight_version if outcome.send_exc is None and outcome.rpc_exc is None else None,
-                     failed=outcome.rpc_exc is not None)
-        reset_prefix_cache(self.client)  # also after a failure: a sync that broke midway changed some layers
+        if self.init_info.stage:
+            outcome = self._send_staged(parts, number, weight_version)
+        else:
+            update = asdict(HwsyncUpdateInfo(weight_version=weight_version, adapter=parts.adapter,
+                                             plans=parts.plans))
+            outcome = send_while(partial(self.client.update_weights, update), self.sender, parts.source,
+                                 version=number, manifest=parts.manifest, timeout_s=float(self.init_info.timeout_s))
+            self._finish(weight_version if outcome.send_exc is None and outcome.rpc_exc is None else None,
+                         failed=outcome.rpc_exc is not None)
+            reset_prefix_cache(self.client)  # also after a failure: a sync that broke midway changed some layers
         self.last_stats = outcome.result()
         return self.last_stats
+
+    def _send_staged(self, parts: SyncParts, number: int, weight_version: str | None) -> Outcome:
+        """Stage on every worker while the engine generates; then pause, commit and apply, finish, resume. A failure
+        before the commit applies nothing anywhere and never pauses."""
+        sender, info = self.sender, self.init_info
+        assert sender is not None
+        phase = partial(HwsyncUpdateInfo, weight_version=weight_version, adapter=parts.adapter, plans=parts.plans)
+        apply = partial(self.client.update_weights, asdict(phase(phase="apply")))
+        try:
+            self.client.update_weights(asdict(phase(phase="stage")))  # returns at once: the workers' threads receive
+        except BaseException:
+            self._finish(None, failed=True)
+            raise
+        try:
+            sender.stage(parts.source, version=number, manifest=parts.manifest)
+            pause_generation(self.client, info.pause_mode)
+        except Exception as exc:  # noqa: BLE001 - nothing applied; the workers' threads end: collect why, unpaused
+            if sender.staged_version is not None:  # staged everywhere, but the engine could not pause
+                sender.abandon(f"the engine did not pause: {exc}")
+            outcome = Outcome(None, exc, None, None)
+            try:
+                apply()
+            except Exception as rpc_exc:  # noqa: BLE001 - expected: the workers' error, settled with the sender's
+                outcome.rpc_exc = rpc_exc
+            self._finish(None, failed=True)
+            return outcome
+        paused_at = time.perf_counter()
+        try:
+            outcome = call_while(apply, sender.commit, sender, timeout_s=float(info.timeout_s))
+            self._finish(weight_version if outcome.send_exc is None and outcome.rpc_exc is None else None,
+                         failed=outcome.rpc_exc is not None)
+        finally:
+            resume_generation(self.client)
+        if outcome.stats is not None:
+            outcome.stats.stage = outcome.stats.stage or StageStats()
+            outcome.stats.stage.pause_s = time.perf_counter() - paused_at
+        return outcome
 
     def _finish(self, weight_version: str | None, *, failed: bool) -> None:
         """End the update on every worker, after a failed one too.

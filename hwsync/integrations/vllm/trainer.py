@@ -117,18 +117,25 @@ class _EngineCall:
 def send_while(rpc: Callable[[], Any], sender: WeightSender, source: Iterable[tuple[str, torch.Tensor]] | TrainerModel,
                *, version: int, manifest: list[TensorSpec] | None, timeout_s: float) -> Outcome:
     """Run the engine's receiving RPC on a thread (it blocks until the sync is loaded) while this thread sends."""
+    return call_while(rpc, partial(sender.send, source, version=version, manifest=manifest), sender,
+                      timeout_s=timeout_s)
+
+
+def call_while(rpc: Callable[[], Any], work: Callable[[], SyncStats], sender: WeightSender, *,
+               timeout_s: float) -> Outcome:
+    """Run the engine's RPC on a thread while this thread runs the sender's `work` (a send, or a staged commit)."""
     call = _EngineCall(rpc)
     # an in-process engine's worker may run the RPC on this thread: it must be on the sender's device
     thread = start_on_this_device(call.run, "hwsync-vllm-rpc", sender.backend.device())
     stats = send_exc = None
     try:
-        stats = sender.send(source, version=version, manifest=manifest)
+        stats = work()
     except Exception as exc:  # noqa: BLE001 - the trainer's source too: the engine's side must still be waited for
         send_exc = exc
     thread.join(timeout_s + RPC_GRACE_S)
     if thread.is_alive():
         raise SyncTimeoutError(f"the engine's receiving RPC has not returned {RPC_GRACE_S:.0f}s after the sender "
-                          f"finished ({send_exc or 'successfully'}); the engine may be stuck in a load")
+                               f"finished ({send_exc or 'successfully'}); the engine may be stuck in a load")
     return Outcome(stats, send_exc, call.results, call.error)
 
 
