@@ -100,6 +100,39 @@ def no_segments_left_behind():
     assert not left, f"shared-memory segments left behind in /dev/shm: {left}"
 
 
+#: per test module that left some: vLLM's shared-memory segments still in /dev/shm after it (see below)
+VLLM_SEGMENTS_LEFT: list[tuple[str, list[str]]] = []
+
+
+def vllm_segments() -> set[str]:
+    """vLLM's shared-memory segments in /dev/shm (its message queues use Python's SharedMemory: psm_*)."""
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("psm_*")} if shm.is_dir() else set()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def vllm_segments_by_module(request):
+    """Which test module leaves vLLM's segments behind (an engine killed, not shut down, leaves its own): named in
+    the run's summary. vLLM's, not hwsync's (no_segments_left_behind checks those), so it is reported, not failed."""
+    before = vllm_segments()
+    yield
+    import time
+
+    deadline = time.monotonic() + 5  # an engine's resource tracker unlinks them after it exits
+    while time.monotonic() < deadline and vllm_segments() - before:
+        time.sleep(0.2)
+    left = sorted(vllm_segments() - before)
+    if left:
+        VLLM_SEGMENTS_LEFT.append((request.module.__name__, left))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Name the test modules that left vLLM's shared-memory segments in /dev/shm."""
+    for module, names in VLLM_SEGMENTS_LEFT:
+        terminalreporter.write_line(f"vLLM shared-memory segments left in /dev/shm after {module}: {len(names)} "
+                                    f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def no_secret_in_any_message(tmp_path_factory):
     """After the whole suite: no endpoint token reached a log line (of any process) or an hwsync error.
