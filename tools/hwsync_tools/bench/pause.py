@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from hwsync.cli.toy_model import ToyModel, cpu_engine_env, engine_kwargs, param_count
+from hwsync.sync.stats import StageStats
 from hwsync_tools.bench import tiny_defaults
 
 #: staged full stall <= 1/10 of the streamed one; a staged stall <= 1.5x its apply
@@ -123,6 +124,24 @@ class Load:
         """Requests that ended aborted."""
         return sum(1 for reason in self.reasons if reason == "abort")
 
+    async def idle(self, settle_s: float) -> tuple[float, float]:
+        """Let the load warm up, then watch it for `settle_s` with no sync: (tokens/s, longest gap)."""
+        await asyncio.sleep(settle_s)  # warm: the first requests compile nothing but page weights in
+        start = time.monotonic()
+        await asyncio.sleep(settle_s)
+        end = time.monotonic()
+        return self.tokens_per_s(start, end), self.stall(start, end, ends_by=True)
+
+    def row(self, way: str, kind: str, start: float, end: float, stage: StageStats | None,
+            held_s: float) -> dict[str, Any]:
+        """The fields every row has, for a sync that ran from `start` to `end`: the stall and tokens/s the load saw,
+        and from its StageStats (None: streamed, the engine held `held_s`) the pause, the apply and staging memory."""
+        return {"way": way, "sync": kind, "stall_s": self.stall(start, end),
+                "held_s": stage.pause_s if stage is not None else held_s,
+                "apply_s": stage.apply_s if stage is not None else None,
+                "tokens_per_s": self.tokens_per_s(start, end),
+                "staging_bytes": stage.held_bytes if stage is not None else 0}
+
 
 def adamw_first_step(model: torch.nn.Module, lr: float, seed: int) -> None:
     """Move each weight by lr times the sign of a random gradient: AdamW's first step (m / sqrt(v) = sign(g))."""
@@ -164,11 +183,7 @@ async def _rows(args: argparse.Namespace, engine: Any, toy: ToyModel) -> dict[st
     trainer = toy.build(seed=1)
     load = Load(engine, args.requests, args.max_tokens)
     load.start()
-    await asyncio.sleep(args.settle_s)  # warm: the first requests compile nothing but page weights in
-    idle_start = time.monotonic()
-    await asyncio.sleep(args.settle_s)
-    idle_end = time.monotonic()
-    idle, idle_stall = load.tokens_per_s(idle_start, idle_end), load.stall(idle_start, idle_end, ends_by=True)
+    idle, idle_stall = await load.idle(args.settle_s)
     version = 0
     for staged in (False, True):
         sync = await AsyncVllmWeightSync.create(engine, stage=staged, pause_mode=args.mode, delta=True,
@@ -188,17 +203,10 @@ async def _rows(args: argparse.Namespace, engine: Any, toy: ToyModel) -> dict[st
                 stats = await sync.sync(trainer, version=version)
                 t1 = time.monotonic()
                 await asyncio.sleep(args.settle_s)
-                stage = stats.stage
-                rows.append({
-                    "way": "staged" if staged else "streamed", "sync": kind,
-                    "delta": stats.delta.mode if stats.delta else None,
-                    "density": stats.delta.density if stats.delta else None,
-                    "sync_s": t1 - t0, "stall_s": load.stall(t0, t1),
-                    "held_s": stage.pause_s if stage is not None else t1 - t0,
-                    "apply_s": stage.apply_s if stage is not None else None,
-                    "tokens_per_s": load.tokens_per_s(t0, t1),
-                    "staging_bytes": stage.held_bytes if stage is not None else 0,
-                    "bytes": stats.bytes})
+                rows.append({**load.row("staged" if staged else "streamed", kind, t0, t1, stats.stage, t1 - t0),
+                             "delta": stats.delta.mode if stats.delta else None,
+                             "density": stats.delta.density if stats.delta else None,
+                             "sync_s": t1 - t0, "bytes": stats.bytes})
                 print(f"{rows[-1]['way']} {kind}: sync {t1 - t0:.2f}s, stall {rows[-1]['stall_s']:.2f}s",
                       file=sys.stderr, flush=True)
         finally:

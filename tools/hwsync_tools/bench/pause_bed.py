@@ -88,11 +88,7 @@ async def _serve_and_receive(llm: Any, endpoint: str, requests: int, max_tokens:
 
     load = Load(llm, requests, max_tokens)
     load.start()
-    await asyncio.sleep(settle_s)
-    idle_start = time.monotonic()
-    await asyncio.sleep(settle_s)
-    idle_end = time.monotonic()
-    idle, idle_stall = load.tokens_per_s(idle_start, idle_end), load.stall(idle_start, idle_end, ends_by=True)
+    idle, idle_stall = await load.idle(settle_s)
     rows: list[dict[str, Any]] = []
     with CrossNodeReceiver(endpoint, rank=0, timeout_s=timeout_s) as receiver:
         for staged in WAYS:
@@ -109,13 +105,10 @@ async def _serve_and_receive(llm: Any, endpoint: str, requests: int, max_tokens:
                     t1 = time.monotonic()
                     await asyncio.sleep(settle_s)  # the outputs that end the sync's gaps arrive after it
                     local = forward.result  # the engine's side: the local sync's (staged: its commit's) stats
-                    stage = local.stage if local is not None else None
-                    rows.append({"way": "staged" if staged else "streamed", "sync": kind,
-                                 "receive_s": t1 - t0, "stall_s": load.stall(t0, t1),
-                                 "held_s": stage.pause_s if stage is not None else local.total_s,
-                                 "apply_s": stage.apply_s if stage is not None else None,
-                                 "tokens_per_s": load.tokens_per_s(t0, t1),
-                                 "staging_bytes": stage.held_bytes if stage is not None else 0,
+                    assert local is not None, "a sync that returned has its local stats"
+                    rows.append({**load.row("staged" if staged else "streamed", kind, t0, t1, local.stage,
+                                            local.total_s),
+                                 "receive_s": t1 - t0,
                                  "link_stage_s": stats.stage.stage_s if stats.stage is not None else None,
                                  # staged: the longest gap before the commit began, and the longest one it overlaps
                                  "stall_staging_s": load.stall(t0, marks["commit"], ends_by=True)
