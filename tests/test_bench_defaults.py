@@ -157,7 +157,9 @@ def test_bench_vllm_runs_with_its_defaults(vllm_benches: dict[str, Bench]):
     out = vllm_benches["test_bench_vllm_runs_with_its_defaults"].table()
     methods = [m.group(1) for m in (re.match(r"(\S+)\s+\d+\.\d{3}\s", line) for line in out.splitlines()) if m]
     assert methods == ["hwsync", "one-copy", "native", "reload", "safetensors", "floor"], out
-    assert "engine outputs agree across hwsync, one-copy, native and reload: True" in out
+    assert "engine outputs bit-identical across hwsync, one-copy and native: True" in out
+    assert re.search(r"serves the trainer's module .* after: hwsync yes .* one-copy yes .* native yes .* reload yes",
+                     out), out
 
 
 @pytest.mark.vllm

