@@ -49,8 +49,9 @@ from hwsync_tools.bench.plain_gemm import PlainGemm
 METHODS = ("hwsync", "one-copy", "native", "reload", "safetensors", "floor")
 #: the paths whose result is checked against the trainer's module, and those of them through hwsync (bit-identical)
 CHECKED, THROUGH_HWSYNC = ("hwsync", "one-copy", "native", "reload"), ("hwsync", "one-copy", "native")
-#: how far a path's prompt logprobs may be from the module's (float32, another kernel): same weights
-MODULE_TOL = 1e-3
+#: how far a path's prompt logprobs may be from the module's: at the default sizes other kernels and float32 rounding
+#: move them by up to 0.04 (Gemma2's softcapped attention; Llama 1e-5), a wrong weight by whole units (2.7-6.4)
+MODULE_TOL = 0.1
 #: hwsync <= 1.3x the floor and <= 1.05x the page-cached reload; native <= 1.05x hwsync; save+reload >= 1.5x hwsync
 TARGET_VS_FLOOR, TARGET_VS_RELOAD, TARGET_NATIVE, TARGET_VS_FILE = 1.3, 1.05, 1.05, 1.5
 
