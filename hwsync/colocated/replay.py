@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, islice, starmap
+from operator import attrgetter, eq, is_
 
 import torch
 
@@ -62,28 +63,87 @@ class SentPlan:
     sync: int = 0
     instances: frozenset[str] = field(default_factory=frozenset)
 
+    #: the plan's tensors by field, each a list in order (made at the first match: `match` compares them a column at
+    #: a time, in C, instead of a tuple per tensor)
+    _columns: _Columns | None = field(default=None, init=False, repr=False, compare=False)
+
     def match(self, items: Iterable[tuple[str, torch.Tensor]]) -> tuple[bool, Iterator[tuple[str, torch.Tensor]]]:
         """Whether `items` are this plan's tensors as they were; and the items: all of them when they are, else
         those read so far first, then the rest, to send as a fresh sync."""
-        it = iter(items)
+        if self._columns is None:
+            self._columns = _Columns(self.tensors)
+        columns, it = self._columns, iter(items)
         seen: list[tuple[str, torch.Tensor]] = []
-        keep = seen.append
-        for planned in self.tensors:  # one tuple compared per tensor: this loop is a replay's whole check
-            item = next(it, None)
-            if item is None:
-                return False, iter(seen)
-            keep(item)
-            try:
-                name, tensor = item
-                same = sent_tensor(name, tensor) == planned
-            except (TypeError, ValueError, AttributeError, RuntimeError):
-                same = False  # malformed, or no memory of its own: what is wrong, the fresh sync names
-            if not same:
+        start, size, total = 0, 1, len(self.tensors)
+        while start < total:  # in runs that grow 1, 8, 64, ...: a lazy source that differs is read one item past it
+            run = list(islice(it, min(size, total - start)))
+            seen += run
+            if not run or not columns.same(run, start):
                 return False, chain(seen, it)
-        extra = next(it, None)
-        if extra is not None:
+            start += len(run)
+            size = min(size * 8, _MOST_PER_RUN)
+        extra = next(it, _END)
+        if extra is not _END:  # one more (even None: the fresh sync names what is wrong with it)
             return False, chain(seen, [extra], it)
         return True, iter(seen)
+
+
+#: the most items `SentPlan.match` compares in one run (bounds the lists it makes)
+_MOST_PER_RUN = 4096
+_END = object()
+_data_ptr, _is_contiguous, _dtype_of, _shape_of = (torch.Tensor.data_ptr, torch.Tensor.is_contiguous,
+                                                    attrgetter("dtype"), attrgetter("shape"))
+
+
+class _Columns:
+    """A plan's tensors field by field: what `SentPlan.match` compares a run of items against, one column at a time.
+
+    Every field of `sent_tensor` is compared (name, type, data pointer, shape, dtype) except the strides: where every
+    planned tensor was contiguous (as every tensor sent by reference or packed from its own memory is), a tensor that
+    is contiguous with the same shape has the same strides wherever they matter (dimensions longer than 1), so
+    `is_contiguous()` stands for them; a plan holding one that was not compares strides too.
+    """
+
+    def __init__(self, tensors: list[SentTensor]) -> None:
+        self.names = [t[0] for t in tensors]
+        self.types = [t[1] for t in tensors]
+        self.ptrs = [t[2] for t in tensors]
+        self.shapes = [t[3] for t in tensors]
+        self.dtypes = [t[5] for t in tensors]
+        self.strides = None if all(_contiguous(t[3], t[4]) for t in tensors) else [t[4] for t in tensors]
+
+    def same(self, run: list[tuple[str, torch.Tensor]], start: int) -> bool:
+        """Whether `run` are the plan's tensors `start`, `start` + 1, ... as they were."""
+        end = start + len(run)
+        try:
+            names = [name for name, _ in run]
+            tensors = [tensor for _, tensor in run]
+            if names != self.names[start:end] or not all(map(is_, map(type, tensors), self.types[start:end])):
+                return False
+            # the types are the plan's (tensors): each column in one pass, the first that differs ends the check
+            if list(map(_data_ptr, tensors)) != self.ptrs[start:end]:
+                return False
+            if not all(map(eq, map(_shape_of, tensors), self.shapes[start:end])):
+                return False
+            if not all(map(is_, map(_dtype_of, tensors), self.dtypes[start:end])):
+                return False
+            if self.strides is None:
+                return all(map(_is_contiguous, tensors))
+            return list(map(torch.Tensor.stride, tensors)) == self.strides[start:end]
+        except (TypeError, ValueError, AttributeError, RuntimeError):
+            return False  # malformed, or no memory of its own: what is wrong, the fresh sync names
+
+
+def _contiguous(shape: torch.Size, stride: tuple[int, ...]) -> bool:
+    """Whether a tensor of `shape` and `stride` is contiguous (torch's rule: strides of dimensions of 1 are free)."""
+    if 0 in shape:
+        return True
+    expected = 1
+    for size, step in zip(reversed(shape), reversed(stride)):
+        if size != 1 and step != expected:
+            return False
+        expected *= size
+    return True
 
 
 def sent_tensor(name: str, tensor: torch.Tensor) -> SentTensor:
@@ -102,7 +162,7 @@ class ReadPlan:
     #: the sender (pid) and its sync that made the plan
     sender_pid: int
     sync: int
-    #: per tensor: name, dtype, shape, and the destination into() gave (its data pointer checked again each time)
+    #: per tensor: name, dtype, shape, and the destination into() gave and its data pointer (all checked each time)
     destinations: list[tuple[str, torch.dtype, tuple[int, ...], torch.Tensor, int]]
     #: the copies as (destination, source, bytes) on data pointers
     copies: list[tuple[int, int, int]]
@@ -119,6 +179,8 @@ class ReadPlan:
     buckets: list[tuple[int, list[tuple[torch.Tensor, int, int, int]]]] = field(default_factory=list)
     #: each bucket's copies as host memmoves (made at the first replay; None where a tensor is on a device)
     moves: list[Moves | None] | None = None
+    #: the destinations field by field (made at the first replay, again once one is another tensor object)
+    _columns: _Destinations | None = field(default=None, init=False, repr=False, compare=False)
 
     def merge_launches(self) -> None:
         """One launch per device and element width for the whole sync (the frames' launches joined)."""
@@ -130,14 +192,40 @@ class ReadPlan:
         self.launches = list(merged.values())
 
     def holds(self, into: IntoFn) -> bool:
-        """Whether `into` still gives every destination the plan copies into (then the plan can replay)."""
+        """Whether `into` still gives every destination the plan copies into, in the plan's dtype, shape and a
+        contiguous layout (then the plan can replay; else a fresh sync takes what `into` gives, or refuses it)."""
+        if self._columns is None:
+            self._columns = _Destinations(self.destinations)
+        now = list(starmap(into, self._columns.asked))
+        if self._columns.same(now):
+            return True
         destinations = self.destinations
         for i, (name, dtype, shape, dest, ptr) in enumerate(destinations):
-            now = into(name, dtype, shape)
-            if now is dest and now.data_ptr() == ptr:  # (the same tensor given new storage, `.data = ...`, is not)
-                continue
-            if (now is None or now is dest or now.device != dest.device or now.dtype != dtype
-                    or tuple(now.shape) != shape or not now.is_contiguous() or now.data_ptr() != ptr):
+            given = now[i]
+            if (given is None or given.device != dest.device or given.dtype != dtype or tuple(given.shape) != shape
+                    or not given.is_contiguous() or given.data_ptr() != ptr):
                 return False
-            destinations[i] = (name, dtype, shape, now, ptr)
+            destinations[i] = (name, dtype, shape, given, ptr)  # another tensor over the same memory: kept from now
+        self._columns = None
         return True
+
+
+class _Destinations:
+    """A read plan's destinations field by field: what `ReadPlan.holds` compares what `into` gives against."""
+
+    def __init__(self, destinations: list[tuple[str, torch.dtype, tuple[int, ...], torch.Tensor, int]]) -> None:
+        #: what `into` is asked for each: (name, dtype, shape)
+        self.asked = [(name, dtype, shape) for name, dtype, shape, _, _ in destinations]
+        self.tensors = [dest for _, _, _, dest, _ in destinations]
+        self.ptrs = [ptr for *_, ptr in destinations]
+        self.shapes = [shape for _, _, shape, _, _ in destinations]
+        self.dtypes = [dtype for _, dtype, _, _, _ in destinations]
+
+    def same(self, given: list[torch.Tensor | None]) -> bool:
+        """Whether `given` are the very tensors planned, each still over its memory in its dtype, shape and a
+        contiguous layout (`.data = ...` keeps the object and may change any of these): a column at a time."""
+        if not all(map(is_, given, self.tensors)):
+            return False
+        tensors = self.tensors  # the objects given
+        return (list(map(_data_ptr, tensors)) == self.ptrs and all(map(eq, map(_shape_of, tensors), self.shapes))
+                and all(map(is_, map(_dtype_of, tensors), self.dtypes)) and all(map(_is_contiguous, tensors)))
