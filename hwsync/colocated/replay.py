@@ -24,6 +24,7 @@ is planned and sent as before.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 from dataclasses import dataclass, field
 from itertools import chain, islice, starmap
 from operator import attrgetter, eq, is_
@@ -90,7 +91,7 @@ class SentPlan:
 
 #: the most items `SentPlan.match` compares in one run (bounds the lists it makes)
 _MOST_PER_RUN = 4096
-_END = object()
+_END: Any = object()  # no item left
 _data_ptr, _is_contiguous, _dtype_of, _shape_of = (torch.Tensor.data_ptr, torch.Tensor.is_contiguous,
                                                     attrgetter("dtype"), attrgetter("shape"))
 
