@@ -180,7 +180,8 @@ async def _staged_through_the_native_door(engine: Any, client: Any, fresh_v0: En
 
     from hwsync.integrations.vllm import HwsyncTrainerInitInfo
 
-    info = HwsyncTrainerInitInfo(rank=0, timeout_s=60.0, bucket_bytes=1 << 20, stage=True, pause_mode="keep")
+    info = HwsyncTrainerInitInfo(rank=0, timeout_s=60.0, bucket_bytes=1 << 20, stage=True, pause_mode="keep",
+                                 delta=True)
     v1 = build("llama", 1)
     trainer = await asyncio.to_thread(WeightTransferTrainerFactory.trainer_init, info, client=client, source=v1)
     try:
@@ -207,6 +208,12 @@ async def _staged_through_the_native_door(engine: Any, client: Any, fresh_v0: En
         await asyncio.to_thread(trainer.send_weights, "s-3", source=build("llama", 0))
         back = await _generate(engine)
         assert back.tokens == fresh_v0.tokens and back.prompt_logprobs == fresh_v0.prompt_logprobs
+
+        # a delta on what every worker staged and committed last (the staging area is its base)
+        stats = await asyncio.to_thread(trainer.send_weights, "s-4", source=v1)
+        assert stats.delta is not None and stats.delta.mode == "delta", stats.delta
+        again = await _generate(engine)
+        assert again.tokens == after.tokens and again.prompt_logprobs == after.prompt_logprobs
     finally:
         trainer.shutdown()
 
