@@ -45,6 +45,7 @@ UNIT = (
     "tests/test_protocol.py",
     "tests/test_protocol_fuzz.py",
     "tests/test_tiers.py",
+    "tests/test_vllm_clients.py",
     "tests/test_vllm_manifest.py",
     "tests/test_vllm_copy_plan.py",  # its engine test is marked vllm and slow: it stays in the full suite
     # mixed modules: the tests of theirs that start nothing

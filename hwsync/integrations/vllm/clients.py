@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import urllib.parse
 import urllib.request
 from collections.abc import Coroutine
 from typing import Any
 
+log = logging.getLogger("hwsync")
 
 class LLMClient:
     """VLLMWeightSyncClient for an offline `vllm.LLM` (call from any thread: its RPCs block)."""
@@ -46,9 +48,9 @@ class LLMClient:
         """Workers that receive each update (tensor x pipeline parallel)."""
         return int(self.llm.llm_engine.vllm_config.parallel_config.world_size)
 
-    def reset_prefix_cache(self) -> None:
-        """Drop cached KV blocks: they were computed with the old weights."""
-        self.llm.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        """Drop cached KV blocks: they were computed with the old weights (False: vLLM refused, requests hold some)."""
+        return bool(self.llm.reset_prefix_cache())
 
 
 class AsyncLLMClient:
@@ -97,9 +99,9 @@ class AsyncLLMClient:
         """Workers that receive each update (tensor x pipeline parallel)."""
         return int(self.engine.vllm_config.parallel_config.world_size)
 
-    def reset_prefix_cache(self) -> None:
-        """Drop cached KV blocks: they were computed with the old weights."""
-        self._run(self.engine.reset_prefix_cache())
+    def reset_prefix_cache(self) -> bool:
+        """Drop cached KV blocks: they were computed with the old weights (False: vLLM refused, requests hold some)."""
+        return bool(self._run(self.engine.reset_prefix_cache()))
 
     def pause_generation(self, mode: str) -> None:
         """vLLM's pause in `mode` ("keep", "wait" or "abort"); caches are cleared except in "keep"."""
@@ -122,12 +124,23 @@ def engine_world_size(client: Any, timeout_s: float = 30.0) -> int | None:
     return None
 
 
+def prefix_cache_kept(reset: object) -> None:
+    """Say so when vLLM refused to reset its prefix cache after a sync (its reset returns False while running
+    requests hold KV blocks): new requests may then reuse prefixes computed with the previous weights."""
+    if reset is False:
+        log.warning("hwsync: vLLM kept its prefix cache after the sync (requests were running and hold KV blocks): "
+                    "new requests may reuse prefixes computed with the previous weights. Where that matters, stage "
+                    "the sync with pause_mode='wait' or 'abort' (they clear the caches)")
+
+
 def reset_prefix_cache(client: Any, timeout_s: float = 30.0) -> bool:
-    """Reset the engine's prefix cache through `client` where it can (ours; an HTTP client's server); False if not."""
+    """Reset the engine's prefix cache through `client` where it can (ours; an HTTP client's server); False if not
+    (a refusal by vLLM is logged: prefix_cache_kept)."""
     reset = getattr(client, "reset_prefix_cache", None)
     if callable(reset):
-        reset()
-        return True
+        done = reset()
+        prefix_cache_kept(done)
+        return done is not False
     base_url = getattr(client, "base_url", None)
     if isinstance(base_url, str):  # the server's dev-mode route, mounted with the RL routes
         request = urllib.request.Request(base_url.rstrip("/") + "/reset_prefix_cache", data=b"", method="POST")

@@ -35,6 +35,7 @@ from hwsync.colocated import WeightSender
 from hwsync.errors import HwsyncError, ManifestError, ProtocolError, RemoteError, SyncError, SyncTimeoutError
 from hwsync.integrations.lora import LoraAdapter
 from hwsync.integrations.vllm import staged_trainer as staged
+from hwsync.integrations.vllm.clients import prefix_cache_kept
 from hwsync.integrations.vllm.sources import SyncParts, Weights, sync_parts
 from hwsync.integrations.vllm.staged_trainer import PAUSE_MODES, PauseMode, stage_choice
 from hwsync.sizes import DEFAULT_BUCKET_BYTES, MiB
@@ -235,7 +236,7 @@ class VllmWeightSync(_BlockingEngineSync):
         return self.llm.collective_rpc("hwsync_receive", args=args)
 
     def _reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
+        prefix_cache_kept(self.llm.reset_prefix_cache())
 
 
 class AsyncVllmWeightSync(_EngineSync):
@@ -303,7 +304,7 @@ class AsyncVllmWeightSync(_EngineSync):
             results = await asyncio.wait_for(rpc, self.timeout_s + RPC_GRACE_S)
         except Exception as exc:  # noqa: BLE001 - settled with the sender's outcome below
             rpc_exc = exc
-        await self.engine.reset_prefix_cache()  # also after a failure: a broken sync changed some layers
+        prefix_cache_kept(await self.engine.reset_prefix_cache())  # also after a failure: it changed some layers
         self.engine_stats = results or []
         return settle(stats, send_exc, results, rpc_exc)
 
