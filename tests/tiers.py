@@ -44,6 +44,7 @@ UNIT = (
     "tests/test_planner.py",
     "tests/test_protocol.py",
     "tests/test_protocol_fuzz.py",
+    "tests/test_replay_checks.py",
     "tests/test_tiers.py",
     "tests/test_vllm_clients.py",
     "tests/test_vllm_manifest.py",
