@@ -24,10 +24,10 @@ is planned and sent as before.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
 from dataclasses import dataclass, field
 from itertools import chain, islice, starmap
 from operator import attrgetter, eq, is_
+from typing import Any
 
 import torch
 
