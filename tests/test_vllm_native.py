@@ -296,13 +296,19 @@ class Server:
                 time.sleep(1)
 
     def stop(self) -> None:
-        """Stop the server and the engine core it started, nothing else."""
-        os.killpg(self.proc.pid, signal.SIGTERM)
+        """Stop the server and the engine core it started, nothing else: the server first, which shuts its engine
+        core down (a SIGTERM to the whole group at once killed the core before it unlinked its shared memory, and
+        left a psm_* segment in /dev/shm); then whatever of the group is left."""
+        self.proc.terminate()
         try:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.kill()
             self.proc.wait(30)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # a straggler of the group, if any
+        except ProcessLookupError:
+            pass
 
 
 #: the tests that use the module's `vllm serve` server
