@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Any
 
 import pytest
 
@@ -30,11 +31,20 @@ CONFIG = {"backend": "hwsync", "custom_backend_module": "hwsync.integrations.ver
 WORKERS = [("t0", "trainer", 0, 0), ("t1", "trainer", 1, 0), ("r0", "rollout", 0, 1), ("r1", "rollout", 1, 2)]
 
 
+def _why(proc: Any) -> str:
+    """A dead worker's error: its target's exception and traceback (the bed's result file), then its output."""
+    try:
+        proc.result(5.0)
+    except Exception as exc:  # noqa: BLE001 - the error is what is reported
+        return str(exc)[-6000:]
+    return proc.log()
+
+
 def _read(folder: str, name: str, procs: dict, timeout: float = 120.0):
     path = os.path.join(folder, name)
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
-        dead = {w: p.log() for w, p in procs.items() if not p.alive() and p.poll() != 0}
+        dead = {w: _why(p) for w, p in procs.items() if not p.alive() and p.poll() != 0}
         assert not dead and time.monotonic() < deadline, f"no {name}; dead workers: {dead}"
         time.sleep(0.02)
     with open(path) as f:
