@@ -143,9 +143,8 @@ def reset_prefix_cache(client: Any, timeout_s: float = 30.0) -> bool:
         return done is not False
     base_url = getattr(client, "base_url", None)
     if isinstance(base_url, str):  # the server's dev-mode route, mounted with the RL routes
-        request = urllib.request.Request(base_url.rstrip("/") + "/reset_prefix_cache", data=b"", method="POST")
-        with urllib.request.urlopen(request, timeout=timeout_s):
-            return True
+        _post(base_url, "/reset_prefix_cache", timeout_s)
+        return True
     return False
 
 
