@@ -49,6 +49,7 @@ UNIT = (
     "tests/test_vllm_clients.py",
     "tests/test_vllm_manifest.py",
     "tests/test_vllm_copy_plan.py",  # its engine test is marked vllm and slow: it stays in the full suite
+    "tests/test_vllm_copy_plan_moe.py",  # the same
     # mixed modules: the tests of theirs that start nothing
     "tests/test_backend_shape.py::test_entry_point_names_the_backend_module",
     "tests/test_backend_shape.py::test_every_lazy_name_resolves",

