@@ -88,7 +88,8 @@ def engine_main(endpoint: str, mode: str, timeout_s: float, env: dict[str, str],
                 results) -> None:
     """Receive one sync per command: {"receive": True}, optionally {"die_after_staging": True} (SIGKILL right after
     this engine says staged), {"slow_to_say_staged": seconds}, {"serve": seconds} (answer requests only), {"flip":
-    name} (a byte of its staged copy changes behind hwsync's back first) or {"stop": True}. Each result: the
+    name} (a byte of its staged copy changes behind hwsync's back first), {"change_engine_after_staging": name} (a
+    byte of the engine's own tensor changes once it said staged, before the commit) or {"stop": True}. Each result: the
     version, the model's digest, and the digests of the requests answered during the sync."""
     os.environ.update(env)
     torch.set_num_threads(1)
@@ -111,13 +112,17 @@ def engine_main(endpoint: str, mode: str, timeout_s: float, env: dict[str, str],
                          "applies": engine.applies})
             continue
         die, delay = bool(command.get("die_after_staging")), float(command.get("slow_to_say_staged", 0.0))
-        if die or delay:
-            def send_and_then(frame, send=send, die=die, delay=delay):
+        changed = command.get("change_engine_after_staging")
+        if die or delay or changed:
+            def send_and_then(frame, send=send, die=die, delay=delay, changed=changed):
                 if isinstance(frame, staged_frame):  # staged and checked
                     time.sleep(delay)  # the other receivers say so first
                 send(frame)
                 if die and isinstance(frame, staged_frame):  # said so: killed before every receiver did (no Apply)
                     os.kill(os.getpid(), signal.SIGKILL)
+                if changed and isinstance(frame, staged_frame):  # the engine's own tensor (the delta's base) changes
+                    with engine.lock:  # before the Apply (this thread reads it next)
+                        engine.held[changed].view(-1).view(torch.uint8)[3] ^= 0x10
 
             channel.send = send_and_then
         if "flip" in command:
@@ -131,7 +136,8 @@ def engine_main(endpoint: str, mode: str, timeout_s: float, env: dict[str, str],
                          "answered": sorted(set(engine.answered)), "requests": len(engine.answered),
                          "applies": engine.applies, "stage": stats.stage.__dict__ if stats.stage else None,
                          "timeline": list(zip(engine.times, engine.answered)),
-                         "delta": stats.delta.mode if stats.delta else None})
+                         "delta": stats.delta.mode if stats.delta else None,
+                         "staging_bytes": receiver._staging.held_bytes if receiver._staging else 0})
         except Exception as exc:  # noqa: BLE001 - reported to the test
             results.put({"error": f"{type(exc).__name__}: {exc}", "version": receiver.version,
                          "digest": model_digest(engine.held), "answered": sorted(set(engine.answered)),

@@ -20,6 +20,7 @@ from hwsync import (
     CrossNodeSender,
     HwsyncError,
     NotAppliedError,
+    PartlyAppliedError,
     StageOptions,
     StagingMemoryError,
     SyncError,
@@ -87,8 +88,15 @@ def test_staged_syncs_full_then_delta_are_exact_and_the_engine_serves_throughout
                     assert reply["version"] == version and reply["digest"] == version_digest(version)
                     assert reply["applies"] == version  # one pause per sync, the apply inside it
                     _served_only(reply, version - 1, version)
-                    if version > 1:  # a delta applies on the staged copy: it allocates nothing
-                        assert reply["stage"]["new_bytes"] == 0
+                    model = sum(t.numel() * t.element_size() for t in staged_procs.stepped(version).values())
+                    if mode == "load":  # the engine's loader takes copies: the staged copy is the delta's base
+                        assert reply["staging_bytes"] == model
+                        if version > 1:  # a delta applies on the staged copy: it allocates nothing
+                            assert reply["stage"]["new_bytes"] == 0
+                    else:  # the engine's own tensors are the base: after the commit no copy is held
+                        assert reply["staging_bytes"] == 0
+                        if version > 1:  # a delta stages its payloads (and one tensor changed whole), not the model
+                            assert 0 < reply["stage"]["held_bytes"] < model // 4, (reply["stage"], model)
         finally:
             _stop(engines)
 
@@ -123,7 +131,8 @@ def test_a_receiver_killed_after_staging_applies_nowhere_and_the_next_sync_commi
 def test_a_digest_mismatch_on_one_receiver_applies_nowhere(backend):
     env = {"HWSYNC_DELTA_FULL_CHECK_EVERY": "1"}  # every delta digested whole: a flipped byte anywhere is caught
     with WeightSender(num_receivers=2, options=SenderOptions(bucket_bytes=1 << 14, delta=True, timeout_s=30)) as s:
-        engines = [staged_procs.start(s.endpoint, env=env) for _ in range(2)]
+        # engines whose loader takes copies: the staging area's copy is the delta's base, and its byte is flipped
+        engines = [staged_procs.start(s.endpoint, mode="load", env=env) for _ in range(2)]
         try:
             _send(s, engines, 1)
             bad, good = engines
@@ -140,6 +149,30 @@ def test_a_digest_mismatch_on_one_receiver_applies_nowhere(backend):
             _stop(engines)
 
 
+def test_an_engine_tensor_changed_between_stage_and_commit_is_caught_at_the_commit(backend):
+    # into mode: the engine's own tensor is the delta's base; it changes after the delta checked out on a copy of
+    # it and before the commit. The commit's check finds it: that engine fails, loudly, and the next sync is whole
+    env = {"HWSYNC_DELTA_FULL_CHECK_EVERY": "1"}  # the commit digests whole: a changed byte anywhere is caught
+    with WeightSender(num_receivers=2, options=SenderOptions(bucket_bytes=1 << 14, delta=True, timeout_s=30)) as s:
+        engines = [staged_procs.start(s.endpoint, mode="into", env=env) for _ in range(2)]
+        try:
+            _send(s, engines, 1)
+            bad, good = engines
+            bad[1].put({"receive": True, "change_engine_after_staging": "w3"})
+            good[1].put({"receive": True})
+            with pytest.raises(PartlyAppliedError, match=f"{bad[0].pid}") as info:
+                s.send(list(staged_procs.stepped(2).items()), version=2)
+            assert "w3" in str(info.value) and "between the stage" in str(info.value), info.value
+            failed, applied = bad[2].get(timeout=60), good[2].get(timeout=60)
+            assert "DeltaCheckError: w3" in failed["error"] and failed["incomplete"], failed
+            assert applied["version"] == 2 and applied["digest"] == version_digest(2), applied
+            replies = _send(s, engines, 3)
+            for reply in replies:  # the failed engine holds no known version: its next sync is whole, and exact
+                assert reply["version"] == 3 and reply["digest"] == version_digest(3), reply
+        finally:
+            _stop(engines)
+
+
 @pytest.mark.cpu_is_enough(FAILURES_ON_CPU)
 @pytest.mark.parametrize("when", ["mid-stream", "before the offer"])
 def test_a_sender_killed_mid_stage_leaves_every_engine_on_the_previous_version(backend, when):
@@ -150,7 +183,8 @@ def test_a_sender_killed_mid_stage_leaves_every_engine_on_the_previous_version(b
                                       args=(commands, out, 2, 3, when == "before the offer"), daemon=True)
     sender.start()
     endpoint = out.get(timeout=90)
-    engines = [staged_procs.start(endpoint, timeout_s=20) for _ in range(2)]
+    # engines whose loader takes copies: the staging area keeps the model, the next delta's base
+    engines = [staged_procs.start(endpoint, mode="load", timeout_s=20) for _ in range(2)]
     try:
         for _proc, engine_commands, _results in engines:
             engine_commands.put({"receive": True})
@@ -228,7 +262,10 @@ def test_cross_node_stages_commit_everywhere_or_nowhere(backend, failure):
     env = {"HWSYNC_DELTA_FULL_CHECK_EVERY": "1"}
     options = CrossNodeOptions(timeout_s=30, bucket_bytes=1 << 14, delta=True)
     with CrossNodeSender("tcp://127.0.0.1:0", num_receivers=2, group_host="127.0.0.1", options=options) as s:
-        engines = [staged_procs.start(s.endpoint, env=env, rank=rank) for rank in range(2)]
+        # the flipped byte is in the staging area's copy (the base of an engine that loads copies); the other case
+        # runs engines that name their own tensors (the base)
+        mode = "load" if failure == "digest mismatch" else "into"
+        engines = [staged_procs.start(s.endpoint, mode=mode, env=env, rank=rank) for rank in range(2)]
         try:
             for version in (1, 2):
                 replies = _send(s, engines, version)
@@ -253,7 +290,7 @@ def test_cross_node_stages_commit_everywhere_or_nowhere(backend, failure):
                 _served_only(reply, 2)
             if failure != "digest mismatch":
                 bad[0].join(timeout=30)
-                engines = [staged_procs.start(s.endpoint, env=env, rank=0), good]
+                engines = [staged_procs.start(s.endpoint, mode=mode, env=env, rank=0), good]
             for reply in _send(s, engines, 4):
                 assert reply["version"] == 4 and reply["digest"] == version_digest(4), reply
         finally:

@@ -216,7 +216,9 @@ class StagedMachine(RuleBasedStateMachine):
           delta=DELTA, split=st.booleans())
     def faulty_sync(self, fault: str, which: int, pick: int, delta: bool, split: bool) -> None:
         """A sync (send(), or stage() then commit()) in which one engine refuses the offer, or finds a byte of its
-        staged copy (the next delta's base) changed: it is applied everywhere exact, or nowhere."""
+        staged copy (the next delta's base) changed: it is applied everywhere exact, or nowhere. Only the engine
+        that loads copies keeps a staged copy between syncs; the `into` engine's base is its own tensor (a change
+        there between stage and commit: tests/test_staged.py), so a flip there changes nothing."""
         command: dict[str, object] = {"refuse": True} if fault == "refuse" else {"flip": NAMES[pick]}
         self._offer({which: command})
         version, digest = self.bed.next_version(), model_digest(self.trainer)

@@ -110,7 +110,9 @@ class WeightReceiver:
         `into`, `accept(version, manifest)` before any byte moves, raising to refuse the sync, `done()` after the
         last tensor, and `pause()`, a context manager a staging receiver applies inside), or a plain load function.
         A receiver made with `stage=` receives into its staging area while the engine keeps serving, and applies
-        (copies `into`, or calls `load`) only once the sender says every receiver staged the sync. `into(name,
+        (copies `into`, or calls `load`) only once the sender says every receiver staged the sync; with a sender in
+        delta mode it also calls `into` during the stage, to read the engine's tensor as a delta's base (it must
+        return the tensor the engine serves and change nothing), and holds only the delta's payloads. `into(name,
         dtype, shape)` may return the caller's own contiguous tensor of that dtype and shape: the bytes are copied
         straight into it; tensors it returns None for go to `load`. `state` (a ReceiverState, or a dict of the
         caller's own values) is reported to the sender, which plans from it.
@@ -149,7 +151,11 @@ class WeightReceiver:
             control.sender = (offer.pid, offer.host)
             self._accept(offer, stats)
             if staging is not None:  # what staging will hold, checked before a byte moves
-                stats.stage = StageStats(receivers=1, new_bytes=staging.begin(offer.manifest, offer.version))
+                headers = offer.delta.headers if offer.delta is not None else None
+                stats.stage = StageStats(receivers=1, new_bytes=staging.begin(
+                    offer.manifest, offer.version, delta_mode=offer.delta is not None, delta_sync=self._deltas.is_delta,
+                    headers=None if headers is None or offer.manifest is None else
+                    {spec.name: header for spec, header in zip(offer.manifest, headers)}))
             if hooks.accept is not None:  # the engine checks the manifest and begins: no byte has moved
                 hooks.accept(offer.version, offer.manifest)
             assert self._shared is not None
@@ -170,7 +176,8 @@ class WeightReceiver:
                 self._receive_buckets(offer, *self._deltas.intake(load, into, self.backend.device()), stats)
             else:  # every tensor into the staging area (a delta applies and is checked there)
                 self._shared.not_a_plan()
-                self._receive_buckets(offer, *self._deltas.intake(None, staging.into, self.backend.device()), stats)
+                into = staging.for_sync(hooks.into)  # a delta's base: the engine's own tensor where it names one
+                self._receive_buckets(offer, *self._deltas.intake(None, into, self.backend.device()), stats)
                 self._await_apply(offer, staging, hooks, start, stats)
             if hooks.done is not None and staging is None:  # a staging receiver's ran inside the pause (apply)
                 t0 = time.perf_counter()

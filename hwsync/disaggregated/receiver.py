@@ -129,8 +129,9 @@ class CrossNodeReceiver:
                 stats.delta = DeltaStats("delta", check=self._deltas.check)
             staging = self._staging
             if staging is not None:  # what staging will hold, checked before a byte moves
-                stats.stage = StageStats(receivers=1, new_bytes=staging.begin(targets, version))
-                load, into = None, staging.into
+                stats.stage = StageStats(receivers=1, new_bytes=staging.begin(
+                    targets, version, delta_mode=frame.delta is not None, delta_sync=self._deltas.is_delta))
+                load, into = None, staging.for_sync(hooks.into)  # a delta applies on the engine's tensor if named
             if hooks.accept is not None:  # the engine checks the manifest and begins: no byte has moved
                 hooks.accept(version, targets)
             stats.version, stats.bucket_bytes, stats.num_buffers = version, plan.bucket_bytes, self.num_buffers

@@ -38,10 +38,12 @@ from hwsync.delta import native, warm
 from hwsync.delta.digest import tensor_digest
 from hwsync.delta.header import BITMAP, BLOCKS, DENSE, SAME, STEPS, DeltaHeader, headers_from_words
 from hwsync.delta.patch import BaseMismatch, apply_into, verify
+from hwsync.delta.staged import StagedPayload
 from hwsync.errors import DeltaCheckError, ManifestError, ProtocolError
 from hwsync.protocol.delta import DeltaField
 from hwsync.sync.bucket import IntoFn, LoadFn, matching_destination
 from hwsync.sync.spec import TensorSpec, dtype_from_name, dtype_name
+from hwsync.sync.staging import StagedInto, payload_kept
 
 #: a delta with at most 1 changed element in this many is checked from its changes (when the held digest is known)
 CHANGED_CHECK_RATIO = 50
@@ -151,11 +153,25 @@ class ReceiverDeltas:
                 (None if into is None else _Recorded(into, self._written))
         return ApplyDelta(self, load, into), _no_destination
 
-    def target(self, name: str, payload: torch.Tensor, into: IntoFn | None) -> tuple[torch.Tensor, bool]:
-        """Where one tensor's delta applies: the caller's own tensor (`into`; True) or the copy kept for `load`."""
+    def announced(self, name: str) -> tuple[DeltaHeader, TensorSpec]:
+        """One payload's header and announced spec (ProtocolError for a tensor the sync did not announce)."""
         header, spec = self._headers.get(name), self._targets.get(name)
         if header is None or spec is None:
             raise ProtocolError(f"the sender sent a payload for {name!r}, which its delta sync did not announce")
+        return header, spec
+
+    def staged_base(self, name: str, into: IntoFn | None) -> torch.Tensor | None:
+        """The engine's own tensor where a staging receiver stages this payload against it (else None)."""
+        if not isinstance(into, StagedInto):
+            return None
+        header, spec = self.announced(name)
+        if header.code == DENSE:  # needs no base (and may come with a new spec): staged whole, copied at the commit
+            return None
+        return into.engine_base(name, dtype_from_name(spec.dtype), spec.shape)
+
+    def target(self, name: str, payload: torch.Tensor, into: IntoFn | None) -> tuple[torch.Tensor, bool]:
+        """Where one tensor's delta applies: the caller's own tensor (`into`; True) or the copy kept for `load`."""
+        header, spec = self.announced(name)
         dtype = dtype_from_name(spec.dtype)
         dest = matching_destination(name, dtype, spec.shape, into(name, dtype, spec.shape) if into else None)
         if dest is not None:
@@ -201,6 +217,23 @@ class ReceiverDeltas:
                                   f"{how}): this receiver's copy was not the declared base (changed behind "
                                   "hwsync's back?) or the apply was torn; the next sync is full")
         self._digests[name] = header.digest
+
+    def stage(self, name: str, payload: torch.Tensor, base: torch.Tensor, into: StagedInto) -> None:
+        """Check one payload on a scratch copy of the engine's tensor (its base; the engine reads it on) and stage
+        what the commit writes: the payload where it is sparse, else the patched copy (any thread)."""
+        header, spec = self.announced(name)
+        held = self._digests.get(name)  # the base's, before this sync's check records the new one
+        if header.code == SAME:
+            self.apply(name, payload, base)  # writes nothing: the digest it held, or the tensor read whole
+            return
+        scratch = base.clone()
+        self.apply(name, payload, scratch)
+        if payload_kept(header, scratch.numel() * scratch.element_size()):
+            by_changes = not self._full and base.device.type == "cpu" and _check_changes(header)
+            into.area.keep_payload(StagedPayload(name, scratch.dtype, tuple(spec.shape), header, payload, held,
+                                                 by_changes))
+        else:
+            into.area.keep_tensor(name, scratch)
 
     def complete(self) -> None:
         """The sync completed and every tensor checked out: this receiver holds the sender's new baseline."""
@@ -307,13 +340,26 @@ class ApplyDelta:
 
     def submit(self, payloads: list[tuple[str, torch.Tensor]]) -> "Applying":
         """Start applying `payloads` (views that must stay valid until `finish` returns)."""
-        targets = [self._deltas.target(name, payload, self._into) for name, payload in payloads]  # user code: here
-        pool = self._deltas.pool()
+        deltas = self._deltas
+        # user code (into) runs here, on the receiving thread. A staging receiver stages a payload against the
+        # engine's own tensor where that is the base; every other payload applies on its target
+        bases = [deltas.staged_base(name, self._into) for name, _ in payloads]
+        targets = [(base, True) if base is not None else deltas.target(name, payload, self._into)
+                   for (name, payload), base in zip(payloads, bases)]
+        pool = deltas.pool()
         # the largest targets first: an apply costs about its target's size (at RL densities the changes touch
         # most of its cache lines), so the threads end together, not on a large tensor taken last. At the end of a
         # sync that was the LM head: the last group's applies took 8 ms, 5.5 ms largest first
         order = sorted(range(len(payloads)), key=lambda i: -targets[i][0].numel())
-        started = {i: pool.submit(self._deltas.apply, payloads[i][0], payloads[i][1], targets[i][0]) for i in order}
+        started = {}
+        for i in order:
+            name, payload = payloads[i]
+            base = bases[i]
+            if base is not None:
+                assert isinstance(self._into, StagedInto)
+                started[i] = pool.submit(deltas.stage, name, payload, base, self._into)
+            else:
+                started[i] = pool.submit(deltas.apply, name, payload, targets[i][0])
         jobs = [started[i] for i in range(len(payloads))]  # in the payloads' order: the first failure is raised
         whole = [(name, result) for (name, _), (result, own) in zip(payloads, targets) if not own]
         return Applying(jobs, whole, self._load)
