@@ -71,7 +71,9 @@ MOE_WEIGHTS = ("w13_weight", "w2_weight")
 
 class MoeCapture:
     """While installed, a copy of each fused-MoE layer's weights as the loader left them, taken just before its
-    quant method processes them (vLLM's layerwise reload calls it with the layer holding the loaded tensors)."""
+    quant method processes them (vLLM's layerwise reload calls it with the layer holding the loaded tensors);
+    only of layers whose processing a replay can redo (moe_repack_refusal): other experts' weights, on GPUs
+    too, are not copied for nothing."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         #: layer -> its MOE_WEIGHTS as loaded (unpacked), once its processing ran
@@ -79,7 +81,7 @@ class MoeCapture:
         self._methods: list[Any] = []
         for module in model.modules():
             method: Any = getattr(module, "quant_method", None)
-            if hasattr(method, "moe_kernel") and set(module._parameters) == set(MOE_WEIGHTS):
+            if hasattr(method, "moe_kernel") and moe_repack_refusal(module) is None:
                 self._wrap(module, method)
 
     def _wrap(self, layer: torch.nn.Module, method: Any) -> None:
