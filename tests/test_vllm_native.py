@@ -37,6 +37,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 #: the synced engine and the trainer module run different kernels: equal within float32 noise
 MODULE_TOL = 1e-4
+#: how long AsyncLLM.shutdown lets the engine core exit by itself before it kills it. vLLM's default (5 s) is as long
+#: as the core itself waits for its worker's exit (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS), and on a loaded machine
+#: the worker's exit takes that long: the core was killed in that wait, before it released its message queue's
+#: shared memory (a psm_* segment in /dev/shm until this process's resource tracker exits)
+ENGINE_EXIT_S = 60.0
 
 
 def test_entry_point_registers_hwsync_on_both_sides_idempotently():
@@ -144,12 +149,13 @@ async def _async_llm_round_trip(v0_dir: str) -> None:
             (status,) = await engine.collective_rpc("hwsync_status")
             assert status["incomplete"] is False and status["weight_version"] == "a-3"
             back = await _generate(engine)
-            assert back.tokens == fresh_v0.tokens and back.prompt_logprobs == fresh_v0.prompt_logprobs
+            assert back.tokens == fresh_v0.tokens and back.prompt_logprobs == fresh_v0.prompt_logprobs, (
+                f"v0 synced back: {back}\nfresh v0:       {fresh_v0}")
         finally:
             trainer.shutdown()
         await _staged_through_the_native_door(engine, client, fresh_v0)
     finally:
-        engine.shutdown()
+        engine.shutdown(timeout=ENGINE_EXIT_S)  # returns once the core has exited
 
 
 class WaitsForRequests(BreakingSource):
@@ -207,7 +213,8 @@ async def _staged_through_the_native_door(engine: Any, client: Any, fresh_v0: En
 
         await asyncio.to_thread(trainer.send_weights, "s-3", source=build("llama", 0))
         back = await _generate(engine)
-        assert back.tokens == fresh_v0.tokens and back.prompt_logprobs == fresh_v0.prompt_logprobs
+        assert back.tokens == fresh_v0.tokens and back.prompt_logprobs == fresh_v0.prompt_logprobs, (
+            f"v0 staged back: {back}\nfresh v0:       {fresh_v0}")
 
         # a delta on what every worker staged and committed last (the staging area is its base)
         stats = await asyncio.to_thread(trainer.send_weights, "s-4", source=v1)
@@ -273,7 +280,10 @@ class Server:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--skip-tokenizer-init",
                "--dtype", "float32", "--max-model-len", "256", "--enforce-eager", "--max-num-seqs", "8", "--seed",
                "0", "--host", "127.0.0.1", "--port", str(port), "--weight-transfer-config", '{"backend": "hwsync"}',
-               "--worker-extension-cls", "hwsync.integrations.vllm.HwsyncWorkerExtension"]
+               "--worker-extension-cls", "hwsync.integrations.vllm.HwsyncWorkerExtension",
+               # the default (0) has the server kill its engine core and worker as soon as it asks them to stop:
+               # their psm_* segments were then left to the server's resource tracker, which stop() can kill first
+               "--shutdown-timeout", str(int(ENGINE_EXIT_S / 2))]
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path  # a file, not a pipe: nobody reads the log while the server starts
         with open(log_path, "wb") as log:
