@@ -215,7 +215,7 @@ class WeightReceiver:
         stats.wait_s -= time.perf_counter() - t0  # waiting for the trainer's commit is no transfer wait
         self.staged = None
         self.incomplete = True  # until every staged tensor is in the engine
-        result = staging.apply(hooks)
+        result = staging.apply(hooks, self._deltas.pool())
         stats.stage.apply_s = result.apply_s
         stats.load_s += result.apply_s
 

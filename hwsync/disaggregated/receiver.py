@@ -158,7 +158,7 @@ class CrossNodeReceiver:
             link.next((Commit,), f"waiting for every rank to confirm version {version}", self._worker)
             if staging is not None:  # committed: every rank staged it; apply inside the engine's pause
                 self.staged, self.incomplete = None, True
-                applied = staging.apply(hooks)
+                applied = staging.apply(hooks, self._deltas.pool())
                 assert stats.stage is not None
                 stats.stage.apply_s = applied.apply_s
                 stats.load_s += applied.apply_s  # done() ran inside the pause, with the apply

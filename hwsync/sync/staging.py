@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import Executor, wait
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -175,15 +176,17 @@ class StagingArea:
         else:
             self.into(name, tensor.dtype, tuple(tensor.shape)).copy_(tensor)
 
-    def apply(self, hooks: Hooks) -> ApplyResult:
+    def apply(self, hooks: Hooks, pool: Executor | None = None) -> ApplyResult:
         """Hand this sync's staged tensors to the engine: copied into what `into` names (a staged payload written
-        into it), the rest to `load`, then `done()`, all inside the loader's `pause()` (the engine's safe point);
-        returns once the copies have run. A sender in delta mode: the copies of what `into` took are let go."""
+        into it, on `pool`'s threads where given), the rest to `load`, then `done()`, all inside the loader's
+        `pause()` (the engine's safe point); returns once the copies have run. A sender in delta mode: the copies
+        of what `into` took are let go."""
         load, into = hooks.load, hooks.into
         names, nbytes = list(dict.fromkeys(self._staged)), 0
         in_engine: list[str] = []
         t0 = time.perf_counter()
         with hooks.pause() if hooks.pause is not None else nullcontext():
+            writes: list[tuple[StagedPayload, torch.Tensor]] = []
             whole: list[tuple[str, torch.Tensor]] = []
             for name in names:
                 payload = self._payloads.get(name)
@@ -194,7 +197,7 @@ class StagingArea:
                     if dest is None:
                         raise ValueError(f"into() returned None at the commit for {name!r}, whose tensor it gave as "
                                          "the delta's base at the stage; give the same tensor until the commit")
-                    payload.write(dest)
+                    writes.append((payload, dest))
                     continue
                 staged = self._tensors[name]
                 nbytes += staged.numel() * staged.element_size()
@@ -205,6 +208,7 @@ class StagingArea:
                 else:
                     dest.copy_(staged, non_blocking=dest.device.type != "cpu")
                     in_engine.append(name)
+            _write_payloads(writes, pool)
             if whole:
                 if load is None:
                     raise ValueError(f"into() returned None for {whole[0][0]!r} and no load was given; return "
@@ -278,6 +282,24 @@ class StagedInto:
         if self._engine_into is None or not self.area.base_in_engine or self.area.holds(name):
             return None
         return matching_destination(name, dtype, shape, self._engine_into(name, dtype, shape))
+
+
+def _write_payloads(writes: list[tuple[StagedPayload, torch.Tensor]], pool: Executor | None) -> None:
+    """Write each staged payload into its engine tensor, the largest tensors first on the pool's threads (a write
+    costs about its tensor's size: they end together); raises the first failure once every write ended."""
+    if pool is None or len(writes) < 2:
+        for payload, dest in writes:
+            payload.write(dest)
+        return
+    order = sorted(writes, key=lambda write: -write[1].numel())
+    jobs = [pool.submit(payload.write, dest) for payload, dest in order]
+    wait(jobs)
+    errors = [job.exception() for job in jobs]
+    del jobs
+    first = next((error for error in errors if error is not None), None)
+    errors.clear()
+    if first is not None:
+        raise first
 
 
 def payload_kept(header: DeltaHeader, nbytes: int) -> bool:

@@ -16,7 +16,10 @@ measured in the same process; the diff's seconds (what the trainer waited for it
 seconds the trainer's process took in the sync and the engine's from the plan to the end (the bed's two
 hosts share this machine's cores, so on a fast link a delta costs about their sum over the cores). Every sync
 also goes to a WeightReceiver process on the trainer's host (WeightSender, the same-host path, whose
-encode runs up front): its seconds and its diff's. Needs root (the bed); `--json` for a machine-readable report.
+encode runs up front): its seconds and its diff's. With `--stage` that receiver stages each sync (the engine
+names its own tensors, the delta's base): what its staging area held once staged, against the model's bytes,
+and its apply's seconds inside the pause (a delta writes its payloads in place; a full sync copies the model).
+Needs root (the bed); `--json` for a machine-readable report.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ def add_bench_delta_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any wait may take")
     parser.add_argument("--engine-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="the dtype the engine holds (float32: nothing cast, deltas dense)")
+    parser.add_argument("--stage", action="store_true",
+                        help="the same-host receiver stages each sync (StageOptions): its staging memory and apply")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     tiny_defaults(parser, hidden=128, layers=1, steps=2, lrs=[1e-5], links=["10gbit"])  # HWSYNC_BENCH_TINY=1
 
@@ -84,7 +89,7 @@ def copy_gbps(nbytes: int = 1 << 30, repeat: int = 3) -> float:
 
 
 def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, lr: float, steps: int,
-            timeout_s: float, engine_dtype: str = "bfloat16") -> dict[str, Any]:
+            timeout_s: float, engine_dtype: str = "bfloat16", stage: bool = False) -> dict[str, Any]:
     """The trainer host: trains and syncs; every sync's stats, the densities and the copy speed (JSON).
 
     Each sync goes twice: across the link (CrossNodeSender, the engine host's CrossNodeReceiver) and on this
@@ -109,7 +114,8 @@ def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, 
     with CrossNodeSender(endpoint, num_receivers=1, group_host=address, options=across) as sender, \
             WeightSender(options=SenderOptions(timeout_s=timeout_s)) as local:
         beside = multiprocessing.get_context("spawn").Process(
-            target=engine, args=(None, hidden, layers, syncs, timeout_s, local.endpoint, engine_dtype), daemon=True)
+            target=engine, args=(None, hidden, layers, syncs, timeout_s, local.endpoint, engine_dtype, stage),
+            daemon=True)
         beside.start()
 
         def sync(step: int, version: int, delta: bool) -> None:
@@ -128,7 +134,9 @@ def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, 
                                   "pack_s": stats.pack_s, "baseline_bytes": note and note.baseline_bytes,
                                   "reason": note and note.reason, "check": (peer.get("delta") or {}).get("check"),
                                   "cpu_s": cpu, "owned_bytes": note and note.owned_bytes,
-                                  "owned_s": note and note.owned_s})
+                                  "owned_s": note and note.owned_s,
+                                  "staged_bytes": stats.stage.held_bytes if stats.stage else None,
+                                  "stage_apply_s": stats.stage.apply_s if stats.stage else None})
 
         sync(0, 0, True)  # the first: full, it makes the baseline
         for step in range(1, steps + 1):
@@ -146,9 +154,9 @@ def trainer(endpoint: str, secret: str, address: str, hidden: int, layers: int, 
 
 
 def engine(endpoint: str | None, hidden: int, layers: int, syncs: int, timeout_s: float,
-           local: str | None = None, engine_dtype: str = "bfloat16") -> dict[str, Any]:
+           local: str | None = None, engine_dtype: str = "bfloat16", stage: bool = False) -> dict[str, Any]:
     """The engine: holds the model in bf16 and receives `syncs` syncs into it, from across the link (`endpoint`)
-    or from a sender on this host (`local`: a WeightSender's endpoint)."""
+    or from a sender on this host (`local`: a WeightSender's endpoint; `stage`: it stages each sync)."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -176,7 +184,7 @@ def engine(endpoint: str | None, hidden: int, layers: int, syncs: int, timeout_s
         def accept(version: int, manifest: Any) -> None:
             began[0] = cpu_s()
 
-    receiver = WeightReceiver(local, timeout_s=timeout_s) if local else \
+    receiver = WeightReceiver(local, timeout_s=timeout_s, stage=stage) if local else \
         CrossNodeReceiver(str(endpoint), rank=0, timeout_s=timeout_s)
     with receiver:
         for _ in range(syncs):
@@ -197,7 +205,7 @@ def _run_pair(bed: Any, lr: float, args: argparse.Namespace) -> dict[str, Any]:
     target = "hwsync_tools.bench.delta:"
     syncs = 1 + args.steps + FULL_SYNCS
     train = bed.start(0, target + "trainer", endpoint, secret, address, args.hidden, args.layers, lr, args.steps,
-                      args.timeout, args.engine_dtype)
+                      args.timeout, args.engine_dtype, args.stage)
     held = bed.start(1, target + "engine", endpoint, args.hidden, args.layers, syncs, args.timeout, None,
                      args.engine_dtype)
     limit = args.timeout * (syncs + 2)
@@ -223,8 +231,11 @@ def _summary(run: dict[str, Any], rate_bps: float) -> dict[str, Any]:
     full_bytes = fulls[0]["bytes"] if fulls else None
     near = run.get("colocated", [])
     near_fulls = [s["seconds"] for s in near if s["mode"] == "full" and s["step"] > 0]
+    staged_fulls = [s for s in near if s["mode"] == "full" and s["step"] > 0 and s.get("staged_bytes") is not None]
     colocated = {"deltas": [s for s in near if s["mode"] == "delta"],
-                 "full_s": statistics.median(near_fulls) if near_fulls else None}
+                 "full_s": statistics.median(near_fulls) if near_fulls else None,
+                 "full_staged_bytes": staged_fulls[0]["staged_bytes"] if staged_fulls else None,
+                 "full_apply_s": statistics.median(s["stage_apply_s"] for s in staged_fulls) if staged_fulls else None}
     return {"params": run["params"], "copy_gbps": run["copy_gbps"], "deltas": rows, "fulls": fulls,
             "colocated": colocated,
             "full_s": full_s, "full_bytes": full_bytes, "delta_s": delta_s,
@@ -276,6 +287,14 @@ def _print(r: dict[str, Any]) -> None:
     if near["deltas"]:
         full = f"{near['full_s']:.3f} s" if near["full_s"] else "-"
         print(f"   same host (WeightSender to a WeightReceiver process beside it; a full sync {full}):")
-        print("   step   delta s   diff s   wire MB")
+        staged = near.get("full_staged_bytes") is not None
+        print("   step   delta s   diff s   wire MB" + ("  staged MB  vs full  apply s  vs full" if staged else ""))
         for d in near["deltas"]:
-            print(f"   {d['step']:>4}  {d['seconds']:>8.3f}  {d['diff_s']:>7.3f}  {d['bytes'] / 1e6:>8.2f}")
+            row = f"   {d['step']:>4}  {d['seconds']:>8.3f}  {d['diff_s']:>7.3f}  {d['bytes'] / 1e6:>8.2f}"
+            if staged and d.get("staged_bytes") is not None:
+                row += (f"  {d['staged_bytes'] / 1e6:>9.2f}  {d['staged_bytes'] / near['full_staged_bytes']:>6.3f}x"
+                        f"  {d['stage_apply_s']:>7.3f}  {d['stage_apply_s'] / near['full_apply_s']:>6.3f}x")
+            print(row)
+        if staged:
+            print(f"   staged full sync: {near['full_staged_bytes'] / 1e6:.1f} MB held, applied in "
+                  f"{near['full_apply_s']:.3f} s (median)")
