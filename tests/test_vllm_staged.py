@@ -24,7 +24,7 @@ pytest.importorskip("vllm", reason="vllm is not importable: pip install vllm (vl
 from test_vllm_native import MODULE_TOL, BreakingSource, _generate  # noqa: E402
 from vllm_families import build, save  # noqa: E402
 
-from hwsync.cli.toy_model import model_prompt_logprobs  # noqa: E402
+from hwsync.cli.toy_model import ENGINE_EXIT_S, model_prompt_logprobs  # noqa: E402
 from hwsync.errors import HwsyncError  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -167,7 +167,7 @@ class Engines:
 
     async def _shutdown(self) -> None:
         for engine in self.engines:
-            engine.shutdown()
+            engine.shutdown(timeout=ENGINE_EXIT_S)  # returns once the core has exited (and unlinked its segments)
         self.engines.clear()  # now, not at the interpreter's exit (where an AsyncLLM's __del__ fails on vLLM's globals)
 
     def close(self) -> None:

@@ -20,7 +20,14 @@ from typing import Any
 import torch
 
 from hwsync.cli.demo_steps import reinforce
-from hwsync.cli.toy_model import PROMPT_TOKENS, ToyModel, cpu_engine_env, engine_kwargs, model_prompt_logprobs
+from hwsync.cli.toy_model import (
+    ENGINE_EXIT_S,
+    PROMPT_TOKENS,
+    ToyModel,
+    cpu_engine_env,
+    engine_kwargs,
+    model_prompt_logprobs,
+)
 
 COLUMNS = ("step", "reward", "sync s", "pause s", "sent", "MB", "longest gap s", "max |Δlogprob|", "check")
 
@@ -95,7 +102,7 @@ async def _loop(args: argparse.Namespace, model_dir: str, model: torch.nn.Module
     try:
         return await _steps(args, engine, model, vocab)
     finally:
-        engine.shutdown()
+        engine.shutdown(timeout=ENGINE_EXIT_S)  # returns once the core has exited (and unlinked its segments)
         # now, not at interpreter exit: a frame vLLM's shutdown leaves alive keeps this one (and an engine that lives
         # to the exit prints a traceback from its __del__, vLLM's globals being gone by then)
         del engine

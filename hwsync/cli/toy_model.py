@@ -112,6 +112,12 @@ def model_prompt_logprobs(model: torch.nn.Module, prompt: list[int] | None = Non
     return logprobs.gather(1, ids[0, 1:, None])[:, 0].tolist()
 
 
+#: how long an engine's shutdown lets its core exit by itself before killing it. vLLM's default (5 s) is as long as
+#: the core waits for its worker's exit, and on a loaded machine the worker takes that long: the core is then killed
+#: before it unlinks its message queue's shared memory (a psm_* segment left in /dev/shm)
+ENGINE_EXIT_S = 60.0
+
+
 def shutdown_engine(llm: Any) -> None:
     """Stop an engine so that another can start in this process (vLLM keeps global state)."""
     import gc
@@ -119,7 +125,7 @@ def shutdown_engine(llm: Any) -> None:
     engine = getattr(llm, "llm_engine", None)
     core = getattr(engine, "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
+        core.shutdown(timeout=ENGINE_EXIT_S)  # returns once the core has exited
     del llm, engine, core
     gc.collect()
     try:

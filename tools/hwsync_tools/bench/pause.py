@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from hwsync.cli.toy_model import ToyModel, cpu_engine_env, engine_kwargs, param_count
+from hwsync.cli.toy_model import ENGINE_EXIT_S, ToyModel, cpu_engine_env, engine_kwargs, param_count
 from hwsync.sync.stats import StageStats
 from hwsync_tools.bench import tiny_defaults
 
@@ -169,7 +169,7 @@ async def _run(args: argparse.Namespace, model_dir: str, toy: ToyModel) -> dict[
     try:
         return await _rows(args, engine, toy)
     finally:
-        engine.shutdown()
+        engine.shutdown(timeout=ENGINE_EXIT_S)  # returns once the core has exited (and unlinked its segments)
         # now, not at interpreter exit: a frame vLLM's shutdown leaves alive keeps this one (and an engine that lives
         # to the exit prints a traceback from its __del__, vLLM's globals being gone by then)
         del engine

@@ -68,7 +68,7 @@ async def _engine(endpoint: str, model_dir: str, requests: int, max_tokens: int,
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from hwsync.cli.toy_model import engine_kwargs
+    from hwsync.cli.toy_model import ENGINE_EXIT_S, engine_kwargs
 
     kwargs = engine_kwargs(model_dir, max_model_len=256)
     kwargs["worker_extension_cls"] = extension
@@ -76,7 +76,7 @@ async def _engine(endpoint: str, model_dir: str, requests: int, max_tokens: int,
     try:
         return await _serve_and_receive(llm, endpoint, requests, max_tokens, mode, settle_s, timeout_s)
     finally:
-        llm.shutdown()
+        llm.shutdown(timeout=ENGINE_EXIT_S)  # returns once the core has exited (and unlinked its segments)
         del llm
 
 
