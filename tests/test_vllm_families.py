@@ -178,6 +178,26 @@ def test_manifest_check_agrees_with_the_engines_loader(family: Family):
     _assert_same(family.llm, family.fresh_v0)
 
 
+def test_a_partial_sync_must_bring_every_tensor_of_each_engine_module(family: Family):
+    # vLLM's reload rebuilds a module whole: q alone of a fused qkv_proj, or one expert of a fused experts layer,
+    # would leave the rest as zeros (a silent wrong weight); the whole attention of a layer is whole modules
+    target = _engine_target(family.llm)
+    expected = checkpoint_manifest(family.v0_dir)
+
+    def check(specs: list[Any]) -> None:
+        check_announced(target.model, target.model_config, target.vllm_config, expected, specs, allow_partial=True)
+
+    attention = [s for s in expected if ".layers.0.self_attn." in s.name]
+    q = [s for s in attention if s.name.endswith("q_proj.weight")]
+    with pytest.raises(ManifestError, match=r"module '[^']*qkv_proj' is missing \['[^']*k_proj"):
+        check(q)
+    check(attention)
+    one_expert = [s for s in expected if ".layers.0." in s.name and ".experts.0." in s.name]
+    if one_expert:
+        with pytest.raises(ManifestError, match=r"module '[^']*experts' is missing"):
+            check(one_expert)
+
+
 def test_module_syncs_through_both_entries_equal_fresh_engines(family: Family, fresh_v1: References):
     llm, v0, v1 = family.llm, build(family.name, 0), build(family.name, 1)
     family.native.send_weights("v1")  # the trainer engine's source: the v1 module

@@ -29,12 +29,14 @@ _MISSING = object()
 
 @dataclass(frozen=True)
 class LoaderVerdict:
-    """What the engine's load_weights made of a manifest: its error, if any, the names it skips, and the dtype of
-    the parameter each other name is loaded into (what the engine holds it in: a sender sends it so)."""
+    """What the engine's load_weights made of a manifest: its error, if any, the names it skips, the dtype of
+    the parameter each other name is loaded into (what the engine holds it in: a sender sends it so), and the
+    engine module whose parameter each is loaded into (vLLM's reload processes a module once all of it arrived)."""
 
     error: str | None
     skipped: frozenset[str] = field(default_factory=frozenset)
     dtypes: dict[str, str] = field(default_factory=dict)
+    modules: dict[str, str] = field(default_factory=dict)
 
 
 def _own_loader(tensor: Any) -> Any:
@@ -49,17 +51,20 @@ def _own_loader(tensor: Any) -> Any:
 
 
 @contextmanager
-def recording_loaders(model: torch.nn.Module) -> Iterator[dict[int, torch.dtype | None]]:
+def recording_loaders(model: torch.nn.Module) -> Iterator[dict[int, Any]]:
     """Swap every parameter's and buffer's weight_loader for a recorder of the tensors handed to it: id of each
-    tensor handed over -> the dtype of the parameter it was handed to."""
-    seen: dict[int, torch.dtype | None] = {}
+    tensor handed over -> the parameter (or buffer) it was handed to."""
+    seen: dict[int, Any] = {}
     saved: list[tuple[Any, Any]] = []
     done: set[int] = set()
 
     def record(*args: Any, **kwargs: Any) -> Any:
         param = args[0] if args else kwargs.get("param")
         loaded = args[1] if len(args) > 1 else kwargs.get("loaded_weight")
-        seen[id(loaded)] = getattr(param, "dtype", None)
+        seen[id(loaded)] = param
+        base = getattr(loaded, "_base", None)  # a view of the tensor handed over (an expert's slice, a transpose)
+        if base is not None:
+            seen.setdefault(id(base), param)
         # expert loaders are asked whether they took the tensor (return_success=True)
         return True if kwargs.get("return_success") else None
 
@@ -93,8 +98,12 @@ def dry_run(model: torch.nn.Module, announced: list[TensorSpec], vllm_config: An
     except Exception as exc:  # noqa: BLE001 - any refusal counts: the message is the engine's own
         return LoaderVerdict(error=f"{type(exc).__name__}: {exc}")
     dtypes = {name: dtype_name(dtype) for name, t in pairs
-              if isinstance(dtype := seen.get(id(t)), torch.dtype) and dtype.is_floating_point}
-    return LoaderVerdict(error=None, skipped=frozenset(name for name, t in pairs if id(t) not in seen), dtypes=dtypes)
+              if isinstance(dtype := getattr(seen.get(id(t)), "dtype", None), torch.dtype) and dtype.is_floating_point}
+    owners = {id(tensor): path for path, module in model.named_modules(remove_duplicate=False)
+              for tensor in (*module._parameters.values(), *module._buffers.values()) if tensor is not None}
+    modules = {name: owners[id(seen[id(t)])] for name, t in pairs if id(t) in seen and id(seen[id(t)]) in owners}
+    return LoaderVerdict(error=None, skipped=frozenset(name for name, t in pairs if id(t) not in seen), dtypes=dtypes,
+                         modules=modules)
 
 
 def _config(vllm_config: Any) -> Any:
@@ -128,5 +137,34 @@ def check_announced(model: torch.nn.Module, model_config: Any, vllm_config: Any,
     if verdict.error is not None:
         raise ManifestError(f"sync refused before any weight changed: the engine's load_weights refuses this "
                             f"manifest ({verdict.error[:400]}); send the checkpoint's names only")
+    if allow_partial:
+        _whole_modules(model, vllm_config, expected, announced, verdict)
     in_checkpoint = {spec.name for spec in expected}
-    return LoaderVerdict(None, frozenset(name for name in verdict.skipped if name not in in_checkpoint), verdict.dtypes)
+    return LoaderVerdict(None, frozenset(name for name in verdict.skipped if name not in in_checkpoint), verdict.dtypes,
+                         verdict.modules)
+
+
+def _whole_modules(model: torch.nn.Module, vllm_config: Any, expected: list[TensorSpec], announced: list[TensorSpec],
+                   verdict: LoaderVerdict) -> None:
+    """A partial sync must bring every checkpoint tensor of each engine module it writes (ManifestError if not).
+
+    vLLM's layerwise reload rebuilds a module once all of it arrived, and at the end of the sync builds the rest
+    from new memory: a module a sync sends only part of (q and v of a fused qkv_proj, one expert of a fused
+    experts layer, a weight without its bias) would serve zeros where the sync did not reach."""
+    whole = dry_run(model, expected, vllm_config)
+    if whole.error is not None:  # the checkpoint itself is refused: the announced check above already said so
+        return
+    parts: dict[str, list[str]] = {}
+    for name, module in whole.modules.items():
+        parts.setdefault(module, []).append(name)
+    sent = {spec.name for spec in announced}
+    split = [(module, [n for n in parts[module] if n not in sent])
+             for module in dict.fromkeys(verdict.modules.values()) if module in parts]
+    split = [(module, missing) for module, missing in split if missing]
+    if split:
+        module, missing = split[0]
+        more = f" (and {len(split) - 1} more modules)" if len(split) > 1 else ""
+        raise ManifestError(f"sync refused before any weight changed: a partial sync (allow_partial=True) must send "
+                            f"every checkpoint tensor of each engine module it updates, and module {module!r} is "
+                            f"missing {missing[:4]}{more}; vLLM rebuilds a module whole, so the parts not sent would "
+                            "be left as zeros. Send those tensors too")
