@@ -343,7 +343,8 @@ class ApplyDelta:
         deltas = self._deltas
         # user code (into) runs here, on the receiving thread. A staging receiver stages a payload against the
         # engine's own tensor where that is the base; every other payload applies on its target
-        bases = [deltas.staged_base(name, self._into) for name, _ in payloads]
+        staging = self._into if isinstance(self._into, StagedInto) else None
+        bases = [None if staging is None else deltas.staged_base(name, staging) for name, _ in payloads]
         targets = [(base, True) if base is not None else deltas.target(name, payload, self._into)
                    for (name, payload), base in zip(payloads, bases)]
         pool = deltas.pool()
