@@ -142,10 +142,6 @@ class WeightReceiver:
                           stage=staging is not None, plan=0 if plan is None else plan.sync)
             control.connect()
             control.send(ready)
-            # the plan's destinations are checked while the sender matches its side of it (each read of a tensor's
-            # fields costs ~0.3 us: ~15 ms at 20,000 tensors, which would otherwise follow the sender's ~11 ms);
-            # not for a loader with accept(): what `into` gives may change there, so it is asked after it
-            holds = None if plan is None or into is None or hooks.accept is not None else plan.holds(into)
             offer = control.await_frame(Offer, None, "waiting for the sender's offer", stats)
             assert isinstance(offer, Offer)
             sync = control.last_sync = offer.sync
@@ -163,7 +159,7 @@ class WeightReceiver:
             if hooks.accept is not None:  # the engine checks the manifest and begins: no byte has moved
                 hooks.accept(offer.version, offer.manifest)
             assert self._shared is not None
-            replay = bool(offer.replay) and staging is None and self._shared.can_replay(offer, into, holds)
+            replay = bool(offer.replay) and staging is None and self._shared.can_replay(offer, into)
             control.send(Accept(sync=offer.sync, replay=replay))
             if offer.replay:  # the sender says whether every receiver could: else a fresh sync, for all
                 word = control.await_frame(Replay, offer.sync, "waiting for the sender's word on the replay", stats)

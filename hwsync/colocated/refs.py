@@ -181,15 +181,14 @@ class SharedReader:
         """Forget every plan (a failed sync, a segment unmapped)."""
         self.plan = self._recording = None
 
-    def can_replay(self, offer: Offer, into: IntoFn | None, holds: bool | None = None) -> bool:
+    def can_replay(self, offer: Offer, into: IntoFn | None) -> bool:
         """Whether this receiver can run the replay `offer` proposes: it holds that plan, from that sender, the sync
-        is no delta, and `into` still gives each of the plan's destinations (else the plan is dropped). `holds`:
-        that last check, where it was made already in this receive() (while the sender matched its side)."""
+        is no delta, and `into` still gives each of the plan's destinations (else the plan is dropped)."""
         plan = self.plan
         if plan is None or into is None or offer.delta is not None or plan.sync != offer.replay \
                 or plan.sender_pid != offer.pid:
             return False
-        if not (plan.holds(into) if holds is None else holds):
+        if not plan.holds(into):
             self.plan = None
             return False
         return True
