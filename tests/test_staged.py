@@ -8,9 +8,13 @@ staged byte before the commit, shows up as a digest of no version.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
+import threading
 import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import staged_procs
@@ -28,6 +32,7 @@ from hwsync import (
 )
 from hwsync.backend.owners import sweep_dead_owners
 from hwsync.backend.registry import load_backend
+from hwsync.sync.jobs import wait_all
 from hwsync.sync.options import CrossNodeOptions, SenderOptions
 from hwsync.sync.spec import TensorSpec
 from hwsync.sync.staging import StagingArea
@@ -251,6 +256,47 @@ def test_staging_beyond_its_cap_is_refused_before_a_byte_moves_naming_the_host_a
     with pytest.raises(StagingMemoryError, match=r"needs .* of host memory, and .* is free beyond the headroom "
                                                  r"kept \(short by"):
         huge.begin([TensorSpec("x", "uint8", (1 << 50,))], 4)
+
+
+def test_the_commit_writes_wait_for_every_job_and_raise_the_first_failure_holding_nothing_alive():
+    # the staging area's commit writes and a delta sync's applies wait for their jobs with jobs.wait_all: every job
+    # ends before the first failure (in the jobs' order, not in time) is raised, and once the caller lets go of it
+    # nothing a failed job's frames held stays alive (no traceback kept, no reference cycle) without a collection
+    class Held:  # what a failed write's frame holds (in a sync: a view of the bucket, an engine tensor)
+        pass
+
+    class JobFailed(RuntimeError):  # (a built-in exception takes no weak reference)
+        pass
+
+    later_failed, ended = threading.Event(), []
+    held: list[weakref.ref] = []
+
+    def job(index: int) -> None:
+        frame_holds = Held()
+        held.append(weakref.ref(frame_holds))
+        if index == 0:
+            assert later_failed.wait(60)  # the first job fails only after the second did
+        if index == 1:
+            later_failed.set()
+        if index == 2:  # succeeds, and ends last
+            assert later_failed.wait(60)
+            ended.append(index)
+            return
+        raise JobFailed(f"job {index} failed")
+
+    gc.disable()  # a collection would free a cycle: what is checked is that there is none
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            with pytest.raises(JobFailed, match="job 0 failed") as info:
+                wait_all([pool.submit(job, i) for i in range(3)])
+            assert ended == [2] and len(held) == 3
+            assert info.value.__traceback__ is not None  # raised here, not in a job's frames
+            raised = weakref.ref(info.value)
+            del info
+            assert [ref() for ref in held] == [None] * 3, "a failed job's frames outlived its error"
+            assert raised() is None, "the error raised is in a reference cycle (with the frames it was raised through)"
+    finally:
+        gc.enable()
 
 
 # -- across nodes: CrossNodeReceiver(stage=...), sender 0's commit only once every rank staged --------------------

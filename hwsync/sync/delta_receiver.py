@@ -42,6 +42,7 @@ from hwsync.delta.staged import StagedPayload
 from hwsync.errors import DeltaCheckError, ManifestError, ProtocolError
 from hwsync.protocol.delta import DeltaField
 from hwsync.sync.bucket import IntoFn, LoadFn, matching_destination
+from hwsync.sync.jobs import wait_all
 from hwsync.sync.spec import TensorSpec, dtype_from_name, dtype_name
 from hwsync.sync.staging import StagedInto, payload_kept
 
@@ -299,21 +300,6 @@ def _no_destination(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> No
     return None
 
 
-def _raise_first(errors: list[BaseException | None]) -> None:
-    """Raise the first of the apply threads' errors without a reference cycle: a failed job's traceback holds the
-    bucket's views, and a cycle would keep them (and the mapping under them) alive until a garbage collection."""
-    first = next((error for error in errors if error is not None), None)
-    for error in errors:
-        if error is not None:
-            error.__traceback__ = None
-    errors.clear()
-    if first is not None:
-        try:
-            raise first
-        finally:
-            first = None
-
-
 class _KeepThenLoad:
     """A full sync in delta mode: each tensor for `load` is also copied into the receiver's baseline."""
 
@@ -379,10 +365,7 @@ class Applying:
     def finish(self) -> None:
         """Wait for every apply, raise the first failure, then load the whole tensors."""
         jobs, self._jobs = self._jobs, []
-        wait(jobs)
-        errors = [job.exception() for job in jobs]
-        del jobs  # each future holds its error: kept here, the error raised below would be in a reference cycle
-        _raise_first(errors)
+        wait_all(jobs)  # empties jobs: each future holds its error, which would otherwise be in a reference cycle
         whole, self._whole = self._whole, []
         if whole:
             if self._load is None:

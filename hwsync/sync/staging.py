@@ -21,7 +21,7 @@ import os
 import socket
 import threading
 import time
-from concurrent.futures import Executor, wait
+from concurrent.futures import Executor
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -32,6 +32,7 @@ from hwsync.delta.header import BITMAP, BLOCKS, SAME, STEPS, DeltaHeader
 from hwsync.delta.staged import StagedPayload
 from hwsync.errors import StagingMemoryError
 from hwsync.sync.bucket import IntoFn, matching_destination
+from hwsync.sync.jobs import wait_all
 from hwsync.sync.loader import Hooks
 from hwsync.sync.spec import TensorSpec, dtype_from_name, dtype_name
 
@@ -292,14 +293,7 @@ def _write_payloads(writes: list[tuple[StagedPayload, torch.Tensor]], pool: Exec
             payload.write(dest)
         return
     order = sorted(writes, key=lambda write: -write[1].numel())
-    jobs = [pool.submit(payload.write, dest) for payload, dest in order]
-    wait(jobs)
-    errors = [job.exception() for job in jobs]
-    del jobs
-    first = next((error for error in errors if error is not None), None)
-    errors.clear()
-    if first is not None:
-        raise first
+    wait_all([pool.submit(payload.write, dest) for payload, dest in order])
 
 
 def payload_kept(header: DeltaHeader, nbytes: int) -> bool:
