@@ -91,6 +91,15 @@ def test_bench_transfer_runs_with_its_defaults():
         assert row in out, out
 
 
+def test_bench_tensors_runs_with_its_defaults():
+    out = bench("tensors")
+    assert out.startswith("hwsync bench tensors:"), out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("packed ", "one-copy "))]
+    assert [row[0] for row in rows] == ["packed", "one-copy"], out
+    for row in rows:  # every timed sync of both pairs replayed its path's first sync's plan (the point of the bench)
+        assert row[4:] == ["2+2", "of", "4"], out
+
+
 def test_bench_delta_codec_runs_with_its_defaults():
     out = bench("delta-codec")
     assert out.startswith("hwsync bench delta-codec:"), out

@@ -9,6 +9,8 @@ import importlib
 BENCHES = {
     "transfer": ("hwsync_tools.bench.transfer", "add_bench_transfer_arguments", "run_bench_transfer",
                  "process to process: hwsync vs stop-and-wait vs memory copy (--peer verl: vs verl's sender)"),
+    "tensors": ("hwsync_tools.bench.tensors", "add_bench_tensors_arguments", "run_bench_tensors",
+                "per-tensor costs: the same bytes in many tensors against few, synced in turns"),
     "vllm": ("hwsync_tools.bench.vllm", "add_bench_vllm_arguments", "run_bench_vllm",
              "into a vLLM engine: hwsync vs safetensors reload vs in-process load_weights"),
     "broadcast": ("hwsync_tools.bench.broadcast", "add_bench_broadcast_arguments", "run_bench_broadcast",
