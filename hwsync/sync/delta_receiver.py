@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import NamedTuple
 
 import torch
 
@@ -53,6 +54,15 @@ CHANGED_CHECK_RATIO = 50
 STEP_CHECK_RATIO = 8
 #: the default of HWSYNC_DELTA_FULL_CHECK_EVERY: every how many delta syncs each tensor is digested whole
 FULL_CHECK_EVERY = 8
+
+
+class StagedBase(NamedTuple):
+    """The engine's tensor a staging receiver checks one payload on, with the payload's header and announced spec
+    (looked up once, by `staged_base`, for `stage`)."""
+
+    tensor: torch.Tensor
+    header: DeltaHeader
+    spec: TensorSpec
 
 
 def full_check_every() -> int:
@@ -161,14 +171,16 @@ class ReceiverDeltas:
             raise ProtocolError(f"the sender sent a payload for {name!r}, which its delta sync did not announce")
         return header, spec
 
-    def staged_base(self, name: str, into: IntoFn | None) -> torch.Tensor | None:
-        """The engine's own tensor where a staging receiver stages this payload against it (else None)."""
+    def staged_base(self, name: str, into: IntoFn | None) -> StagedBase | None:
+        """The engine's own tensor where a staging receiver stages this payload against it, with the payload's
+        header and spec for `stage` (else None)."""
         if not isinstance(into, StagedInto):
             return None
         header, spec = self.announced(name)
         if header.code == DENSE:  # needs no base (and may come with a new spec): staged whole, copied at the commit
             return None
-        return into.engine_base(name, dtype_from_name(spec.dtype), spec.shape)
+        tensor = into.engine_base(name, dtype_from_name(spec.dtype), spec.shape)
+        return None if tensor is None else StagedBase(tensor, header, spec)
 
     def target(self, name: str, payload: torch.Tensor, into: IntoFn | None) -> tuple[torch.Tensor, bool]:
         """Where one tensor's delta applies: the caller's own tensor (`into`; True) or the copy kept for `load`."""
@@ -219,18 +231,18 @@ class ReceiverDeltas:
                                   "hwsync's back?) or the apply was torn; the next sync is full")
         self._digests[name] = header.digest
 
-    def stage(self, name: str, payload: torch.Tensor, base: torch.Tensor, into: StagedInto) -> None:
-        """Check one payload on a scratch copy of the engine's tensor (its base; the engine reads it on) and stage
-        what the commit writes: the payload where it is sparse, else the patched copy (any thread)."""
-        header, spec = self.announced(name)
+    def stage(self, name: str, payload: torch.Tensor, base: StagedBase, into: StagedInto) -> None:
+        """Check one payload on a scratch copy of the engine's tensor (`base`, from `staged_base`; the engine reads
+        it on) and stage what the commit writes: the payload where it is sparse, else the patched copy (any thread)."""
+        header, spec, engine = base.header, base.spec, base.tensor
         held = self._digests.get(name)  # the base's, before this sync's check records the new one
         if header.code == SAME:
-            self.apply(name, payload, base)  # writes nothing: the digest it held, or the tensor read whole
+            self.apply(name, payload, engine)  # writes nothing: the digest it held, or the tensor read whole
             return
-        scratch = base.clone()
+        scratch = engine.clone()
         self.apply(name, payload, scratch)
         if payload_kept(header, scratch.numel() * scratch.element_size()):
-            by_changes = not self._full and base.device.type == "cpu" and _check_changes(header)
+            by_changes = not self._full and engine.device.type == "cpu" and _check_changes(header)
             into.area.keep_payload(StagedPayload(name, scratch.dtype, tuple(spec.shape), header, payload, held,
                                                  by_changes))
         else:
@@ -331,7 +343,7 @@ class ApplyDelta:
         # engine's own tensor where that is the base; every other payload applies on its target
         staging = self._into if isinstance(self._into, StagedInto) else None
         bases = [None if staging is None else deltas.staged_base(name, staging) for name, _ in payloads]
-        targets = [(base, True) if base is not None else deltas.target(name, payload, self._into)
+        targets = [(base.tensor, True) if base is not None else deltas.target(name, payload, self._into)
                    for (name, payload), base in zip(payloads, bases)]
         pool = deltas.pool()
         # the largest targets first: an apply costs about its target's size (at RL densities the changes touch
