@@ -14,7 +14,9 @@ import signal
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pytest
 import staged_procs
@@ -132,50 +134,47 @@ def test_a_receiver_killed_after_staging_applies_nowhere_and_the_next_sync_commi
             _stop(engines)
 
 
-@pytest.mark.cpu_is_enough(FAILURES_ON_CPU)
-def test_a_digest_mismatch_on_one_receiver_applies_nowhere(backend):
-    env = {"HWSYNC_DELTA_FULL_CHECK_EVERY": "1"}  # every delta digested whole: a flipped byte anywhere is caught
+@contextmanager
+def _one_bad_sync(mode: str, fault: dict, error: type[HwsyncError], match: str) -> Iterator[tuple]:
+    """Two engines in `mode`, every delta digested whole, after a first full sync; version 2, with `fault` in the
+    first engine's (the bad one's) receive command, raises `error` matching `match` (`{pid}`: the bad engine's).
+    Yields (bad, good, the error's info) for the test to check their replies; then version 3 is whole and exact on
+    both (the bad one holds no known version)."""
+    env = {"HWSYNC_DELTA_FULL_CHECK_EVERY": "1"}  # every delta (and the commit) digested whole: a changed byte anywhere
     with WeightSender(num_receivers=2, options=SenderOptions(bucket_bytes=1 << 14, delta=True, timeout_s=30)) as s:
-        # engines whose loader takes copies: the staging area's copy is the delta's base, and its byte is flipped
-        engines = [staged_procs.start(s.endpoint, mode="load", env=env) for _ in range(2)]
+        engines = [staged_procs.start(s.endpoint, mode=mode, env=env) for _ in range(2)]
         try:
             _send(s, engines, 1)
             bad, good = engines
-            bad[1].put({"receive": True, "flip": "w3"})  # its staged base changed behind hwsync's back
+            bad[1].put({"receive": True, **fault})
             good[1].put({"receive": True})
-            with pytest.raises(NotAppliedError, match=f"pid {bad[0].pid}.*DeltaCheckError: w3"):
+            with pytest.raises(error, match=match.format(pid=bad[0].pid)) as info:
                 s.send(list(staged_procs.stepped(2).items()), version=2)
-            for reply in (bad[2].get(timeout=60), good[2].get(timeout=60)):
-                assert reply["version"] == 1 and reply["digest"] == version_digest(1), reply
-                _served_only(reply, 1)
+            yield bad, good, info
             for reply in _send(s, engines, 3):
-                assert reply["version"] == 3 and reply["digest"] == version_digest(3)
+                assert reply["version"] == 3 and reply["digest"] == version_digest(3), reply
         finally:
             _stop(engines)
+
+
+@pytest.mark.cpu_is_enough(FAILURES_ON_CPU)
+def test_a_digest_mismatch_on_one_receiver_applies_nowhere(backend):
+    # engines whose loader takes copies: the staging area's copy is the delta's base, and its byte is flipped (changed
+    # behind hwsync's back)
+    with _one_bad_sync("load", {"flip": "w3"}, NotAppliedError, "pid {pid}.*DeltaCheckError: w3") as (bad, good, _):
+        for reply in (bad[2].get(timeout=60), good[2].get(timeout=60)):
+            assert reply["version"] == 1 and reply["digest"] == version_digest(1), reply
+            _served_only(reply, 1)
 
 
 def test_an_engine_tensor_changed_between_stage_and_commit_is_caught_at_the_commit(backend):
     # into mode: the engine's own tensor is the delta's base; it changes after the delta checked out on a copy of
     # it and before the commit. The commit's check finds it: that engine fails, loudly, and the next sync is whole
-    env = {"HWSYNC_DELTA_FULL_CHECK_EVERY": "1"}  # the commit digests whole: a changed byte anywhere is caught
-    with WeightSender(num_receivers=2, options=SenderOptions(bucket_bytes=1 << 14, delta=True, timeout_s=30)) as s:
-        engines = [staged_procs.start(s.endpoint, mode="into", env=env) for _ in range(2)]
-        try:
-            _send(s, engines, 1)
-            bad, good = engines
-            bad[1].put({"receive": True, "change_engine_after_staging": "w3"})
-            good[1].put({"receive": True})
-            with pytest.raises(PartlyAppliedError, match=f"{bad[0].pid}") as info:
-                s.send(list(staged_procs.stepped(2).items()), version=2)
-            assert "w3" in str(info.value) and "between the stage" in str(info.value), info.value
-            failed, applied = bad[2].get(timeout=60), good[2].get(timeout=60)
-            assert "DeltaCheckError: w3" in failed["error"] and failed["incomplete"], failed
-            assert applied["version"] == 2 and applied["digest"] == version_digest(2), applied
-            replies = _send(s, engines, 3)
-            for reply in replies:  # the failed engine holds no known version: its next sync is whole, and exact
-                assert reply["version"] == 3 and reply["digest"] == version_digest(3), reply
-        finally:
-            _stop(engines)
+    with _one_bad_sync("into", {"change_engine_after_staging": "w3"}, PartlyAppliedError, "{pid}") as (bad, good, info):
+        assert "w3" in str(info.value) and "between the stage" in str(info.value), info.value
+        failed, applied = bad[2].get(timeout=60), good[2].get(timeout=60)
+        assert "DeltaCheckError: w3" in failed["error"] and failed["incomplete"], failed
+        assert applied["version"] == 2 and applied["digest"] == version_digest(2), applied
 
 
 @pytest.mark.cpu_is_enough(FAILURES_ON_CPU)
