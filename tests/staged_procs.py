@@ -113,18 +113,24 @@ def engine_main(endpoint: str, mode: str, timeout_s: float, env: dict[str, str],
             continue
         die, delay = bool(command.get("die_after_staging")), float(command.get("slow_to_say_staged", 0.0))
         changed = command.get("change_engine_after_staging")
-        if die or delay or changed:
-            def send_and_then(frame, send=send, die=die, delay=delay, changed=changed):
-                if isinstance(frame, staged_frame):  # staged and checked
-                    time.sleep(delay)  # the other receivers say so first
-                send(frame)
-                if die and isinstance(frame, staged_frame):  # said so: killed before every receiver did (no Apply)
-                    os.kill(os.getpid(), signal.SIGKILL)
-                if changed and isinstance(frame, staged_frame):  # the engine's own tensor (the delta's base) changes
-                    with engine.lock:  # before the Apply (this thread reads it next)
-                        engine.held[changed].view(-1).view(torch.uint8)[3] ^= 0x10
 
-            channel.send = send_and_then
+        def send_and_then(frame, send=send, die=die, delay=delay, changed=changed):
+            if isinstance(frame, staged_frame):  # staged and checked
+                # the tests check that the engine answered requests while the sync was in flight: it says staged
+                # only once it answered one (a short delta on a loaded machine could end before its serving
+                # thread ran at all)
+                deadline = time.monotonic() + 30
+                while not engine.answered and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                time.sleep(delay)  # the other receivers say so first
+            send(frame)
+            if die and isinstance(frame, staged_frame):  # said so: killed before every receiver did (no Apply)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if changed and isinstance(frame, staged_frame):  # the engine's own tensor (the delta's base) changes
+                with engine.lock:  # before the Apply (this thread reads it next)
+                    engine.held[changed].view(-1).view(torch.uint8)[3] ^= 0x10
+
+        channel.send = send_and_then
         if "flip" in command:
             staged = receiver._staging._tensors[command["flip"]]
             staged.view(-1).view(torch.uint8)[3] ^= 0x10
