@@ -2,6 +2,8 @@
 (staged_procs.Engine: each request digests the whole model under the engine's pause lock) while a
 WeightReceiver(stage=True) receives one sync per command on its main thread, and that answers probes on a third
 thread at any moment, during a sync too: the model's digest now, and every digest a request saw since the last probe.
+That thread also changes a byte of one of the engine's own tensors on the test's word (EngineProcess.flip_served),
+between syncs or while one is staged and awaits its commit: the `into` engine's tensor is its next delta's base.
 
 A probe during a staged, uncommitted sync is what shows that no staged byte reaches what the engine serves before the
 commit; the digests the requests saw show that none ever saw a mix of versions.
@@ -33,6 +35,11 @@ MUTANT_ENV = "HWSYNC_STAGED_MUTANT"
 REPLY_S = 90.0
 
 
+def flip_byte(tensor: torch.Tensor) -> None:
+    """Change one byte of `tensor` in place, behind hwsync's back (the test's model does the same to its copy)."""
+    tensor.view(-1).view(torch.uint8)[1] ^= 0x10
+
+
 @dataclass
 class EngineProcess:
     """One engine process and its queues: commands and their replies (the main thread), probes and theirs."""
@@ -56,7 +63,8 @@ class EngineProcess:
 
     def receive(self, **command: object) -> None:
         """Queue one receive(): `refuse` (the engine's accept() refuses the offer), `flip` (a name: a byte of its
-        staged copy changes behind hwsync's back first), `die_after_staging` (SIGKILL once it said staged)."""
+        staged copy changes behind hwsync's back first; only a `load` engine keeps one between syncs),
+        `die_after_staging` (SIGKILL once it said staged)."""
         self.commands.put({"receive": True, "mode": self.mode, **command})
 
     def kill(self) -> None:
@@ -69,8 +77,15 @@ class EngineProcess:
         return self.results.get(timeout=REPLY_S)
 
     def probe(self) -> dict[str, Any]:
-        """What the engine serves now, and the digests its requests saw since the last probe."""
+        """What the engine serves now (and whether its receiver says incomplete), and the digests its requests saw
+        since the last probe."""
         self.probes.put("probe")
+        return self.probed.get(timeout=REPLY_S)
+
+    def flip_served(self, name: str) -> dict[str, Any]:
+        """Change a byte of the engine's own tensor `name` now (under its pause lock, as an engine's own write would
+        be), whatever its receiver is doing: the model's digest before and after, and whether it held `name`."""
+        self.probes.put({"flip": name})
         return self.probed.get(timeout=REPLY_S)
 
     def stop(self) -> None:
@@ -117,9 +132,13 @@ def mutate(setattr_: Callable[[object, str, object], None] = setattr) -> str | N
     fails on it: "apply-early" (a receiver applies the version before it says staged, not at the commit),
     "keep-staging" (a failed sync's staging memory is kept), "commit-unchecked" (commit() sends the Apply without
     checking that every receiver is still there), "baseline-aliases" (the sender's delta baseline is the trainer's
-    own tensor, not a copy). Returns the name (None: nothing broken)."""
+    own tensor, not a copy), "deltas-unverified" (a receiver takes every delta's result for the sender's digest, at
+    the stage and at the commit), "commit-unverified" (only at the commit: a staged delta written into the engine's
+    tensor is not checked there). Returns the name (None: nothing broken)."""
     from hwsync.colocated.receiver import WeightReceiver as Receiver
     from hwsync.colocated.sender_control import SyncReceivers
+    from hwsync.delta import staged as staged_delta
+    from hwsync.sync import delta_receiver
     from hwsync.sync.delta_baseline import Baseline
     from hwsync.sync.staging import StagingArea
 
@@ -140,6 +159,10 @@ def mutate(setattr_: Callable[[object, str, object], None] = setattr) -> str | N
                  lambda self, what: [] if what == "before sending the Apply" else poll(self, what))
     elif name == "baseline-aliases":
         setattr_(Baseline, "keep", lambda self, name, tensor, dtype: self.tensors.__setitem__(name, tensor) or tensor)
+    elif name in ("deltas-unverified", "commit-unverified"):
+        setattr_(staged_delta, "verify", lambda tensor, header: True)
+        if name == "deltas-unverified":
+            setattr_(delta_receiver, "verify", lambda tensor, header: True)
     elif name is not None:
         raise ValueError(f"{MUTANT_ENV}={name!r}: no such mutant")
     return name
@@ -152,12 +175,26 @@ def _seen(engine: staged_procs.Engine) -> Iterator[str]:
     return iter(seen)
 
 
+def _digest(engine: staged_procs.Engine) -> str:
+    """The digest of what the engine holds ("" for nothing); the caller holds its lock."""
+    return staged_procs.model_digest(engine.held) if engine.held else ""
+
+
 def _answer_probes(engine: staged_procs.Engine, receiver: WeightReceiver, probes: Any, probed: Any) -> None:
-    while probes.get() is not None:
+    while (probe := probes.get()) is not None:
+        if isinstance(probe, dict):  # flip_served: the engine's own tensor changes (no request sees it half done)
+            with engine.lock:
+                before, tensor = _digest(engine), engine.held.get(probe["flip"])
+                flipped = tensor is not None and tensor.numel() > 0
+                if flipped and tensor is not None:
+                    flip_byte(tensor)
+                probed.put({"before": before, "after": _digest(engine), "flipped": flipped})
+            continue
         seen = sorted(set(_seen(engine)))
         with engine.lock:
-            held = staged_procs.model_digest(engine.held) if engine.held else ""
-        probed.put({"held": held, "answered": seen, "version": receiver.version, "staged": receiver.staged})
+            held = _digest(engine)
+        probed.put({"held": held, "answered": seen, "version": receiver.version, "staged": receiver.staged,
+                    "incomplete": receiver.incomplete})
 
 
 def engine_main(endpoint: str, env: dict[str, str], timeout_s: float, commands: Any, results: Any, probes: Any,
@@ -188,7 +225,7 @@ def engine_main(endpoint: str, env: dict[str, str], timeout_s: float, commands: 
         if command.get("flip") and receiver._staging is not None:
             staged = receiver._staging._tensors.get(command["flip"])
             if staged is not None and staged.numel():
-                staged.view(-1).view(torch.uint8)[1] ^= 0x10  # a byte of the staged copy (the next delta's base)
+                flip_byte(staged)  # a byte of the staged copy (the next delta's base)
                 flipped = command["flip"]
         loader: Any = RefusingLoader(engine) if command.get("refuse") else engine
         try:
@@ -197,7 +234,7 @@ def engine_main(endpoint: str, env: dict[str, str], timeout_s: float, commands: 
         except Exception as exc:  # noqa: BLE001 - reported to the test
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         with engine.lock:
-            digest = staged_procs.model_digest(engine.held) if engine.held else ""
+            digest = _digest(engine)
         results.put({**reply, "version": receiver.version, "digest": digest, "flipped": flipped,
                      "incomplete": receiver.incomplete,
                      "staging_bytes": receiver._staging.held_bytes if receiver._staging else 0})

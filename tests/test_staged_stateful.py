@@ -7,28 +7,34 @@ A Hypothesis state machine drives a real WeightSender (this process) and two rea
 pause lock) through random sequences of: full and delta syncs (send), stage() then commit(), stage() then
 abandon(), a newer stage or a send superseding an uncommitted stage, training in place right after send() or
 stage() returns (before the commit), a reshape or a dtype change of one tensor, a sync in which one engine refuses
-the offer or finds a byte of its staged copy changed (a digest mismatch), and an engine killed after every engine
-staged and before commit(), or right as it says it staged. The engines are started once for the test (a spare
-takes a killed one's place); each example starts with a full sync of a fresh model.
+the offer or finds its delta's base changed behind hwsync's back (a byte of the `load` engine's staged copy, or of
+the `into` engine's own tensor: a digest mismatch), the `into` engine's own tensor changed between stage() and
+commit(), and an engine killed after every engine staged and before commit(), or right as it says it staged. The
+engines are started once for the test (a spare takes a killed one's place); each example starts with a full sync of
+a fresh model.
 
 The test process holds the model: what each engine serves (the committed version: the trainer's bytes when its
-send() or stage() was called) and the version staged. After every step each engine is probed on a thread of its
-own (during an uncommitted stage too): it serves exactly that, bit-exact, and every request it answered since the
-last probe saw it or what it served before, whole. Every engine's reply to a sync is the new version, exact, or an
-error with what it served kept and its staging memory released; the sender's staged_version is the model's.
+send() or stage() was called, with any byte the test changed in the engine's own tensors since; or, after an apply
+that failed midway, what the engine said it holds, `incomplete`) and the version staged. After every step each
+engine is probed on a thread of its own (during an uncommitted stage too): it serves exactly that, bit-exact, and
+every request it answered since the last probe saw it or what it served before, whole. Every engine's reply to a
+sync is the new version, exact, or an error with what it served kept and its staging memory released; the sender's
+staged_version is the model's. After a delta whose base changed was caught, the next sync is whole.
 
 Run (from the repository root, in .venv):
     python -m pytest -q tests/test_staged_stateful.py --durations=5       # CI: bounded, derandomized, no database
     HWSYNC_STAGED_EXAMPLES=100 python -m pytest -q tests/test_staged_stateful.py --hypothesis-show-statistics
 CI draws no kill (each costs a process start): the pinned sequences at the end run both; the long profile is
 random and kills in a quarter of its examples. HWSYNC_STAGED_MUTANT=apply-early|keep-staging|commit-unchecked|
-baseline-aliases runs either against the library broken on purpose (staged_stateful_procs.mutate): each fails.
+baseline-aliases|deltas-unverified|commit-unverified runs either against the library broken on purpose
+(staged_stateful_procs.mutate): each fails.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -76,8 +82,24 @@ def event(what: str) -> None:
 
 
 def model_digest(tensors: dict[str, torch.Tensor]) -> str:
-    """The digest an engine holding exactly these tensors reports (staged_procs.model_digest)."""
-    return staged_procs.model_digest(tensors)
+    """The digest an engine holding exactly these tensors reports (staged_procs.model_digest; "" for none)."""
+    return staged_procs.model_digest(tensors) if tensors else ""
+
+
+@dataclass(frozen=True)
+class Serves:
+    """What the model says one engine serves: its receiver's version, the digest of the engine's bytes, those bytes
+    (None where an apply failed midway: the engine's word, its receiver `incomplete` until a sync completes)."""
+
+    version: int | None
+    digest: str
+    tensors: dict[str, torch.Tensor] | None
+    incomplete: bool = False
+
+    @staticmethod
+    def exactly(version: int | None, tensors: dict[str, torch.Tensor]) -> Serves:
+        """An engine holding exactly `tensors`, its receiver at `version`."""
+        return Serves(version, model_digest(tensors), tensors)
 
 
 class Bed:
@@ -120,10 +142,14 @@ class StagedMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.trainer: dict[str, torch.Tensor] = {}
-        #: each engine's version and the digest of what it serves (known once fresh_model ran)
-        self.serving: list[tuple[int | None, str]] = []
-        #: the version stage() left, and its digest
-        self.staged: tuple[int, str] | None = None
+        #: what each engine serves (known once fresh_model ran)
+        self.serving: list[Serves] = []
+        #: the version stage() left, and its bytes
+        self.staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        #: a delta whose base changed was caught: the next sync (the next committed one too) must be whole
+        self.whole_next = False
+        #: what the rules' events said, in order (the pinned sequences check theirs)
+        self.events: list[str] = []
         #: per engine, what it may have served since the last probe: what it served then, and what it applied since
         self.windows: list[set[str]] = []
         #: receive() commands each engine has not answered yet
@@ -139,8 +165,9 @@ class StagedMachine(RuleBasedStateMachine):
         self.trainer = {name: torch.randn(shape, generator=g).to(dtype) for name, (shape, dtype) in SPECS.items()}
         self.kills = kills
         # what each engine serves now, from itself: an example that failed may have left anything (the bed is shared)
-        held = [engine.probe()["held"] for engine in self.bed.engines]
-        self.serving, self.windows = [(None, digest) for digest in held], [{digest} for digest in held]
+        held = [engine.probe() for engine in self.bed.engines]
+        self.serving = [Serves(None, seen["held"], None, seen["incomplete"]) for seen in held]
+        self.windows = [{seen["held"]} for seen in held]
         self._send(delta=False, train_after=None)
 
     def teardown(self) -> None:
@@ -165,15 +192,16 @@ class StagedMachine(RuleBasedStateMachine):
         A stage left uncommitted is superseded: no engine applies it."""
         superseded = self.staged is not None
         self._offer({})
-        version, digest = self.bed.next_version(), model_digest(self.trainer)
+        version, tensors = self._version()
         stats = self.bed.sender.stage(list(self.trainer.items()), version=version, delta=delta)
         self._train(train_after)
+        self._whole_if_due(self._mode(stats))
         assert stats.stage is None, "stage() reported an apply"
         assert self.bed.sender.staged_version == version
         if superseded:
             self._replies_kept("superseded", "SupersededError")
-        self.staged = (version, digest)
-        event(f"stage: {stats.delta.mode if stats.delta else 'full'}{' (superseding)' if superseded else ''}")
+        self.staged = (version, tensors)
+        self._event(f"stage: {self._mode(stats)}{' (superseding)' if superseded else ''}")
 
     @precondition(lambda self: self.staged is not None)
     @rule()
@@ -182,8 +210,8 @@ class StagedMachine(RuleBasedStateMachine):
         assert self.staged is not None
         stats = self.bed.sender.commit()
         assert stats.stage is not None and stats.stage.receivers == 2
-        (version, digest), self.staged = self.staged, None
-        self._replies_applied(version, digest)
+        (version, tensors), self.staged = self.staged, None
+        self._replies_applied(version, tensors)
 
     @precondition(lambda self: self.staged is not None)
     @rule()
@@ -215,26 +243,82 @@ class StagedMachine(RuleBasedStateMachine):
     @rule(fault=st.sampled_from(["refuse", "flip"]), which=st.integers(0, 1), pick=st.integers(0, len(NAMES) - 1),
           delta=DELTA, split=st.booleans())
     def faulty_sync(self, fault: str, which: int, pick: int, delta: bool, split: bool) -> None:
-        """A sync (send(), or stage() then commit()) in which one engine refuses the offer, or finds a byte of its
-        staged copy (the next delta's base) changed: it is applied everywhere exact, or nowhere. Only the engine
-        that loads copies keeps a staged copy between syncs; the `into` engine's base is its own tensor (a change
-        there between stage and commit: tests/test_staged.py), so a flip there changes nothing."""
-        command: dict[str, object] = {"refuse": True} if fault == "refuse" else {"flip": NAMES[pick]}
+        """A sync (send(), or stage() then commit()) in which one engine refuses the offer, or finds its delta's base
+        changed behind hwsync's back ("flip"): a byte of the `load` engine's staged copy, or of the `into` engine's own
+        tensor (it keeps no copy: its base is what it serves, so the change shows in what it serves). The sync is
+        applied everywhere exact (a whole sync overwrites the byte), or nowhere: the engine whose base changed fails
+        its check (DeltaCheckError), and the next sync is whole."""
+        name, engine = NAMES[pick], self.bed.engines[which]
+        own = fault == "flip" and engine.mode == "into"  # the engine's own tensor is the base
+        command: dict[str, object] = {"refuse": True} if fault == "refuse" else {} if own else {"flip": name}
+        flipped = own and self._flip_served(which, name)
         self._offer({which: command})
-        version, digest = self.bed.next_version(), model_digest(self.trainer)
+        version, tensors = self._version()
         failed, mode = self._sync_catching(version, delta, split)
         assert self.bed.sender.staged_version is None
         if failed is None:
             assert fault != "refuse", "a sync that an engine refused was committed"
-            self._replies_applied(version, digest)
-            event(f"faulty sync: {fault}, committed ({mode} sync)")
+            self._whole_if_due(mode)
+            self._replies_applied(version, tensors)
+            self._event(f"faulty sync: {fault}{' (own tensor)' if own else ''}, committed ({mode} sync)")
             return
-        pid = self.bed.engines[which].proc.pid
-        assert str(pid) in str(failed), f"the error does not name the engine that failed (pid {pid}): {failed}"
+        assert str(engine.proc.pid) in str(failed), \
+            f"the error does not name the engine that failed (pid {engine.proc.pid}): {failed}"
         replies = self._replies_kept(f"{fault} on engine {which}", None)
         if fault == "flip":
-            assert replies[which]["flipped"], f"version {version} failed though no byte was changed: {failed}"
-        event(f"faulty sync: {fault}, {type(failed).__name__}")
+            assert flipped or replies[which]["flipped"], f"v{version} failed though no byte was changed: {failed}"
+            assert f"DeltaCheckError: {name}" in replies[which]["error"], \
+                f"engine {which}'s base of {name} changed, but it failed otherwise: {replies[which]}"
+            self.whole_next = True
+        self._event(f"faulty sync: {fault}{' (own tensor)' if own else ''}, {type(failed).__name__}")
+
+    @precondition(lambda self: self.staged is None)
+    @rule(pick=st.integers(0, len(NAMES) - 1), delta=DELTA)
+    def flip_while_staged(self, pick: int, delta: bool) -> None:
+        """stage(), then a byte of the `into` engine's own tensor changes behind hwsync's back (the base its staged
+        delta checked out on), then commit(). Until the commit the engine serves its bytes, flip and all, and no
+        staged one; the commit either overwrites the tensor whole (a whole sync, a dense delta) and every engine
+        applies the version exact, or its check catches the change: that engine's apply fails loudly
+        (DeltaCheckError, `incomplete`), the sender raises PartlyAppliedError naming it, the other engine applied
+        the version, and the next sync is whole. The tensor changes in this sync, in its second half (a few elements
+        trained first; the flip is in its first element, which a sparse delta then does not write): a tensor that a
+        delta leaves unchanged is not written at the commit, so not checked there."""
+        name, index = NAMES[pick], next(i for i, engine in enumerate(self.bed.engines) if engine.mode == "into")
+        flat = self.trainer[name].view(-1)
+        flat[flat.numel() // 2::max(1, flat.numel() // 8)] += 1
+        self._offer({})
+        version, tensors = self._version()
+        mode = self._mode(self.bed.sender.stage(list(self.trainer.items()), version=version, delta=delta))
+        self._whole_if_due(mode)
+        before = self.serving[index]
+        flipped = self._flip_served(index, name)
+        self.staged = (version, tensors)
+        self.engines_serve_a_committed_version()  # staged, flipped: the engine serves its own bytes, none staged
+        self.staged = None
+        try:
+            self.bed.sender.commit()
+        except HwsyncError as exc:
+            failed: HwsyncError | None = exc
+        else:
+            failed = None
+        if failed is None:
+            self._replies_applied(version, tensors)
+            self._event(f"flip while staged: committed ({mode} sync{', nothing held' if not flipped else ''})")
+            return
+        pid = self.bed.engines[index].proc.pid
+        assert isinstance(failed, PartlyAppliedError) and str(pid) in str(failed) and name in str(failed), \
+            f"a base changed before the commit must fail that engine's apply, after the Apply: {failed!r}"
+        assert flipped and mode == "delta", f"a {mode} sync failed at the commit though no base changed: {failed!r}"
+        other = 1 - index
+        self._applied(other, self._reply(other), version, tensors)
+        reply = self._reply(index)
+        assert not reply["ok"] and f"DeltaCheckError: {name}" in reply["error"], f"engine {index}: {reply}"
+        assert reply["incomplete"] and reply["version"] == before.version and reply["staging_bytes"] == 0, \
+            f"engine {index} failed its apply but does not say incomplete, or holds staging memory: {reply}"
+        self.serving[index] = Serves(before.version, reply["digest"], None, incomplete=True)
+        self.windows[index].add(reply["digest"])
+        self.whole_next = True
+        self._event("flip while staged: PartlyAppliedError")
 
     @precondition(lambda self: self.staged is None and self.kills > 0)
     @rule(which=st.integers(0, 1), when=st.sampled_from(["before commit", "as it staged"]), delta=DELTA,
@@ -247,7 +331,7 @@ class StagedMachine(RuleBasedStateMachine):
         fails or dies after the Apply went out")."""
         self.kills -= 1
         self._offer({which: {"die_after_staging": True}} if when == "as it staged" else {})
-        version, digest = self.bed.next_version(), model_digest(self.trainer)
+        version, tensors = self._version()
         doomed, survivor = self.bed.engines[which], 1 - which
         failed: HwsyncError | None = None
         if when == "before commit":
@@ -261,7 +345,7 @@ class StagedMachine(RuleBasedStateMachine):
             failed, _ = self._sync_catching(version, delta, split)
         self.outstanding[which] = 0  # it never answers: the spare takes its place before anything is checked
         self.bed.replace(which)
-        self.serving[which], self.windows[which] = (None, ""), {""}
+        self.serving[which], self.windows[which] = Serves.exactly(None, {}), {""}
         assert failed is not None, "a sync was committed though an engine died in it"
         assert when != "before commit" or isinstance(failed, NotAppliedError), \
             f"commit() after an engine was killed raised {failed!r}, not NotAppliedError"
@@ -269,28 +353,32 @@ class StagedMachine(RuleBasedStateMachine):
         if isinstance(failed, NotAppliedError):
             assert str(doomed.proc.pid) in str(failed), f"NotAppliedError names not the dead engine: {failed}"
             self._kept(survivor, reply, "not applied")
-            event(f"kill {when}: NotAppliedError")
+            self._event(f"kill {when}: NotAppliedError")
         else:  # the Apply went out before the death was seen: the survivor applied (or failed) on its own
             assert isinstance(failed, PartlyAppliedError) and str(doomed.proc.pid) in str(failed), \
                 f"a death after the Apply must say the version was committed, naming the engine: {failed!r}"
             if reply["ok"]:
-                self._applied(survivor, reply, version, digest)
+                self._applied(survivor, reply, version, tensors)
             else:
                 self._kept(survivor, reply, f"failed ({failed!r})")
             outcome = "applied" if reply["ok"] else "kept"
-            event(f"kill {when}: {type(failed).__name__} after the Apply, the survivor {outcome}")
+            self._event(f"kill {when}: {type(failed).__name__} after the Apply, the survivor {outcome}")
 
     # ---- the invariant -----------------------------------------------------------------------------------------
     @precondition(lambda self: bool(self.serving))  # from fresh_model on
     @invariant()
     def engines_serve_a_committed_version(self) -> None:
-        """Each engine serves what it last applied, bit-exact (during an uncommitted stage too), and each request
-        since the last probe saw it or the version before it, whole; the sender's staged version is the model's."""
+        """Each engine serves what it last applied, bit-exact (during an uncommitted stage too; with any byte the test
+        changed in its own tensors since), and each request since the last probe saw it or the version before it,
+        whole; an engine's receiver says incomplete only after an apply that failed midway; the sender's staged
+        version is the model's."""
         assert self.bed.sender.staged_version == (None if self.staged is None else self.staged[0])
         for index, engine in enumerate(self.bed.engines):
-            version, digest = self.serving[index]
-            seen = engine.probe()
-            assert seen["held"] == digest, f"engine {index} serves bytes of no committed version (v{version} is)"
+            serves = self.serving[index]
+            seen, digest = engine.probe(), serves.digest
+            assert seen["held"] == digest, f"engine {index} serves bytes of no committed version (v{serves.version} is)"
+            assert seen["incomplete"] == serves.incomplete, \
+                f"engine {index}'s receiver says incomplete={seen['incomplete']}, the model {serves.incomplete}"
             mixed = set(seen["answered"]) - self.windows[index]
             assert not mixed, f"engine {index} answered {len(mixed)} requests on bytes of no committed version"
             if self.staged is not None:
@@ -301,15 +389,54 @@ class StagedMachine(RuleBasedStateMachine):
     def _send(self, *, delta: bool, train_after: int | None) -> None:
         superseded = self.staged is not None
         self._offer({})
-        version, digest = self.bed.next_version(), model_digest(self.trainer)
+        version, tensors = self._version()
         stats = self.bed.sender.send(list(self.trainer.items()), version=version, delta=delta)
         self._train(train_after)
         assert stats.stage is not None and stats.stage.receivers == 2
+        self._whole_if_due(self._mode(stats))
         if superseded:
             self.staged = None
             self._replies_kept("superseded by send()", "SupersededError")
-        self._replies_applied(version, digest)
-        event(f"send: {stats.delta.mode if stats.delta else 'full'}{' (superseding)' if superseded else ''}")
+        self._replies_applied(version, tensors)
+        self._event(f"send: {self._mode(stats)}{' (superseding)' if superseded else ''}")
+
+    def _version(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """A version never sent before, and the trainer's bytes now (what an engine that applies it serves)."""
+        return self.bed.next_version(), {name: tensor.clone() for name, tensor in self.trainer.items()}
+
+    @staticmethod
+    def _mode(stats: Any) -> str:
+        """A sync's mode: "delta" or "full"."""
+        return stats.delta.mode if stats.delta else "full"
+
+    def _whole_if_due(self, mode: str) -> None:
+        """After a delta whose base changed was caught, the sync is whole (what that receiver held is unknown)."""
+        assert not self.whole_next or mode == "full", "a delta sync right after a delta whose base changed was caught"
+
+    def _event(self, what: str) -> None:
+        self.events.append(what)
+        event(what)
+
+    def _flip_served(self, index: int, name: str) -> bool:
+        """A byte of engine `index`'s own tensor `name` changes behind hwsync's back (the `into` engine's next delta's
+        base), and alike in the model's copy of what it serves; False where the engine holds no such tensor."""
+        serves = self.serving[index]
+        flip = self.bed.engines[index].flip_served(name)
+        assert flip["before"] == serves.digest, f"engine {index} served bytes of no committed version before a flip"
+        tensors = serves.tensors
+        if tensors is None:  # what an apply that failed midway left: the engine's word, as for its failed reply
+            digest = flip["after"]
+        else:
+            assert flip["flipped"] == (name in tensors), f"engine {index} holds other tensors than the model: {flip}"
+            if name in tensors:
+                tensors = {**tensors, name: tensors[name].clone()}
+                engines.flip_byte(tensors[name])
+            digest = model_digest(tensors)
+            assert flip["after"] == digest, f"engine {index}'s flipped tensor is not the model's: {flip}"
+        assert flip["flipped"] == (digest != serves.digest), f"engine {index}: a flip changed no byte, or one too many"
+        self.serving[index] = Serves(serves.version, digest, tensors, serves.incomplete)
+        self.windows[index].add(digest)  # its requests may see either, whole (the flip is made under its lock)
+        return bool(flip["flipped"])
 
     def _sync_catching(self, version: int, delta: bool, split: bool) -> tuple[HwsyncError | None, str]:
         """send(), or stage() then commit() at once: the error it raised (None: committed) and the sync's mode."""
@@ -335,17 +462,20 @@ class StagedMachine(RuleBasedStateMachine):
         self.outstanding[index] -= 1
         return reply
 
-    def _replies_applied(self, version: int, digest: str) -> None:
-        """Every engine applied `version`, exact."""
+    def _replies_applied(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Every engine applied `version`, exact: every engine holds the sender's baseline again."""
         for index in range(len(self.bed.engines)):
-            self._applied(index, self._reply(index), version, digest)
+            self._applied(index, self._reply(index), version, tensors)
+        self.whole_next = False
 
-    def _applied(self, index: int, reply: dict[str, Any], version: int, digest: str) -> None:
+    def _applied(self, index: int, reply: dict[str, Any], version: int, tensors: dict[str, torch.Tensor]) -> None:
+        serves = Serves.exactly(version, tensors)
         assert reply["ok"], f"engine {index} failed version {version}, which the sender committed: {reply}"
         assert reply["version"] == version, f"engine {index} says v{reply['version']}, not v{version}"
-        assert reply["digest"] == digest, f"engine {index} applied v{version} with bytes the trainer never sent"
-        self.serving[index] = (version, digest)
-        self.windows[index].add(digest)
+        assert reply["digest"] == serves.digest, f"engine {index} applied v{version} with bytes the trainer never sent"
+        assert not reply["incomplete"], f"engine {index} applied v{version} but says incomplete: {reply}"
+        self.serving[index] = serves
+        self.windows[index].add(serves.digest)
 
     def _replies_kept(self, what: str, error: str | None) -> list[dict[str, Any]]:
         """Every engine's sync failed (`error` in its message), and it kept what it served."""
@@ -358,12 +488,13 @@ class StagedMachine(RuleBasedStateMachine):
         return replies
 
     def _kept(self, index: int, reply: dict[str, Any], what: str) -> None:
-        """Engine `index`'s sync failed, and it serves what it served before, exact, its staging memory released."""
-        version, digest = self.serving[index]
+        """Engine `index`'s sync failed, and it serves what it served before, exact, its staging memory released (and
+        incomplete only where an apply that failed midway left it so before)."""
+        serves = self.serving[index]
         assert not reply["ok"], f"engine {index} completed a sync that was {what}: {reply}"
-        assert reply["version"] == version and reply["digest"] == digest, \
-            f"engine {index} left v{version} after a sync that was {what}: {reply}"
-        assert not reply["incomplete"] and reply["staging_bytes"] == 0, \
+        assert reply["version"] == serves.version and reply["digest"] == serves.digest, \
+            f"engine {index} left v{serves.version} after a sync that was {what}: {reply}"
+        assert reply["incomplete"] == serves.incomplete and reply["staging_bytes"] == 0, \
             f"engine {index} holds staging memory or an incomplete model after a sync that was {what}: {reply}"
 
     def _train(self, how: int | None) -> None:
@@ -396,46 +527,64 @@ def bed() -> Iterator[Bed]:
 @pytest.mark.timeout(300)
 def test_staged_state_machine(bed: Bed) -> None:
     """Random sequences (the CI profile: derandomized; HWSYNC_STAGED_EXAMPLES=N: the long, random one), then the
-    pinned ones (each rule's case that CI's random draws may miss: both kills, a flip on a delta base, training
-    between stage() and commit() before deltas)."""
+    pinned ones (each rule's case that CI's random draws may miss: both kills, a flip on a delta base of either
+    engine, before a sync and between stage() and commit(), training between stage() and commit() before deltas),
+    each checked to reach the outcomes it is pinned for."""
     StagedMachine.bed = bed
     run_state_machine_as_test(StagedMachine, settings=settings.get_profile(PROFILE))
-    for steps in PINNED:
-        _replay(steps)
+    for steps, expected in PINNED:
+        events = _replay(steps)
+        missed = [what for what in expected if not any(what in said for said in events)]
+        assert not missed, f"a pinned sequence no longer reaches {missed}: it went {events}"
 
 
 Step = tuple[str, dict[str, Any]]
-PINNED: list[list[Step]] = [
-    [  # stage during a training step, commit at its boundary; the deltas after it are exact
+#: each sequence, and what events it must reach (each a part of one event's text, in any order)
+PINNED: list[tuple[list[Step], list[str]]] = [
+    ([  # stage during a training step, commit at its boundary; the deltas after it are exact
         ("fresh_model", {"seed": 1, "kills": 0}), ("train", {"how": 0}),
         ("stage", {"delta": True, "train_after": 2}), ("commit", {}),
         ("send", {"delta": True, "train_after": 0}), ("send", {"delta": True, "train_after": None}),
-    ],
-    [  # a newer stage supersedes one, a send supersedes that; an abandoned one leaves the deltas going
+    ], ["send: delta"]),
+    ([  # a newer stage supersedes one, a send supersedes that; an abandoned one is applied nowhere; each sync exact
         ("fresh_model", {"seed": 2, "kills": 0}), ("stage", {"delta": True, "train_after": 1}),
         ("stage", {"delta": True, "train_after": 0}), ("send", {"delta": True, "train_after": 0}),
         ("stage", {"delta": True, "train_after": None}), ("abandon", {}), ("send", {"delta": True, "train_after": 0}),
-    ],
-    [  # a staged base changed under a delta, a refusal, then new shapes and dtypes, each sync exact or nowhere
+    ], ["stage: delta", "(superseding)"]),
+    ([  # a staged base changed under a delta, a refusal, then new shapes and dtypes, each sync exact or nowhere
         ("fresh_model", {"seed": 3, "kills": 0}), ("send", {"delta": True, "train_after": 0}),
         ("faulty_sync", {"fault": "flip", "which": 1, "pick": 3, "delta": True, "split": True}),
         ("send", {"delta": True, "train_after": 0}),
         ("faulty_sync", {"fault": "refuse", "which": 0, "pick": 0, "delta": True, "split": False}),
         ("respec", {"change": "reshape", "pick": 0}), ("respec", {"change": "dtype", "pick": 2}),
         ("stage", {"delta": True, "train_after": 0}), ("commit", {}), ("send", {"delta": True, "train_after": None}),
-    ],
-    [  # an engine killed after every engine staged and before commit(); one killed as it says staged (in send())
+    ], ["faulty sync: flip, NotAppliedError", "faulty sync: refuse, NotAppliedError"]),
+    ([  # the `into` engine's own tensor (its delta's base) changed: before a send(), caught at the stage; the next
+        # stage and send whole, the flipped byte served until the send overwrites it; changed between stage() and
+        # commit(), caught at the commit (PartlyAppliedError, that engine incomplete through a refused sync and
+        # until the next, whole, commit); changed before a stage(), caught there; each next sync whole
+        ("fresh_model", {"seed": 5, "kills": 0}), ("send", {"delta": True, "train_after": 0}),
+        ("faulty_sync", {"fault": "flip", "which": 0, "pick": 1, "delta": True, "split": False}),
+        ("stage", {"delta": True, "train_after": None}), ("abandon", {}), ("send", {"delta": True, "train_after": 0}),
+        ("send", {"delta": True, "train_after": 0}), ("flip_while_staged", {"pick": 1, "delta": True}),
+        ("faulty_sync", {"fault": "refuse", "which": 1, "pick": 0, "delta": True, "split": False}),
+        ("stage", {"delta": True, "train_after": 0}), ("commit", {}), ("send", {"delta": True, "train_after": 0}),
+        ("faulty_sync", {"fault": "flip", "which": 0, "pick": 2, "delta": True, "split": True}),
+        ("send", {"delta": True, "train_after": None}),
+    ], ["faulty sync: flip (own tensor), NotAppliedError", "stage: full", "send: full", "send: delta",
+        "flip while staged: PartlyAppliedError"]),
+    ([  # an engine killed after every engine staged and before commit(); one killed as it says staged (in send())
         ("fresh_model", {"seed": 4, "kills": 2}), ("send", {"delta": True, "train_after": 0}),
         ("kill_engine", {"which": 0, "when": "before commit", "delta": True, "split": True}),
         ("send", {"delta": True, "train_after": 0}),
         ("kill_engine", {"which": 1, "when": "as it staged", "delta": True, "split": False}),
         ("send", {"delta": True, "train_after": None}),
-    ],
+    ], ["kill before commit: NotAppliedError"]),
 ]
 
 
-def _replay(steps: list[Step]) -> None:
-    """One sequence of the machine's steps as Hypothesis runs one: the invariant after each."""
+def _replay(steps: list[Step]) -> list[str]:
+    """One sequence of the machine's steps as Hypothesis runs one: the invariant after each; what its events said."""
     machine = StagedMachine()
     try:
         for name, kwargs in steps:
@@ -443,3 +592,4 @@ def _replay(steps: list[Step]) -> None:
             machine.engines_serve_a_committed_version()
     finally:
         machine.teardown()
+    return machine.events
