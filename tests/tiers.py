@@ -45,6 +45,7 @@ UNIT = (
     "tests/test_protocol.py",
     "tests/test_protocol_fuzz.py",
     "tests/test_replay_checks.py",
+    "tests/test_shared_index.py",
     "tests/test_staged.py::test_the_commit_writes_wait_for_every_job_and_raise_the_first_failure_holding_nothing_alive",
     "tests/test_staged_payload.py",
     "tests/test_tiers.py",

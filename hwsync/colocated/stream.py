@@ -36,7 +36,7 @@ from hwsync.colocated.sender_control import SyncReceivers
 from hwsync.protocol import Bucket, Frame, Ref, Refs, Release, SegmentSpec, encode
 from hwsync.protocol.layout import DeviceRef
 from hwsync.sync.bucket import BucketPacker, Closed, CopyBatch, as_bytes, entry_wire_bytes, host_moves, lent
-from hwsync.sync.shared_params import LIVE, find_shared
+from hwsync.sync.shared_params import LIVE, SegmentIndex
 from hwsync.sync.spec import NamedTensors, TensorSpec, checked_items, dtype_name
 from hwsync.sync.stats import SyncStats
 from hwsync.timing import PACKING_CHECK_S
@@ -64,6 +64,8 @@ class BucketStream:
         #: who Refs batches go to; None: pack every tensor (receivers cannot map our segments)
         self.refs_to = refs_to
         self._segments: list[SegmentSpec] = []
+        self._segment_at: dict[SegmentSpec, int] = {}  # each one's position in _segments
+        self._shared: SegmentIndex | None = None  # this process's shared segments, taken at the sync's start
         self._refs: list[Ref] = []
         self._refs_bytes = self._refs_wire = 0
         #: the trainer's device segments (None: device tensors go packed)
@@ -119,6 +121,7 @@ class BucketStream:
         """Pack and post every tensor of `source`, checking it against `manifest` when given."""
         stats = self.stats
         self.pool.begin_sync()
+        self._shared = SegmentIndex() if LIVE and self.refs_to is not None else None
         next_check = time.perf_counter() + PACKING_CHECK_S
         for _position, name, tensor in checked_items(source, manifest):
             if time.perf_counter() >= next_check:  # a long bucket (or a slow source) still hears failures
@@ -166,7 +169,7 @@ class BucketStream:
 
     def _add_ref(self, name: str, tensor: torch.Tensor, nbytes: int, volatile: bool) -> bool:
         """Batch a reference to `tensor` if receivers can read it in place; else send the batch (it goes packed)."""
-        found = find_shared(tensor) if LIVE else None
+        found = None if self._shared is None else self._shared.find(tensor)
         placed = None if found is not None or self.mapped is None or volatile else self.mapped.place(tensor)
         if found is None and placed is None:
             self._flush_refs()  # receivers copy the batch while this tensor is packed
@@ -174,9 +177,11 @@ class BucketStream:
         dtype = dtype_name(tensor.dtype)
         if found is not None:
             segment, offset = found
-            if segment not in self._segments:
+            index = self._segment_at.get(segment)
+            if index is None:
+                index = self._segment_at[segment] = len(self._segments)
                 self._segments.append(segment)
-            self._refs.append(Ref(name, dtype, tuple(tensor.shape), self._segments.index(segment), offset, nbytes))
+            self._refs.append(Ref(name, dtype, tuple(tensor.shape), index, offset, nbytes))
             kind = "shared"
             if self._planned is not None and not volatile:
                 self._planned.append(sent_tensor(name, tensor))
@@ -225,6 +230,7 @@ class BucketStream:
             receivers.broadcast(Refs(sync=self.sync, segments=self._segments, refs=self._refs, device_segments=[],
                                      device_refs=[]))
         self._segments, self._refs, self._device_refs, self._refs_bytes, self._refs_wire = [], [], [], 0, 0
+        self._segment_at = {}
         self._device_ref_segments = set()
 
     def _take(self) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import threading
 import weakref
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -58,20 +59,36 @@ def find_shared(tensor: torch.Tensor) -> tuple[SegmentSpec, int] | None:
     """
     if not LIVE:  # the common case, a process that shares nothing: no per-tensor work on the packed path
         return None
-    if tensor.device.type != "cpu" or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or not tensor.numel():
-        return None
-    if not tensor.is_contiguous():
-        return None
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    with _lock:
-        for segment in LIVE.values():
-            if not segment.created_here:
-                continue  # a forked child's inherited mapping: the parent's segment, not this sender's to name
-            base = segment.tensor.data_ptr()
-            if base <= start and end <= base + segment.size and (start - base) % ALIGNMENT == 0:
-                return SegmentSpec(segment.name, segment.size), start - base
-    return None
+    return SegmentIndex().find(tensor)
+
+
+class SegmentIndex:
+    """This process's live segments by address, taken once for many lookups (one sync's tensors): a binary search
+    per tensor, not a scan of every segment (a large model lies in tens of them)."""
+
+    def __init__(self) -> None:
+        with _lock:
+            # a forked child's inherited mappings are its parent's segments, not this sender's to name
+            found = sorted(((s.tensor.data_ptr(), s) for s in LIVE.values() if s.created_here), key=lambda f: f[0])
+        self._bases = [base for base, _ in found]
+        self._ends = [base + segment.size for base, segment in found]
+        self._specs = [SegmentSpec(segment.name, segment.size) for _, segment in found]
+
+    def find(self, tensor: torch.Tensor) -> tuple[SegmentSpec, int] | None:
+        """(segment, byte offset) of `tensor` if it lies whole in one of the segments, contiguous, at an aligned
+        offset; else None."""
+        if not self._bases:
+            return None
+        if tensor.device.type != "cpu" or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or not tensor.numel():
+            return None
+        if not tensor.is_contiguous():
+            return None
+        start = tensor.data_ptr()
+        i = bisect_right(self._bases, start) - 1
+        if i < 0 or start + tensor.numel() * tensor.element_size() > self._ends[i]:
+            return None
+        offset = start - self._bases[i]
+        return (self._specs[i], offset) if offset % ALIGNMENT == 0 else None
 
 
 def _new_segment(size: int) -> SharedSegment:
