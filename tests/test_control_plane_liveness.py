@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from hwsync import ClosedError, WeightReceiver, WeightSender
 from hwsync.errors import ProtocolError, RemoteError
 from hwsync.backend.shm import ShmTransport, leftover_segments
+from hwsync.colocated import stream
 from hwsync.sync.options import SenderOptions
 
 import control_procs
@@ -101,21 +102,24 @@ def test_close_during_a_sync_aborts_every_receiver_at_once():
 
 
 @pytest.mark.parametrize("delta", [False, True], ids=["full", "delta"])
-def test_close_from_inside_the_source_ends_the_sync_with_closed_error(delta):
+def test_close_from_inside_the_source_ends_the_sync_with_closed_error(delta, monkeypatch):
     """close() called by send()'s own source, on the sending thread: the buffers stay until send() is done with
     them (no IndexError from a released buffer), send() raises ClosedError saying where close() came from, the
     receiver hears the abort, and nothing is left in /dev/shm."""
+    # no periodic check while packing (as when packing is faster than its interval): close() is seen before the
+    # next item, not at a later wait (in CI a sync once completed on the receiver, the abort sent after the Done)
+    monkeypatch.setattr(stream, "PACKING_CHECK_S", 3600.0)
     sender = WeightSender(options=SenderOptions(timeout_s=TIMEOUT_S, bucket_bytes=1 << 16, delta=delta))
     proc, q = _start(control_procs.serve, sender.endpoint, timeout_s=TIMEOUT_S)
 
     def closing_source():
-        for i in range(64):  # 64 tensors of 32 KiB in 64 KiB buckets: buffers are reused after the close
+        for i in range(64):  # 64 tensors of 32 KiB in 64 KiB buckets
             if i == 8:
                 sender.close()
             yield f"w{i}", torch.full((8192,), float(i))
 
-    with pytest.raises(ClosedError, match="close\\(\\) called from inside the call"):
-        sender.send(closing_source(), version=1)
+    with pytest.raises(ClosedError, match="close\\(\\) called from inside the call.* while packing tensor 'w8'"):
+        sender.send(closing_source(), version=1)  # seen at the next item, before any Done
     result = q.get(timeout=2 * TIMEOUT_S)
     assert "closed" in result.get("error", ""), result
     proc.kill()

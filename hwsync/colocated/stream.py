@@ -33,6 +33,7 @@ from hwsync.colocated.doorbell import DESCRIPTOR_BYTES, Doorbell, spin_wait
 from hwsync.colocated.mapped import MappedSources
 from hwsync.colocated.replay import SentPlan, SentTensor, sent_tensor
 from hwsync.colocated.sender_control import SyncReceivers
+from hwsync.control.endpoints import CloseSignal
 from hwsync.protocol import Bucket, Frame, Ref, Refs, Release, SegmentSpec, encode
 from hwsync.protocol.layout import DeviceRef
 from hwsync.sync.bucket import BucketPacker, Closed, CopyBatch, as_bytes, entry_wire_bytes, host_moves, lent
@@ -56,8 +57,11 @@ class BucketStream:
 
     def __init__(self, link: BucketLink, buffers: SendBuffers, pool: BufferPool, bucket_bytes: int, sync: int,
                  first_seq: int, stats: SyncStats, dense: bool = False, refs_to: SyncReceivers | None = None,
-                 mapped: MappedSources | None = None, stable: bool = True) -> None:
+                 mapped: MappedSources | None = None, stable: bool = True, closing: CloseSignal | None = None) -> None:
         self.link, self.buffers, self.pool, self.sync, self.stats = link, buffers, pool, sync, stats
+        #: close() on the sender: read before each tensor (a flag), so that a source that closes its own sender ends
+        #: the sync at its next item, before any Done (the link's own check runs only every PACKING_CHECK_S)
+        self.closing = closing
         self.seq = first_seq
         self.packer = BucketPacker(bucket_bytes, dense=dense, max_wire_bytes=DESCRIPTOR_BYTES - _FRAME_OVERHEAD)
         self.current: int | None = None  # the buffer being filled
@@ -123,7 +127,10 @@ class BucketStream:
         self.pool.begin_sync()
         self._shared = SegmentIndex() if LIVE and self.refs_to is not None else None
         next_check = time.perf_counter() + PACKING_CHECK_S
+        closing = self.closing
         for _position, name, tensor in checked_items(source, manifest):
+            if closing is not None:
+                closing.check(f"packing tensor {name!r}")
             if time.perf_counter() >= next_check:  # a long bucket (or a slow source) still hears failures
                 self.link.check(f"packing tensor {name!r}")
                 next_check = time.perf_counter() + PACKING_CHECK_S
