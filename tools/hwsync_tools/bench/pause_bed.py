@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 import time
 from typing import Any, cast
 
@@ -24,8 +25,11 @@ WAYS = (False, True)  # streamed, then staged
 
 
 def trainer(endpoint: str, secret: str, address: str, toy_args: dict[str, Any], lr: float,
-            timeout_s: float) -> list[dict[str, Any]]:
-    """Host 0: build the trainer's model and send every sync of both ways; each sync's seconds and bytes."""
+            timeout_s: float, nice: int = 0) -> list[dict[str, Any]]:
+    """Host 0: build the trainer's model and send every sync of both ways; each sync's seconds and bytes (`nice`:
+    this process's niceness, so that it takes only the CPU the engine's host leaves: `--trainer-nice`)."""
+    if nice:
+        os.nice(nice)
     from hwsync import CrossNodeOptions, CrossNodeSender
     from hwsync.cli.toy_model import ToyModel
     from hwsync.integrations.vllm.sources import weights_and_manifest
@@ -60,11 +64,12 @@ def engine(endpoint: str, model_dir: str, requests: int, max_tokens: int, mode: 
     from hwsync.cli.toy_model import cpu_engine_env
 
     cpu_engine_env()
-    return asyncio.run(_engine(endpoint, model_dir, requests, max_tokens, mode, settle_s, extension, timeout_s))
+    return asyncio.run(_engine(endpoint, model_dir, requests, max_tokens, mode, settle_s, extension, timeout_s,
+                               verbose))
 
 
 async def _engine(endpoint: str, model_dir: str, requests: int, max_tokens: int, mode: str, settle_s: float,
-                  extension: str, timeout_s: float) -> dict[str, Any]:
+                  extension: str, timeout_s: float, verbose: bool) -> dict[str, Any]:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -73,15 +78,21 @@ async def _engine(endpoint: str, model_dir: str, requests: int, max_tokens: int,
     kwargs = engine_kwargs(model_dir, max_model_len=256)
     kwargs["worker_extension_cls"] = extension
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    if verbose:
+        from hwsync_tools.bench.pause_trace import LOW_PRIORITY_DIGEST_ENV, low_priority_digest, trace_front_end
+
+        trace_front_end(llm)
+        if os.environ.get(LOW_PRIORITY_DIGEST_ENV):  # the cross-node receiver's digest, in this process
+            low_priority_digest()
     try:
-        return await _serve_and_receive(llm, endpoint, requests, max_tokens, mode, settle_s, timeout_s)
+        return await _serve_and_receive(llm, endpoint, requests, max_tokens, mode, settle_s, timeout_s, verbose)
     finally:
         llm.shutdown(timeout=ENGINE_EXIT_S)  # returns once the core has exited (and unlinked its segments)
         del llm
 
 
 async def _serve_and_receive(llm: Any, endpoint: str, requests: int, max_tokens: int, mode: str, settle_s: float,
-                             timeout_s: float) -> dict[str, Any]:
+                             timeout_s: float, verbose: bool) -> dict[str, Any]:
     from hwsync import CrossNodeReceiver
     from hwsync.integrations.vllm import AsyncVllmWeightSync, engine_forwarder
     from hwsync_tools.bench.pause import Load
@@ -115,6 +126,8 @@ async def _serve_and_receive(llm: Any, endpoint: str, requests: int, max_tokens:
                                  if staged and "commit" in marks else None,
                                  "stall_commit_s": load.stall(marks["commit"], marks["committed"])
                                  if staged and "committed" in marks else None})
+                    if verbose and staged:  # the commit's timeline (pause_trace.py), printed by the bench's process
+                        rows[-1]["timeline"] = _timeline(load, t0, t1 + settle_s, f"staged {kind}")
             finally:
                 sync.close()
     await load.stop()
@@ -124,9 +137,22 @@ async def _serve_and_receive(llm: Any, endpoint: str, requests: int, max_tokens:
             "copy_plan_replays": (await llm.collective_rpc("hwsync_status"))[0].get("copy_plan_replays", 0)}
 
 
+def _timeline(load: Any, start: float, end: float, title: str) -> str:
+    import io
+
+    from hwsync_tools.bench.pause_trace import PAUSE_TRACE_ENV, read, timeline
+
+    out = io.StringIO()
+    timeline(read(os.environ[PAUSE_TRACE_ENV]), load.requests, start, end, title, file=out)
+    return out.getvalue()
+
+
 def _timed(commit: Any, marks: dict[str, float]) -> Any:
     """`commit`, noting in `marks` when it began and ended."""
+    from hwsync_tools.bench.pause_trace import mark
+
     def timed() -> None:
+        mark("front forward.commit (the commit frame is here)")
         marks["commit"] = time.monotonic()
         try:
             commit()
@@ -148,7 +174,8 @@ def run_across(args: argparse.Namespace, model_dir: str, toy_args: dict[str, Any
         address = bed.address(0)
         endpoint = f"tcp://{address}:{PORT}#{new_token()}#{public}"
         here = "hwsync_tools.bench.pause_bed:"
-        train = bed.start(0, here + "trainer", endpoint, secret, address, toy_args, args.lr, timeout_s)
+        train = bed.start(0, here + "trainer", endpoint, secret, address, toy_args, args.lr, timeout_s,
+                          args.trainer_nice)
         serve = bed.start(1, here + "engine", endpoint, model_dir, args.requests, args.max_tokens, args.mode,
                           args.settle_s, extension, timeout_s, args.verbose)
         limit = timeout_s * (len(WAYS) * len(KINDS) + 2)
@@ -158,4 +185,7 @@ def run_across(args: argparse.Namespace, model_dir: str, toy_args: dict[str, Any
         row.update({"sync_s": send["seconds"], "bytes": send["bytes"], "delta": send["delta"],
                     "density": send["density"]})
     out["rows"] = [row for row in out["rows"] if row["sync"] != "warm-up"]
+    for row in out["rows"]:
+        if "timeline" in row:
+            print(row.pop("timeline"), end="", file=sys.stderr)
     return out
