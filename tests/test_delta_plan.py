@@ -319,3 +319,42 @@ def test_the_apply_threads_take_the_largest_targets_first_and_raise_the_first_fa
     finally:
         deltas.pool().shutdown()
     assert deltas.applied == ["lm_head", "mlp", "q", "k", "norm"], "largest first, ties in stream order"
+
+
+def test_a_staged_full_sync_is_digested_before_it_says_staged_not_beside_the_engine_after_the_commit():
+    """Issue 48: after a staged full sync in delta mode, nothing is left to digest once it is committed (a digest
+    there ran beside the engine's first steps after the pause); the next delta is still checked from its changes."""
+    device = load_backend("cpu").device()
+    sender, receiver = SenderDeltas(device), ReceiverDeltas()
+    g = torch.Generator().manual_seed(5)
+    model = {"w": torch.randn(1 << 16, generator=g)}
+    manifest = [TensorSpec(n, "float32", tuple(t.shape)) for n, t in model.items()]
+    staged = {n: torch.empty_like(t) for n, t in model.items()}  # the staging area's copies: what the apply copies
+
+    def stage() -> SyncStats:
+        stats = SyncStats()
+        prepared = sender.prepare(list(model.items()), manifest, EngineDtypes([]), True,
+                                  [ReceiverReport(held=receiver.held)], stats)
+        receiver.begin(prepared.wire, prepared.targets)
+        load, into = receiver.intake(None, lambda name, dtype, shape: staged[name], device)
+        assert prepared.source is not None
+        if receiver.is_delta:
+            assert load is not None
+            load(list(prepared.source))
+        else:
+            assert into is not None
+            for name, tensor in prepared.source:
+                into(name, tensor.dtype, tuple(tensor.shape)).copy_(tensor)
+        receiver.digest_staged()  # where a receiver that stages says so
+        return stats
+
+    assert stage().delta.mode == "full"
+    receiver.complete()  # committed
+    sender.commit()
+    assert receiver._pool is None, "a digest was left to run after the commit"
+    model["w"][:50] += 1.0
+    stats = stage()
+    assert stats.delta.mode == "delta" and receiver.check == "changed elements"
+    receiver.complete()
+    sender.commit()
+    assert torch.equal(staged["w"], model["w"])

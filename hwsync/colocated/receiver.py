@@ -212,6 +212,7 @@ class WeightReceiver:
         """Staged and checked: say so, wait for the sender's Apply (every receiver staged), then apply inside the
         engine's pause. An Abort instead (another receiver failed) raises: nothing was applied."""
         assert stats.stage is not None
+        self._deltas.digest_staged()  # a full sync in delta mode: its digests now, not beside the engine's next step
         stats.stage.stage_s = time.perf_counter() - start
         stats.stage.held_bytes = staging.held_bytes
         self.staged = offer.version

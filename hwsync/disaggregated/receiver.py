@@ -149,6 +149,8 @@ class CrossNodeReceiver:
                     self.version, self.incomplete = version, False
                 else:
                     stats.stage = StageStats(receivers=1)
+            if stats.stage is not None:  # a full sync in delta mode: its digests now, not beside the engine's next step
+                self._deltas.digest_staged()
             stats.total_s = time.perf_counter() - start
             if stats.stage is not None:
                 stats.stage.stage_s, self.staged = stats.total_s, version

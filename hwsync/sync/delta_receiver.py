@@ -26,6 +26,7 @@ repacks tensors (vLLM's fused qkv, MoE experts) need the whole tensor.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -54,6 +55,8 @@ CHANGED_CHECK_RATIO = 50
 STEP_CHECK_RATIO = 8
 #: the default of HWSYNC_DELTA_FULL_CHECK_EVERY: every how many delta syncs each tensor is digested whole
 FULL_CHECK_EVERY = 8
+
+log = logging.getLogger("hwsync")
 
 
 class StagedBase(NamedTuple):
@@ -99,12 +102,14 @@ class ReceiverDeltas:
         #: the tensors a full sync in delta mode wrote (destinations and kept copies), digested once it completes
         self._written: dict[str, torch.Tensor] = {}
         self._digesting: Future[dict[str, int]] | None = None
+        #: a staged full sync's digests, taken before it said staged (`digest_staged`), until it completes
+        self._digested: dict[str, int] | None = None
 
     def begin(self, wire: DeltaField | None, targets: list[TensorSpec] | None) -> None:
         """A sync starts; `wire` is its offer's or plan's delta field. Whatever it was, nothing is held until it
         completes. A delta's headers come with it (an offer) or group by group (`announce`: a streamed plan)."""
         self._settle()  # the digests of the last full sync, taken before anything is written again
-        held, self.held, self._wire = self.held, None, wire
+        held, self.held, self._wire, self._digested = self.held, None, wire, None
         self._headers, self._targets, self._delta = {}, {}, False
         if wire is not None:  # a sender in delta mode: deltas will follow; their kernels load on a thread of their own
             warm.start()
@@ -248,16 +253,32 @@ class ReceiverDeltas:
         else:
             into.area.keep_tensor(name, scratch)
 
+    def digest_staged(self) -> None:
+        """A full sync in delta mode is staged: digest what it wrote now, before this receiver says so. The stage
+        takes that time while the engine generates; digested after the commit instead, it would run beside the
+        engine's first steps after the pause (measured: the first step 1.5-3x as long, issue 48's bench)."""
+        if self._wire is None or self._delta:
+            return
+        try:
+            self._digested = _digest_all({**self._written, **self._kept})
+        except Exception as exc:  # noqa: BLE001 - as a digest after the sync: the next delta is checked whole
+            log.debug("hwsync: digesting a staged full sync failed (digested after it completes): %s", exc)
+            self._digested = None
+
     def complete(self) -> None:
         """The sync completed and every tensor checked out: this receiver holds the sender's new baseline."""
         if self._wire is not None:
             self.held = self._wire.next
         if self._delta:
             self._since_full = 0 if self._full else self._since_full + 1
+        digested, self._digested = self._digested, None
         if self._wire is not None and not self._delta:
+            written, self._written = {**self._written, **self._kept}, {}
+            if digested is not None:  # staged, and digested before it said so: the apply copied those bytes
+                self._digests = digested
+                return
             # after a full sync in delta mode, digest what it wrote while the trainer trains: the first delta is then
             # checked from its changes; a full sync that landed wrong still fails it (its digest is the sender's)
-            written, self._written = {**self._written, **self._kept}, {}
             self._digesting = self.pool().submit(_digest_all, written)
 
     def _settle(self) -> None:
@@ -276,7 +297,7 @@ class ReceiverDeltas:
     def clear(self) -> None:
         """Drop the copies kept for `load` (and with them what this receiver holds) and the threads."""
         self._settle()
-        self._kept, self.held, self._digests, self._written = {}, None, {}, {}
+        self._kept, self.held, self._digests, self._written, self._digested = {}, None, {}, {}, None
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
