@@ -20,7 +20,7 @@ from hwsync.backend.registry import load_backend
 from hwsync.colocated import refs, replay
 from hwsync.colocated.refs import SharedReader
 from hwsync.colocated.replay import SentPlan, sent_tensor
-from hwsync.errors import DestinationError, ProtocolError
+from hwsync.errors import DestinationError
 from hwsync.protocol import Refs
 from hwsync.protocol.layout import Ref, SegmentSpec
 from hwsync.sync.shared_params import SharedTensors, find_shared
@@ -215,8 +215,7 @@ def test_the_copies_of_checked_runs_run_while_the_rest_is_checked(shared, runs_o
             seen.append(torch.equal(first, shared.tensors[names[0]]))
         return dest[name]
 
-    told = lambda: reader.sender_matched(len(names))  # noqa: E731 - the sender matched every tensor at once
-    assert reader.can_replay(_offer_of_replay(reader), into, told)
+    assert reader.can_replay(_offer_of_replay(reader), into)
     assert seen == [True], "the first run's copies had not run when the last destination was checked"
     reader.replay(SyncStats())  # runs no copy again: they were queued during the check
     reader.finish(False)
@@ -237,8 +236,7 @@ def test_a_destination_changed_midway_leaves_the_runs_after_it_uncopied(shared, 
         d.fill_(-1)
     changed = names[3]
     dest[changed] = dest[changed].clone()  # the engine replaced it
-    told = lambda: reader.sender_matched(len(names))  # noqa: E731
-    assert not reader.can_replay(_offer_of_replay(reader), lambda name, dtype, shape: dest[name], told)
+    assert not reader.can_replay(_offer_of_replay(reader), lambda name, dtype, shape: dest[name])
     assert reader.plan is None and not reader._copies
     for i, name in enumerate(names):
         if i < 2:
@@ -246,29 +244,3 @@ def test_a_destination_changed_midway_leaves_the_runs_after_it_uncopied(shared, 
         else:
             assert bool((dest[name] == -1).all()), f"{name} was written, though its run was not found the same"
     reader.close()
-
-
-def test_only_runs_the_sender_matched_are_copied_before_its_word(shared, runs_of_two):
-    """A destination is copied into before the sender's Replay only once the sender said the tensor of its index
-    matched (Matched frames, as its match goes) and this receiver checked it; the rest waits for the word."""
-    dest = _destinations(shared)
-    reader = _reader_with_plan(shared, dest)
-    names = [name for name, *_ in reader.plan.destinations]
-    for t in shared.tensors.values():
-        t.add_(1)
-    told = lambda: reader.sender_matched(3)  # noqa: E731 - the sender's first 3 tensors matched so far
-    assert reader.can_replay(_offer_of_replay(reader), lambda name, dtype, shape: dest[name], told)
-    reader._wait_copies()
-    for i, name in enumerate(names):  # runs of two: the first run whole; the second holds tensor 3, not yet matched
-        assert torch.equal(dest[name], shared.tensors[name]) == (i < 2), name
-    reader.sender_matched(len(names) - 1)
-    reader._wait_copies()
-    assert [torch.equal(dest[n], shared.tensors[n]) for n in names] == [True] * 4 + [False] * (len(names) - 4)
-    with pytest.raises(ProtocolError, match="match the plan"):
-        reader.sender_matched(len(names) + 1)
-    reader.replay(SyncStats())  # the word: every tensor matched
-    reader.finish(False)
-    for name, t in shared.items():
-        assert torch.equal(dest[name], t), name
-    reader.close()
-

@@ -22,7 +22,6 @@ import os
 import secrets
 import socket
 import time
-from functools import partial
 from typing import Any
 
 import torch
@@ -47,7 +46,6 @@ from hwsync.protocol import (
     Complete,
     Done,
     Frame,
-    Matched,
     Offer,
     Ready,
     Refs,
@@ -163,13 +161,10 @@ class WeightReceiver:
             assert self._shared is not None
             if offer.replay and staging is None:
                 self.incomplete = True  # the plan's copies start as its destinations are checked
-            replay = bool(offer.replay) and staging is None and self._shared.can_replay(offer, into, partial(
-                self._told_matched, offer.sync))
+            replay = bool(offer.replay) and staging is None and self._shared.can_replay(offer, into)
             control.send(Accept(sync=offer.sync, replay=replay))
             if offer.replay:  # the sender says whether every receiver could: else a fresh sync, for all
-                what = "waiting for the sender's word on the replay"
-                while isinstance(word := control.await_frame((Matched, Replay), offer.sync, what, stats), Matched):
-                    self._shared.sender_matched(word.tensors)  # its tensors matched while this receiver checked
+                word = control.await_frame(Replay, offer.sync, "waiting for the sender's word on the replay", stats)
                 assert isinstance(word, Replay)
                 if word.go and not replay:
                     raise ProtocolError(f"the sender replays the plan of its sync {offer.replay}, which this "
@@ -300,12 +295,6 @@ class WeightReceiver:
             assert isinstance(frame, Bucket)
             self._read_bucket(offer, frame, seq, bell, load, into, stats)
             seq += 1
-
-    def _told_matched(self, sync: int) -> None:
-        """The sender's Matched frames queued now, to the shared reader (while it checks a replay's destinations)."""
-        assert self._shared is not None
-        for frame in self._control.matched(sync, "checking a replay's destinations"):
-            self._shared.sender_matched(frame.tensors)
 
     def _replay(self, offer: Offer, stats: SyncStats) -> None:
         """A replayed sync: the plan's copies run again, its buckets are copied out as recorded, then the sender's

@@ -24,7 +24,6 @@ from hwsync.protocol import (
     Error,
     Frame,
     Gone,
-    Matched,
     Refs,
     Refused,
     Welcome,
@@ -123,24 +122,16 @@ class ReceiverControl:
     def poll(self, sync: int, what: str) -> list[Done | Refs]:
         """Without waiting (while reading the doorbell): this sync's Done and Refs frames queued now; raise on an
         Abort, close(), or a sender that went away."""
-        return [f for f in self._queued(sync, what, (Done, Refs)) if isinstance(f, (Done, Refs))]
-
-    def matched(self, sync: int, what: str) -> list[Matched]:
-        """Without waiting (while checking a replay's destinations): this sync's Matched frames queued now; raise as
-        `poll` does."""
-        return [f for f in self._queued(sync, what, (Matched,)) if isinstance(f, Matched)]
-
-    def _queued(self, sync: int, what: str, kinds: tuple[type[Frame], ...]) -> list[Frame]:
         assert self._sock is not None and self._watch is not None
         self._closing.check(what)
-        frames: list[Frame] = []
+        frames: list[Done | Refs] = []
         while self._sock.poll(0, zmq.POLLIN):
             frame = self.decode(self._sock.recv_multipart())
             if getattr(frame, "sync", None) != sync:
                 continue
             if isinstance(frame, Abort):
                 raise RemoteError(f"sender aborted the sync: {frame.message}")
-            if isinstance(frame, kinds):
+            if isinstance(frame, (Done, Refs)):
                 frames.append(frame)
         self._watch.check(what)  # after the frames: an abort sent just before the sender closed comes first
         raise_if_exited([self.sender], what=what, endpoint=self.address)

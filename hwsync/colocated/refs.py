@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -73,8 +72,8 @@ class SharedReader:
         #: makes none: a bucket, a device reference or a tensor for `load` came)
         self.plan: ReadPlan | None = None
         self._recording: ReadPlan | None = None
-        #: a replay's host copies started before the sender's word (can_replay), until the replay runs the rest
-        self._early: _EarlyCopies | None = None
+        #: the plan's host copies were queued while its destinations were checked (can_replay): replay runs none
+        self._copied = False
 
     def retain(self, segments: list[SegmentSpec], device_segments: list[int] | None = None,
                transport: Transport | None = None) -> None:
@@ -150,7 +149,7 @@ class SharedReader:
     # -- plans (replay.py) ------------------------------------------------------------------------------------
     def record(self, sender_pid: int, sync: int) -> None:
         """Record this sync's copies as a plan (kept by `keep_plan` once the sync completed)."""
-        self._recording, self._early = ReadPlan(sender_pid, sync, [], [], 0), None
+        self._recording, self._copied = ReadPlan(sender_pid, sync, [], [], 0), False
 
     @property
     def recording(self) -> ReadPlan | None:
@@ -159,7 +158,7 @@ class SharedReader:
 
     def not_a_plan(self) -> None:
         """This sync is not a pure one-copy sync into host tensors: it makes no plan."""
-        self._recording, self._early = None, None
+        self._recording, self._copied = None, False
 
     def keep_plan(self) -> None:
         """The sync completed: what it recorded, if anything, is the plan now (else the old one is dropped)."""
@@ -174,45 +173,32 @@ class SharedReader:
         """Forget every plan (a failed sync, a segment unmapped)."""
         self.plan = self._recording = None
 
-    def can_replay(self, offer: Offer, into: IntoFn | None, told: Callable[[], None] | None = None) -> bool:
+    def can_replay(self, offer: Offer, into: IntoFn | None) -> bool:
         """Whether this receiver can run the replay `offer` proposes: it holds that plan, from that sender, the sync
-        is no delta, and `into` still gives each of the plan's destinations (else the plan is dropped). `told()`
-        reads the sender's Matched frames queued now (each passed to `sender_matched`): the host copies into each run
-        of destinations both sides vouched for start on the copy threads while the next run is checked."""
+        is no delta, and `into` still gives each of the plan's destinations (else the plan is dropped)."""
         plan = self.plan
         if plan is None or into is None or offer.delta is not None or plan.sync != offer.replay \
                 or plan.sender_pid != offer.pid:
             return False
-        early = self._early = _EarlyCopies(plan, self._queue) \
-            if self.copy_threads > 1 and plan.nbytes >= _PARALLEL_BYTES else None
+        copied = 0
 
-        def checked(upto: int) -> None:  # destinations up to `upto` hold
-            assert early is not None
-            early.checked = upto
-            if told is not None:
-                told()
-            early.release()
+        def checked(upto: int) -> None:  # destinations up to `upto` hold: their copies run while the rest is checked
+            nonlocal copied
+            self._queue(plan.run_pieces(copied, upto, COPY_CHUNK_BYTES))
+            copied = upto
 
-        if not plan.holds(into, checked if early is not None else None):
-            self._early = None
-            try:  # the runs found the same may be copying: they end before the plan's destinations may go
+        # the offer of a replay says the sender's tensors are the plan's (it matched them first): a copy into a
+        # destination `into` still gives writes what the sync would, whatever it turns out to be (a fresh sync, if
+        # another receiver cannot replay, writes the same bytes again)
+        early = self.copy_threads > 1 and plan.nbytes >= _PARALLEL_BYTES
+        if not plan.holds(into, checked if early else None):
+            try:  # the runs found the same were queued: their copies end before the plan's destinations may go
                 self._wait_copies()
             finally:
                 self.plan = None
             return False
+        self._copied = early
         return True
-
-    def sender_matched(self, tensors: int) -> None:
-        """The sender's first `tensors` tensors are the plan's (its Matched frame): the copies into those of them
-        this receiver checked start now."""
-        early = self._early
-        if early is None:
-            return
-        if tensors > early.total:
-            raise ProtocolError(f"the sender says {tensors} of its tensors match the plan of its sync "
-                                f"{early.plan.sync}, which holds {early.total}; refused")
-        early.matched = max(early.matched, tensors)
-        early.release()
 
     def replay(self, stats: SyncStats) -> None:
         """Run the plan's copies again (the sender offered it as a replay): they read what the tensors hold now."""
@@ -220,14 +206,11 @@ class SharedReader:
         assert plan is not None
         t0 = time.perf_counter()
         self.device_segments.replay(plan)
-        early, self._early = self._early, None
-        if early is not None:  # the runs not yet started: the sender's go says every tensor matched
-            early.matched = early.total
-            early.release()
-        else:
+        if not self._copied:  # else queued while the destinations were checked (can_replay)
             if plan.pieces is None:  # cut once: the plan's copies are the same every replay
                 plan.pieces = self._pieces(plan.copies, sum(n for _, _, n in plan.copies))
             self._run(plan.pieces)
+        self._copied = False
         stats.load_s += time.perf_counter() - t0
         stats.tensors += len(plan.destinations)
         stats.bytes += plan.nbytes
@@ -327,27 +310,3 @@ class SharedReader:
                     log.warning("hwsync: removed shared segment %s of the dead sender %d", name, dead_sender)
                 except FileNotFoundError:
                     pass  # its resource tracker was first
-
-
-class _EarlyCopies:
-    """A replay's host copies started before the sender's word: each run of destinations (replay.CHECK_RUN) that
-    this receiver checked and the sender matched. The runs are the same every replay, so their pieces are cut once.
-
-    A destination is the sender's tensor of the same index where the plan read only references into host memory
-    (they come in the sender's order); any other plan starts its copies only once every tensor matched."""
-
-    def __init__(self, plan: ReadPlan, queue: Callable[[list[Moves]], None]) -> None:
-        self.plan, self.queue = plan, queue
-        self.total = len(plan.destinations)
-        self.in_order = not plan.buckets and not plan.launches
-        #: destinations checked, tensors the sender matched, and destinations whose copies were queued
-        self.checked = self.matched = self.queued = 0
-
-    def release(self) -> None:
-        """Queue the copies of every whole run both sides vouched for (the last run whole or not)."""
-        matched = self.matched if self.in_order or self.matched == self.total else 0
-        upto = min(self.checked, matched)
-        if upto > self.queued:
-            self.queued, pieces = self.plan.runs_between(self.queued, upto, COPY_CHUNK_BYTES)
-            self.queue(pieces)
-

@@ -7,13 +7,13 @@ receivers, read from the tensor's own memory, leaves both sides a plan: the send
 and each bucket's copies (`SentPlan`), each receiver its copies (host memmoves; device copies merged into one launch
 per device and element width; each bucket's copies out of it) and the destinations `into` gave (`ReadPlan`).
 
-The next sync that may replay is offered as one (Offer.replay). The sender matches its tensors against the plan and
-says in Matched frames how many matched so far; each receiver asks `into` for the plan's destinations run by run,
-starts the host copies of each run it found the same and the sender matched while it checks the next (a copy writes
-what the sender's tensor holds now into a destination `into` still gives: right whatever the sync turns out to be),
-and answers in its Accept whether they are all the same; the sender's Replay frame says whether the sync is one.
-In a replay no Refs frame is sent and buckets carry no entries: the sender refills them with its recorded copies,
-each receiver runs its own, which read what the tensors hold now.
+The next sync whose tensors all match is offered as a replay of that plan (Offer.replay): the sender matches them
+before the offer, so an offer of a replay says the sender's tensors are the plan's. Each receiver asks `into` for the
+plan's destinations run by run, starts the host copies of each run it found the same while it checks the next (a
+copy writes what the sender's tensor holds now into a destination `into` still gives: right whatever the sync turns
+out to be), and answers in its Accept whether they are all the same; the sender's Replay frame says whether every
+receiver could. In a replay no Refs frame is sent and buckets carry no entries: the sender refills them with its
+recorded copies, each receiver runs its own, which read what the tensors hold now.
 
 A plan holds only while nothing it was built from changed. The sender proposes a replay only when every tensor of
 the source is the same memory, of the same type, read with the same shape, strides and dtype, in the same order,
@@ -71,11 +71,9 @@ class SentPlan:
     #: items, instead of building a tuple per tensor)
     _columns: _Columns | None = field(default=None, init=False, repr=False, compare=False)
 
-    def match(self, items: Iterable[tuple[str, torch.Tensor]], matched: Callable[[int], None] | None = None,
-              ) -> tuple[bool, Iterator[tuple[str, torch.Tensor]]]:
+    def match(self, items: Iterable[tuple[str, torch.Tensor]]) -> tuple[bool, Iterator[tuple[str, torch.Tensor]]]:
         """Whether `items` are this plan's tensors as they were; and the items: all of them when they are, else
-        those read so far first, then the rest, to send as a fresh sync. `matched(n)` is told each time the first n
-        are known to be the plan's (the last time, n is all of them; a source with one more is still no match)."""
+        those read so far first, then the rest, to send as a fresh sync."""
         if self._columns is None:
             self._columns = _Columns(self.tensors)
         columns, it = self._columns, iter(items)
@@ -88,13 +86,9 @@ class SentPlan:
                 return False, chain(seen, it)
             start += len(run)
             size = min(size * 8, _MOST_PER_RUN)
-            if matched is not None and start < total:
-                matched(start)
         extra = next(it, _END)
         if extra is not _END:  # one more (even None: the fresh sync names what is wrong with it)
             return False, chain(seen, [extra], it)
-        if matched is not None:  # all of them, once no item is left over
-            matched(total)
         return True, iter(seen)
 
 
@@ -202,22 +196,14 @@ class ReadPlan:
             into_srcs += srcs
         self.launches = list(merged.values())
 
-    def runs_between(self, first: int, upto: int, chunk: int) -> tuple[int, list[Moves]]:
-        """The host copies into the whole runs of CHECK_RUN destinations from `first` (where a run starts) to `upto`
-        (the last run ends at the last destination), in batches of about `chunk` bytes; and where they end. Each
-        run's batches are cut once: `holds` checks the same runs every replay."""
-        total, pieces = len(self.destinations), []
-        while first < upto:
-            end = min(first + CHECK_RUN, total)
-            if end > upto:
-                break
-            run = self._runs.get((first, end))
-            if run is None:  # marks are in order: two binary searches
-                copies = self.copies[bisect_left(self.marks, first):bisect_left(self.marks, end)]
-                run = self._runs[first, end] = chunk_copies(copies, chunk) if copies else []
-            pieces += run
-            first = end
-        return first, pieces
+    def run_pieces(self, first: int, end: int, chunk: int) -> list[Moves]:
+        """The host copies into destinations `first` to `end` - 1, in batches of about `chunk` bytes (cut once per
+        run: `holds` checks the same runs every replay)."""
+        pieces = self._runs.get((first, end))
+        if pieces is None:  # marks are in order: two binary searches
+            copies = self.copies[bisect_left(self.marks, first):bisect_left(self.marks, end)]
+            pieces = self._runs[first, end] = chunk_copies(copies, chunk) if copies else []
+        return pieces
 
     def holds(self, into: IntoFn, checked: Callable[[int], None] | None = None) -> bool:
         """Whether `into` still gives every destination the plan copies into, in the plan's dtype, shape and a

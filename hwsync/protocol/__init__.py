@@ -42,7 +42,6 @@ from hwsync.protocol.colocated import (
     Done,
     Error,
     Gone,
-    Matched,
     Offer,
     Ready,
     Refs,
@@ -77,8 +76,8 @@ PROTOCOL_VERSION = 14
 
 __all__ = ["PROTOCOL_VERSION", "TO_HUB", "TO_RANK", "TO_RECEIVER", "TO_SENDER", "Abort", "Accept", "Alive",
            "Applied", "Apply", "BadFrame", "Bucket", "BucketSpec", "Commit", "Complete", "Count", "Done", "Entry",
-           "Error", "Frame", "Go", "Gone", "Joined", "Listening", "Map", "Matched", "Offer", "Ping", "PlanAccept",
-           "PlanFrame", "Pong", "Progress", "RankComplete",
+           "Error", "Frame", "Go", "Gone",
+           "Joined", "Listening", "Map", "Offer", "Ping", "PlanAccept", "PlanFrame", "Pong", "Progress", "RankComplete",
            "RankReady", "Ready", "Ref", "Refs", "Refused", "Release", "Replay", "SegmentSpec", "Sent", "Setup", "Start",
            "Waiting", "Welcome", "decode", "encode", "frame_set", "peek", "refused_reason"]
 
@@ -92,7 +91,7 @@ def frame_set(*classes: type[Frame]) -> dict[str, type[Frame]]:
 
 
 TO_SENDER = frame_set(Ready, Gone, Accept, Release, Complete, Applied, Error)
-TO_RECEIVER = frame_set(Welcome, Refused, Offer, Matched, Replay, Bucket, Refs, Done, Apply, Abort)
+TO_RECEIVER = frame_set(Welcome, Refused, Offer, Replay, Bucket, Refs, Done, Apply, Abort)
 TO_HUB = frame_set(RankReady, Listening, Joined, PlanAccept, Progress, Sent, RankComplete, Pong, Error)
 TO_RANK = frame_set(Welcome, Refused, Start, Waiting, Setup, PlanFrame, Go, Commit, Ping, Alive, Abort)
 

@@ -4,9 +4,7 @@
     Ready {token, proto, report, ...}  ->
                                       <-  Welcome {pid, host}  (at once; or Refused {reason}: not served)
                                       <-  Offer {geometry, handles, manifest, first, doorbell, rank}
-                                      <-  Matched {tensors}  (an offer of a replay: as the sender's tensors match)
     Accept (or Error: refused)        ->
-                                      <-  Replay {go}  (an offer of a replay: whether the sync is one)
                                       <-  Bucket {seq, buf, nbytes, entries}  (a frame, or a doorbell descriptor)
     Release {buf, seq}                ->  (the sender refills buf only after every receiver released it)
                                       <-  Refs {segments, refs, device_segments, device_refs}  (tensors read in
@@ -96,15 +94,6 @@ class Accept(Frame):
     replay: bool = False
 
 
-@frame("matched")
-class Matched(Frame):
-    """To an offer of a replay, while the sender matches its tensors against the plan: its first `tensors` are the
-    plan's (a receiver may copy into those of its destinations it checked; the last Matched names every tensor)."""
-
-    sync: Count
-    tensors: Count
-
-
 @frame("replay")
 class Replay(Frame):
     """To an offer of a replay, once every receiver accepted: `go`, the sync is the plan's replay (every receiver
@@ -184,10 +173,10 @@ class Offer(Frame):
     #: ids of the device segments the sender still shares and knows this receiver maps (hwsync.colocated.mapped):
     #: the receiver unmaps the others (those of a failed sync too, which the sender released)
     device_segments: list[Count] = field(default_factory=list)
-    #: this sync may replay the plan made by sync `replay`, which every receiver said it holds; Matched frames say
-    #: how far the sender's tensors are the plan's, each receiver says in its Accept whether it can run it, and the
-    #: Replay frame says whether the sync is one (then no Refs frame follows and buckets carry no entries:
-    #: hwsync.colocated.replay); 0: none
+    #: this sync's tensors are those of the plan made by sync `replay` (the sender matched them before offering),
+    #: which every receiver said it holds; each may start the plan's copies into each destination it checked, says
+    #: in its Accept whether it can run it all, and the Replay frame says whether the sync is one (then no Refs frame
+    #: follows and buckets carry no entries: hwsync.colocated.replay); 0: none
     replay: Count = 0
 
     def validate(self) -> None:
