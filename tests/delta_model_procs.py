@@ -156,19 +156,13 @@ class Trainer:
 
 
 def _compiled_copies() -> None:
-    """Under HWSYNC_TEST_COMPILED_COPIES=1, every plan's host copies run as the compiled loop from the first; under
-    HWSYNC_TEST_EARLY_COPIES=1, a replay's copies into each destination start once it is checked (plans of any
-    size: a real one does so from 32 MiB)."""
+    """Under HWSYNC_TEST_COMPILED_COPIES=1, every plan's host copies run as the compiled loop from the first."""
     if os.environ.get("HWSYNC_TEST_COMPILED_COPIES") == "1":
         from hwsync.sync import host_copy
 
         host_copy.COMPILED_FROM = 0
         if not host_copy.wait(120):
             raise RuntimeError("the compiled copy loop did not load (numba installed?)")
-    if os.environ.get("HWSYNC_TEST_EARLY_COPIES") == "1":  # a replay's copies start as each destination is checked
-        from hwsync.colocated import refs, replay
-
-        refs._PARALLEL_BYTES, replay.CHECK_RUN = 0, 1
 
 
 def sender_main(commands, results) -> None:

@@ -456,24 +456,6 @@ def test_replays_through_the_compiled_copy_loop_stay_exact():
 
 
 @pytest.mark.timeout(300)
-def test_replays_whose_copies_start_during_the_check_stay_exact():
-    """The same sequence with each destination's copy started as soon as the receiver checked it, while it checks the
-    next (refs.py: from 32 MiB a plan; here from the first byte, a run per destination)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HWSYNC_BACKEND", "cpu")
-        mp.setenv("HWSYNC_TEST_EARLY_COPIES", "1")
-        own = Fleet(size=1)
-        fleet, DeltaModel.fleet = getattr(DeltaModel, "fleet", None), own
-        try:
-            cfg = _config(("into",), source="shared", delta=False,
-                          tensors=(((64, 128), "float32"), ((4096,), "bfloat16"), ((33, 7), "float32")))
-            assert _replay(cfg, REPLAYS).replayed == REPLAYED
-        finally:
-            DeltaModel.fleet = fleet
-            own.stop()
-
-
-@pytest.mark.timeout(300)
 def test_a_replayed_sync_from_device_memory_launches_once_and_stays_exact():
     """The same on the simulated accelerator, from the trainer's own device tensors read in place (mapped.py): the
     replays launch the plan's copies again, and every change of spec still plans afresh."""

@@ -9,15 +9,13 @@ tests/test_delta_model.py's replay sequence.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hwsync.backend.registry import load_backend
-from hwsync.colocated import refs, replay
+from hwsync.colocated import refs
 from hwsync.colocated.refs import SharedReader
 from hwsync.colocated.replay import SentPlan, sent_tensor
 from hwsync.errors import DestinationError
@@ -179,68 +177,4 @@ def test_a_destination_changed_in_place_plans_afresh(shared, change):
     assert not reader.plan.holds(into)
     with pytest.raises(DestinationError, match=f"into\\('{target}'\\)"):  # what the fresh sync says of it
         _reader_with_plan(shared, dest)
-    reader.close()
-
-
-# -- the receiver's copies during its check ------------------------------------------------------------------
-def _offer_of_replay(reader: SharedReader) -> SimpleNamespace:
-    """What `can_replay` reads of an offer of the reader's plan (an offer of a replay: the sender matched first)."""
-    assert reader.plan is not None
-    return SimpleNamespace(replay=reader.plan.sync, pid=reader.plan.sender_pid, delta=None)
-
-
-@pytest.fixture
-def runs_of_two(monkeypatch) -> None:
-    """The check in runs of two destinations, each run's copies on the copy threads whatever the plan's size."""
-    monkeypatch.setattr(replay, "CHECK_RUN", 2)
-    monkeypatch.setattr(refs, "_PARALLEL_BYTES", 0)
-
-
-def test_the_copies_of_checked_runs_run_while_the_rest_is_checked(shared, runs_of_two):
-    """Issue 50: a replay's copies overlap its check. When `into` is asked for the last destination, the copy into
-    the first one (checked two runs before) has run: `into` waits for it, and fails the test if it never comes."""
-    dest = _destinations(shared)
-    reader = _reader_with_plan(shared, dest)
-    names = [name for name, *_ in reader.plan.destinations]
-    first, last = dest[names[0]], names[-1]
-    for t in shared.tensors.values():
-        t.add_(1)
-    seen: list[bool] = []
-
-    def into(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        if name == last and not seen:
-            deadline = time.monotonic() + 10
-            while not torch.equal(first, shared.tensors[names[0]]) and time.monotonic() < deadline:
-                time.sleep(0.001)
-            seen.append(torch.equal(first, shared.tensors[names[0]]))
-        return dest[name]
-
-    assert reader.can_replay(_offer_of_replay(reader), into)
-    assert seen == [True], "the first run's copies had not run when the last destination was checked"
-    reader.replay(SyncStats())  # runs no copy again: they were queued during the check
-    reader.finish(False)
-    for name, t in shared.items():
-        assert torch.equal(dest[name], t), name
-    reader.close()
-
-
-def test_a_destination_changed_midway_leaves_the_runs_after_it_uncopied(shared, runs_of_two):
-    """The runs checked before a changed destination were copied (right bytes into destinations `into` still gives);
-    the run holding it and every later one were not, the plan is dropped, and no copy is left running."""
-    dest = _destinations(shared)
-    reader = _reader_with_plan(shared, dest)
-    names = [name for name, *_ in reader.plan.destinations]
-    for t in shared.tensors.values():
-        t.add_(1)
-    for d in dest.values():
-        d.fill_(-1)
-    changed = names[3]
-    dest[changed] = dest[changed].clone()  # the engine replaced it
-    assert not reader.can_replay(_offer_of_replay(reader), lambda name, dtype, shape: dest[name])
-    assert reader.plan is None and not reader._copies
-    for i, name in enumerate(names):
-        if i < 2:
-            assert torch.equal(dest[name], shared.tensors[name]), name
-        else:
-            assert bool((dest[name] == -1).all()), f"{name} was written, though its run was not found the same"
     reader.close()

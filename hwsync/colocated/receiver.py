@@ -159,8 +159,6 @@ class WeightReceiver:
             if hooks.accept is not None:  # the engine checks the manifest and begins: no byte has moved
                 hooks.accept(offer.version, offer.manifest)
             assert self._shared is not None
-            if offer.replay and staging is None:
-                self.incomplete = True  # the plan's copies start as its destinations are checked
             replay = bool(offer.replay) and staging is None and self._shared.can_replay(offer, into)
             control.send(Accept(sync=offer.sync, replay=replay))
             if offer.replay:  # the sender says whether every receiver could: else a fresh sync, for all

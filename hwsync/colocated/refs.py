@@ -38,7 +38,7 @@ from hwsync.protocol import Offer, Refs, SegmentSpec
 from hwsync.protocol.layout import SHARED_SEGMENT_NAME
 from hwsync.sync import host_copy
 from hwsync.sync.bucket import IntoFn, LoadFn, checked_destination, copy_bytes
-from hwsync.sync.host_copy import Moves, chunk_copies
+from hwsync.sync.host_copy import Moves
 from hwsync.sync.spec import dtype_from_name
 from hwsync.sync.stats import SyncStats
 
@@ -51,6 +51,20 @@ _PARALLEL_BYTES = 32 << 20
 #: the piece of a copy one thread takes at a time: small enough to balance the threads, large enough
 #: that queueing it costs nothing next to copying it
 COPY_CHUNK_BYTES = 16 << 20
+
+
+def chunk_copies(jobs: list[tuple[int, int, int]], chunk: int) -> list[Moves]:
+    """(dst, src, nbytes) copies cut into batches of about `chunk` bytes each (a copy is cut where it must)."""
+    out, current, room = [], [], chunk
+    for dst, src, nbytes in jobs:
+        while nbytes:
+            take = min(nbytes, room)
+            current.append((dst, src, take))
+            dst, src, nbytes, room = dst + take, src + take, nbytes - take, room - take
+            if not room:
+                out.append(Moves(current))
+                current, room = [], chunk
+    return out + ([Moves(current)] if current else [])
 
 
 class SharedReader:
@@ -72,8 +86,6 @@ class SharedReader:
         #: makes none: a bucket, a device reference or a tensor for `load` came)
         self.plan: ReadPlan | None = None
         self._recording: ReadPlan | None = None
-        #: the plan's host copies were queued while its destinations were checked (can_replay): replay runs none
-        self._copied = False
 
     def retain(self, segments: list[SegmentSpec], device_segments: list[int] | None = None,
                transport: Transport | None = None) -> None:
@@ -112,7 +124,6 @@ class SharedReader:
         segments = [self._segment(spec, sender_pid).tensor for spec in frame.segments]
         out: list[tuple[str, torch.Tensor]] = []
         host_copies: list[tuple[int, int, int]] = []  # (dst, src, nbytes) on data pointers
-        marks: list[int] = []  # each copy's destination, as the plan being recorded numbers them
         recording = self._recording
         for ref in frame.refs:
             dtype = dtype_from_name(ref.dtype)
@@ -124,8 +135,6 @@ class SharedReader:
                     host_copies.append((dest.data_ptr(), source.data_ptr() + ref.offset, ref.nbytes))
                 if recording is not None:
                     assert given is not None
-                    if ref.nbytes:
-                        marks.append(len(recording.destinations))
                     recording.destinations.append((ref.name, dtype, tuple(ref.shape), given, given.data_ptr()))
                 continue
             recording = None
@@ -138,7 +147,6 @@ class SharedReader:
                 out.append((ref.name, torch.empty(ref.shape, dtype=dtype)))
         if recording is not None:
             recording.copies += host_copies
-            recording.marks += marks
             recording.nbytes += sum(n for _, _, n in host_copies)
         self._copy(host_copies)
         lent, recorded = self.device_segments.read(frame.device_refs, into, recording)
@@ -149,7 +157,7 @@ class SharedReader:
     # -- plans (replay.py) ------------------------------------------------------------------------------------
     def record(self, sender_pid: int, sync: int) -> None:
         """Record this sync's copies as a plan (kept by `keep_plan` once the sync completed)."""
-        self._recording, self._copied = ReadPlan(sender_pid, sync, [], [], 0), False
+        self._recording = ReadPlan(sender_pid, sync, [], [], 0)
 
     @property
     def recording(self) -> ReadPlan | None:
@@ -158,7 +166,7 @@ class SharedReader:
 
     def not_a_plan(self) -> None:
         """This sync is not a pure one-copy sync into host tensors: it makes no plan."""
-        self._recording, self._copied = None, False
+        self._recording = None
 
     def keep_plan(self) -> None:
         """The sync completed: what it recorded, if anything, is the plan now (else the old one is dropped)."""
@@ -180,24 +188,9 @@ class SharedReader:
         if plan is None or into is None or offer.delta is not None or plan.sync != offer.replay \
                 or plan.sender_pid != offer.pid:
             return False
-        copied = 0
-
-        def checked(upto: int) -> None:  # destinations up to `upto` hold: their copies run while the rest is checked
-            nonlocal copied
-            self._queue(plan.run_pieces(copied, upto, COPY_CHUNK_BYTES))
-            copied = upto
-
-        # the offer of a replay says the sender's tensors are the plan's (it matched them first): a copy into a
-        # destination `into` still gives writes what the sync would, whatever it turns out to be (a fresh sync, if
-        # another receiver cannot replay, writes the same bytes again)
-        early = self.copy_threads > 1 and plan.nbytes >= _PARALLEL_BYTES
-        if not plan.holds(into, checked if early else None):
-            try:  # the runs found the same were queued: their copies end before the plan's destinations may go
-                self._wait_copies()
-            finally:
-                self.plan = None
+        if not plan.holds(into):
+            self.plan = None
             return False
-        self._copied = early
         return True
 
     def replay(self, stats: SyncStats) -> None:
@@ -206,11 +199,9 @@ class SharedReader:
         assert plan is not None
         t0 = time.perf_counter()
         self.device_segments.replay(plan)
-        if not self._copied:  # else queued while the destinations were checked (can_replay)
-            if plan.pieces is None:  # cut once: the plan's copies are the same every replay
-                plan.pieces = self._pieces(plan.copies, sum(n for _, _, n in plan.copies))
-            self._run(plan.pieces)
-        self._copied = False
+        if plan.pieces is None:  # cut once: the plan's copies are the same every replay
+            plan.pieces = self._pieces(plan.copies, sum(n for _, _, n in plan.copies))
+        self._run(plan.pieces)
         stats.load_s += time.perf_counter() - t0
         stats.tensors += len(plan.destinations)
         stats.bytes += plan.nbytes
@@ -225,17 +216,13 @@ class SharedReader:
             return [Moves(jobs)]
         return chunk_copies(jobs, COPY_CHUNK_BYTES)
 
-    def _queue(self, pieces: list[Moves]) -> None:
-        """Queue host memmoves on the copy threads (waited for by finish(), and before any unmap)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="hwsync-copy")
-        self._copies += [self._pool.submit(part.move_out) for part in pieces]
-
     def _run(self, pieces: list[Moves]) -> None:
         if len(pieces) == 1:
             pieces[0].move_out()
             return
-        self._queue(pieces)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="hwsync-copy")
+        self._copies += [self._pool.submit(part.move_out) for part in pieces]
 
     def _wait_copies(self) -> None:
         """Wait for every queued host copy; raise the first one's error after all have ended."""

@@ -7,13 +7,10 @@ receivers, read from the tensor's own memory, leaves both sides a plan: the send
 and each bucket's copies (`SentPlan`), each receiver its copies (host memmoves; device copies merged into one launch
 per device and element width; each bucket's copies out of it) and the destinations `into` gave (`ReadPlan`).
 
-The next sync whose tensors all match is offered as a replay of that plan (Offer.replay): the sender matches them
-before the offer, so an offer of a replay says the sender's tensors are the plan's. Each receiver asks `into` for the
-plan's destinations run by run, starts the host copies of each run it found the same while it checks the next (a
-copy writes what the sender's tensor holds now into a destination `into` still gives: right whatever the sync turns
-out to be), and answers in its Accept whether they are all the same; the sender's Replay frame says whether every
-receiver could. In a replay no Refs frame is sent and buckets carry no entries: the sender refills them with its
-recorded copies, each receiver runs its own, which read what the tensors hold now.
+The next sync whose tensors all match is offered as a replay of that plan (Offer.replay). Each receiver asks `into`
+for the plan's destinations and answers in its Accept whether they are all the same; the sender's Replay frame says
+whether every receiver could. In a replay no Refs frame is sent and buckets carry no entries: the sender refills
+them with its recorded copies, each receiver runs its own, which read what the tensors hold now.
 
 A plan holds only while nothing it was built from changed. The sender proposes a replay only when every tensor of
 the source is the same memory, of the same type, read with the same shape, strides and dtype, in the same order,
@@ -26,8 +23,7 @@ is planned and sent as before.
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, islice, starmap
 from typing import Any
@@ -35,7 +31,7 @@ from typing import Any
 import torch
 
 from hwsync.sync.bucket import IntoFn
-from hwsync.sync.host_copy import Moves, chunk_copies
+from hwsync.sync.host_copy import Moves
 from hwsync.sync.spec import TensorSpec
 
 #: what one sent tensor was: its name, and its data pointer, shape, strides and dtype at the time (the bytes a
@@ -170,8 +166,6 @@ class ReadPlan:
     nbytes: int
     #: the copies as the copy threads take them (cut at the first replay)
     pieces: list[Moves] | None = None
-    #: each copy's destination (its index in `destinations`): what a run of checked destinations may copy
-    marks: list[int] = field(default_factory=list)
     #: device copies from the sender's mapped segments, as (destinations, sources) views: one launch each, merged
     #: per device and width when the plan is kept
     launches: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=list)
@@ -184,8 +178,6 @@ class ReadPlan:
     moves: list[Moves | None] | None = None
     #: the destinations field by field (made at the first replay, again once one is another tensor object)
     _columns: _Destinations | None = field(default=None, init=False, repr=False, compare=False)
-    #: the copies of each run of destinations `holds` checks, as the copy threads take them (cut at first use)
-    _runs: dict[tuple[int, int], list[Moves]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def merge_launches(self) -> None:
         """One launch per device and element width for the whole sync (the frames' launches joined)."""
@@ -196,40 +188,21 @@ class ReadPlan:
             into_srcs += srcs
         self.launches = list(merged.values())
 
-    def run_pieces(self, first: int, end: int, chunk: int) -> list[Moves]:
-        """The host copies into destinations `first` to `end` - 1, in batches of about `chunk` bytes (cut once per
-        run: `holds` checks the same runs every replay)."""
-        pieces = self._runs.get((first, end))
-        if pieces is None:  # marks are in order: two binary searches
-            copies = self.copies[bisect_left(self.marks, first):bisect_left(self.marks, end)]
-            pieces = self._runs[first, end] = chunk_copies(copies, chunk) if copies else []
-        return pieces
-
-    def holds(self, into: IntoFn, checked: Callable[[int], None] | None = None) -> bool:
+    def holds(self, into: IntoFn) -> bool:
         """Whether `into` still gives every destination the plan copies into, in the plan's dtype, shape and a
-        contiguous layout (then the plan can replay; else a fresh sync takes what `into` gives, or refuses it).
-        `checked(n)` is called each time the first n destinations are known to be the same (their copies may run)."""
+        contiguous layout (then the plan can replay; else a fresh sync takes what `into` gives, or refuses it)."""
         if self._columns is None:
             self._columns = _Destinations(self.destinations)
         columns, data_ptr, is_contiguous = self._columns, _data_ptr, _is_contiguous
         now: list[torch.Tensor | None] = []
         given: torch.Tensor | None
-        total = len(columns.asked)
-        for start in range(0, total, CHECK_RUN):  # in runs: `checked` lets the copies of each run start
-            end = start + CHECK_RUN
-            # each destination checked as `into` gives it, every field at once: the tensors' metadata is fetched once
-            for asked, planned, ptr, shape, dtype in zip(columns.asked[start:end], columns.tensors[start:end],
-                                                         columns.ptrs[start:end], columns.shapes[start:end],
-                                                         columns.dtypes[start:end]):
-                now.append(given := into(*asked))
-                if (given is not planned or data_ptr(planned) != ptr or planned.shape != shape
-                        or planned.dtype is not dtype or not is_contiguous(planned)):
-                    break
-            else:
-                if checked is not None:
-                    checked(min(end, total))
-                continue
-            break
+        # each destination checked as `into` gives it, every field at once: the tensors' metadata is fetched once
+        for asked, planned, ptr, shape, dtype in zip(columns.asked, columns.tensors, columns.ptrs, columns.shapes,
+                                                     columns.dtypes):
+            now.append(given := into(*asked))
+            if (given is not planned or data_ptr(planned) != ptr or planned.shape != shape
+                    or planned.dtype is not dtype or not is_contiguous(planned)):
+                break
         else:
             return True
         now += starmap(into, columns.asked[len(now):])  # into() is asked once per tensor, as in a fresh sync
@@ -241,13 +214,7 @@ class ReadPlan:
                 return False
             destinations[i] = (name, dtype, shape, given, ptr)  # another tensor over the same memory: kept from now
         self._columns = None
-        if checked is not None:
-            checked(total)
         return True
-
-
-#: destinations `ReadPlan.holds` checks between two calls of its `checked` (about a millisecond of checks)
-CHECK_RUN = 1024
 
 
 class _Destinations:

@@ -72,7 +72,7 @@ from hwsync.protocol.fields import BadFrame, Count, Frame, Map, short, value_to_
 from hwsync.protocol.layout import BucketSpec, Entry, Ref, SegmentSpec
 
 #: bump when frames change incompatibly; a receiver refuses any other version
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 13
 
 __all__ = ["PROTOCOL_VERSION", "TO_HUB", "TO_RANK", "TO_RECEIVER", "TO_SENDER", "Abort", "Accept", "Alive",
            "Applied", "Apply", "BadFrame", "Bucket", "BucketSpec", "Commit", "Complete", "Count", "Done", "Entry",

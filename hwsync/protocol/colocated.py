@@ -173,10 +173,9 @@ class Offer(Frame):
     #: ids of the device segments the sender still shares and knows this receiver maps (hwsync.colocated.mapped):
     #: the receiver unmaps the others (those of a failed sync too, which the sender released)
     device_segments: list[Count] = field(default_factory=list)
-    #: this sync's tensors are those of the plan made by sync `replay` (the sender matched them before offering),
-    #: which every receiver said it holds; each may start the plan's copies into each destination it checked, says
-    #: in its Accept whether it can run it all, and the Replay frame says whether the sync is one (then no Refs frame
-    #: follows and buckets carry no entries: hwsync.colocated.replay); 0: none
+    #: this sync's tensors are those of the plan made by sync `replay`, which every receiver said it holds; each
+    #: says in its Accept whether it can run it, and the Replay frame says whether the sync is one (then no Refs
+    #: frame follows and buckets carry no entries: hwsync.colocated.replay); 0: none
     replay: Count = 0
 
     def validate(self) -> None:

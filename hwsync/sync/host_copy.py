@@ -77,20 +77,6 @@ class Moves:
         return self._array
 
 
-def chunk_copies(jobs: list[tuple[int, int, int]], chunk: int) -> list[Moves]:
-    """(dst, src, nbytes) copies cut into batches of about `chunk` bytes each (a copy is cut where it must)."""
-    out, current, room = [], [], chunk
-    for dst, src, nbytes in jobs:
-        while nbytes:
-            take = min(nbytes, room)
-            current.append((dst, src, take))
-            dst, src, nbytes, room = dst + take, src + take, nbytes - take, room - take
-            if not room:
-                out.append(Moves(current))
-                current, room = [], chunk
-    return out + ([Moves(current)] if current else [])
-
-
 def compiled() -> bool:
     """Whether batches run as the compiled loop in this process now."""
     return _kernel is not None
