@@ -19,7 +19,8 @@ import multiprocessing as mp
 import statistics
 import sys
 from multiprocessing.connection import Connection
-from typing import Any
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +28,10 @@ from hwsync.sync.options import SenderOptions
 from hwsync_tools.bench import tiny_defaults
 from hwsync_tools.bench.transfer import model_spec
 from hwsync_tools.bench.transfer_parts import Spec, build, load_copy_loop
+
+if TYPE_CHECKING:  # for the annotations only: the methods import them where they use them
+    from hwsync.colocated.sender import WeightSender
+    from hwsync.sync.shared_params import SharedTensors
 
 PATHS = ("packed", "one-copy")
 
@@ -69,10 +74,10 @@ class _Pair:
         self.seconds: dict[str, list[float]] = {path: [] for path in PATHS}
         self.replayed = dict.fromkeys(PATHS, 0)
         self.syncs = 0
-        self.shared: Any = None
-        self.sender: Any = None
+        self.shared: SharedTensors | None = None
+        self.sender: WeightSender | None = None
         self.conn: Connection | None = None
-        self.proc: Any = None
+        self.proc: BaseProcess | None = None
 
     def start(self) -> None:
         """Start the sender and the receiver process."""
@@ -94,7 +99,11 @@ class _Pair:
             from hwsync.sync.shared_params import SharedTensors
 
             self.shared = SharedTensors(self.named, device=get_backend().device())
-        items = self.named if path == "packed" else list(self.shared.items())
+        assert self.sender is not None, "start() first"
+        items = self.named
+        if path == "one-copy":
+            assert self.shared is not None
+            items = list(self.shared.items())
         _fill(items, self.syncs)
         stats = self.sender.send(items, version=self.syncs)
         self.syncs += 1
@@ -104,8 +113,8 @@ class _Pair:
 
     def finish(self) -> str | None:
         """Close the sender; the receiver's verdict on the last sync."""
+        assert self.sender is not None and self.conn is not None, "start() first"
         self.sender.close()
-        assert self.conn is not None
         if not self.conn.poll(self.args.timeout):
             return "the receiver said nothing after its last sync"
         error: str | None = json.loads(self.conn.recv_bytes())["error"]
