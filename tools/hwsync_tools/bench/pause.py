@@ -230,7 +230,9 @@ async def _rows(args: argparse.Namespace, engine: Any, toy: ToyModel) -> dict[st
                 print(f"{rows[-1]['way']} {kind}: sync {t1 - t0:.2f}s, stall {rows[-1]['stall_s']:.2f}s",
                       file=sys.stderr, flush=True)
                 if args.verbose and staged:
-                    print_timeline(load, t0, t1, f"staged {kind}")
+                    from hwsync_tools.bench.pause_trace import commit_timeline
+
+                    commit_timeline(load.requests, t0, t1, f"staged {kind}")
         finally:
             sync.close()
     await load.stop()
@@ -241,13 +243,6 @@ async def _rows(args: argparse.Namespace, engine: Any, toy: ToyModel) -> dict[st
     return {"idle_tokens_per_s": idle, "idle_stall_s": idle_stall, "rows": rows,
             "aborted": aborted, "requests": requests,
             "weight_version": weight_version, "copy_plan_replays": replays}
-
-
-def print_timeline(load: Load, start: float, end: float, title: str) -> None:
-    """Under --verbose: the marks of the commit in [start, end] from the trace file (pause_trace.py)."""
-    from hwsync_tools.bench.pause_trace import PAUSE_TRACE_ENV, read, timeline
-
-    timeline(read(os.environ[PAUSE_TRACE_ENV]), load.requests, start, end, title)
 
 
 def run_bench_pause(args: argparse.Namespace) -> int:

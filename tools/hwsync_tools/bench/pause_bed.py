@@ -79,11 +79,9 @@ async def _engine(endpoint: str, model_dir: str, requests: int, max_tokens: int,
     kwargs["worker_extension_cls"] = extension
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
     if verbose:
-        from hwsync_tools.bench.pause_trace import LOW_PRIORITY_DIGEST_ENV, low_priority_digest, trace_front_end
+        from hwsync_tools.bench.pause_trace import trace_front_end
 
         trace_front_end(llm)
-        if os.environ.get(LOW_PRIORITY_DIGEST_ENV):  # the cross-node receiver's digest, in this process
-            low_priority_digest()
     try:
         return await _serve_and_receive(llm, endpoint, requests, max_tokens, mode, settle_s, timeout_s, verbose)
     finally:
@@ -138,12 +136,13 @@ async def _serve_and_receive(llm: Any, endpoint: str, requests: int, max_tokens:
 
 
 def _timeline(load: Any, start: float, end: float, title: str) -> str:
+    """The commit's timeline as text: the bench's own process prints it with the rows."""
     import io
 
-    from hwsync_tools.bench.pause_trace import PAUSE_TRACE_ENV, read, timeline
+    from hwsync_tools.bench.pause_trace import commit_timeline
 
     out = io.StringIO()
-    timeline(read(os.environ[PAUSE_TRACE_ENV]), load.requests, start, end, title, file=out)
+    commit_timeline(load.requests, start, end, title, file=out)
     return out.getvalue()
 
 

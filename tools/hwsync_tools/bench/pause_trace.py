@@ -17,16 +17,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from hwsync.integrations.vllm.worker import HwsyncWorkerExtension
 from hwsync_tools.bench.plain_gemm import PlainGemm
 
 #: the file each process appends its marks to (unset: no marks)
 PAUSE_TRACE_ENV = "HWSYNC_BENCH_PAUSE_TRACE"
-#: set (to 1): a receiver's digest of what a full sync wrote (sync/delta_receiver.py, on its apply threads right
-#: after the apply) runs at the lowest CPU priority, so it takes only the CPU the engine leaves (an experiment)
-LOW_PRIORITY_DIGEST_ENV = "HWSYNC_BENCH_PAUSE_LOW_PRIORITY_DIGEST"
 #: the worker extension that marks steps and applies, with oneDNN's GEMM or the plain one
 TRACED_EXTENSION = "hwsync_tools.bench.pause_trace.TracedExtension"
 TRACED_PLAIN_EXTENSION = "hwsync_tools.bench.pause_trace.TracedPlainExtension"
@@ -159,40 +156,7 @@ class Traced:
                         mark("worker step beside " + " ".join(others))
             setattr(self, "execute_model", execute_model)  # noqa: B010 - as above
             trace_gc("worker")
-        if os.environ.get(LOW_PRIORITY_DIGEST_ENV):
-            low_priority_digest()
         return self
-
-
-def low_priority_digest() -> None:
-    """Run delta_receiver's digest of a full sync's tensors on a thread of its own at nice 19 (the apply thread
-    that runs it waits; it keeps its own priority for the applies it runs later)."""
-
-    from hwsync.sync import delta_receiver
-
-    digest_all = delta_receiver._digest_all
-    if getattr(digest_all, "_hwsync_low", False):
-        return
-
-    def low(tensors: Any) -> dict[str, int]:
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # Linux: this thread alone
-            mark(f"{os.getpid()} digest begins (nice 19)")
-            try:
-                box["digests"] = digest_all(tensors)
-            except BaseException as exc:  # noqa: BLE001 - raised on the apply thread below
-                box["error"] = exc
-            mark(f"{os.getpid()} digest ends")
-        thread = threading.Thread(target=run, name="hwsync-digest-low", daemon=True)
-        thread.start()
-        thread.join()
-        if "error" in box:
-            raise box["error"]
-        return cast(dict[str, int], box["digests"])
-    low._hwsync_low = True  # type: ignore[attr-defined]
-    delta_receiver._digest_all = low
 
 
 class TracedExtension(Traced, HwsyncWorkerExtension):
@@ -211,6 +175,12 @@ def read(path: str) -> list[tuple[float, int, str]]:
             t, pid, label = line.rstrip("\n").split(" ", 2)
             marks.append((float(t), int(pid), label))
     return sorted(marks)
+
+
+def commit_timeline(outputs: list[list[tuple[float, int]]], start: float, end: float, title: str,
+                    file: Any = sys.stderr) -> None:
+    """Under --verbose: print the marks of the commit in [start, end] from this run's trace file."""
+    timeline(read(os.environ[PAUSE_TRACE_ENV]), outputs, start, end, title, file=file)
 
 
 def timeline(marks: list[tuple[float, int, str]], outputs: list[list[tuple[float, int]]], start: float,
