@@ -32,6 +32,7 @@ UNIT = (
     "tests/test_delta_codec.py",
     "tests/test_delta_plan.py",
     "tests/test_host_copy.py",
+    "tests/test_host_threads.py",
     "tests/test_devices.py",
     "tests/test_layering.py",
     "tests/test_mapped_backends.py",

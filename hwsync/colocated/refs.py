@@ -13,7 +13,8 @@ Device references in the same frames (the trainer's own device memory) are mappe
 mapped once per segment, kept across syncs, unmapped when an offer stops listing them.
 
 Host-to-host copies are memmoves on the data pointers, cut into COPY_CHUNK_BYTES pieces and
-queued on `copy_threads` threads (2 by default) that run across batches: during a one-copy sync
+queued on `copy_threads` threads (2 by default; free of any core their creator was bound to, host_threads.py)
+that run across batches: during a one-copy sync
 the sender has nothing to do, so the receiver may use the core the packed path would have spent
 packing (ctypes releases the GIL for memmove). Nothing waits per batch: a thread slowed by
 another process hands its share to the other, and `finish` waits for the queue before Complete.
@@ -39,6 +40,7 @@ from hwsync.protocol.layout import SHARED_SEGMENT_NAME
 from hwsync.sync import host_copy
 from hwsync.sync.bucket import IntoFn, LoadFn, checked_destination, copy_bytes
 from hwsync.sync.host_copy import Moves
+from hwsync.sync.host_threads import copy_pool
 from hwsync.sync.spec import dtype_from_name
 from hwsync.sync.stats import SyncStats
 
@@ -221,7 +223,7 @@ class SharedReader:
             pieces[0].move_out()
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.copy_threads, thread_name_prefix="hwsync-copy")
+            self._pool = copy_pool(self.copy_threads, "hwsync-copy")  # unbound: host_threads.py
         self._copies += [self._pool.submit(part.move_out) for part in pieces]
 
     def _wait_copies(self) -> None:

@@ -32,6 +32,7 @@ from hwsync.delta.header import BITMAP, BLOCKS, SAME, STEPS, DeltaHeader
 from hwsync.delta.staged import StagedPayload
 from hwsync.errors import StagingMemoryError
 from hwsync.sync.bucket import IntoFn, matching_destination
+from hwsync.sync.host_threads import copy_host_tensors
 from hwsync.sync.jobs import wait_all
 from hwsync.sync.loader import Hooks
 from hwsync.sync.spec import TensorSpec, dtype_from_name, dtype_name
@@ -189,6 +190,7 @@ class StagingArea:
         with hooks.pause() if hooks.pause is not None else nullcontext():
             writes: list[tuple[StagedPayload, torch.Tensor]] = []
             whole: list[tuple[str, torch.Tensor]] = []
+            host_copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
             for name in names:
                 payload = self._payloads.get(name)
                 if payload is not None:
@@ -206,9 +208,15 @@ class StagingArea:
                                             into(name, staged.dtype, tuple(staged.shape)) if into else None)
                 if dest is None:
                     whole.append((name, staged))
-                else:
-                    dest.copy_(staged, non_blocking=dest.device.type != "cpu")
+                elif dest.device.type == "cpu":  # copied together below, on the host's cores
+                    host_copies[0].append(dest)
+                    host_copies[1].append(staged)
                     in_engine.append(name)
+                else:
+                    dest.copy_(staged, non_blocking=True)
+                    in_engine.append(name)
+            if host_copies[0]:
+                copy_host_tensors(*host_copies)
             _write_payloads(writes, pool)
             if whole:
                 if load is None:

@@ -48,6 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from hwsync.integrations.vllm.kernels import MOE_WEIGHTS, moe_repack_refusal, repack_moe_weight
+from hwsync.sync.host_threads import copy_host_tensors
 from hwsync.sync.spec import TensorSpec
 
 log = logging.getLogger("hwsync")
@@ -386,7 +387,10 @@ class CopyPlan:
                 dests.append(c.dest if c.loaded < 0 else self._into_scratch(c, filled))
                 srcs.append(self._source(c, tensor))
         for dests, srcs in groups.values():  # blocking, as the loader's copy_: a bucket is refilled after load
-            torch._foreach_copy_(dests, srcs)
+            if dests[0].device.type == "cpu":  # the engine is paused: the copy may take the host's other cores
+                copy_host_tensors(dests, srcs)
+            else:
+                torch._foreach_copy_(dests, srcs)
         for i in dict.fromkeys(filled):  # each fused-MoE weight whose last copy landed: prepacked into its parameter
             scratch, count = self._scratch[i]
             if count == scratch.numel():
