@@ -25,6 +25,7 @@ import pytest
 
 #: modules whose every test spawns nothing, and `module::test` for single tests of mixed modules
 UNIT = (
+    "tests/test_bench_pause_readings.py",
     "tests/test_bench_shapes.py",
     "tests/test_buffer_pool.py",
     "tests/test_conformance.py",
