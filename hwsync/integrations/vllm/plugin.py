@@ -11,6 +11,8 @@ than once per process.
 
 from __future__ import annotations
 
+import sys
+
 #: the name `WeightTransferConfig(backend=...)` and the trainer's init info select hwsync by
 BACKEND = "hwsync"
 
@@ -22,6 +24,7 @@ _ENGINES = (
 
 def register() -> bool:
     """Register `hwsync` in vLLM's worker and trainer registries; False where this vLLM has no such API."""
+    _llvmlite_answers_vllms_scan()
     try:
         from vllm.distributed.weight_transfer import factory
     except ImportError:  # a vLLM before the weight-transfer API: the worker extension still works
@@ -33,3 +36,19 @@ def register() -> bool:
         except ValueError:  # already registered in this process (plugins may run more than once)
             pass
     return True
+
+
+def _llvmlite_answers_vllms_scan() -> None:
+    """Let a vLLM worker start in a process that loaded numba (hwsync's delta and copy kernels do).
+
+    At a worker's start, right after the plugins, vLLM 0.32's CPU platform rebinds its kernels by reading
+    `vars(value).get("kernel")` for every attribute of every loaded module that has a `__dict__`. llvmlite's
+    `ffi.lib` (loaded with numba) answers any attribute with a function wrapper, `__dict__` included, so the read
+    fails and the engine does not start (AttributeError: '_lib_fn_wrapper' object has no attribute 'get'): an
+    engine started, or forked, from a trainer after its first delta sync. `lib` looks an attribute up in its table
+    of wrappers first; an empty dict there answers `__dict__` as a plain object would, and nothing calls it.
+    """
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    table = getattr(getattr(ffi, "lib", None), "_fntab", None)
+    if isinstance(table, dict):
+        table.setdefault("__dict__", {})
