@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hwsync.sync import host_threads
-from hwsync.sync.host_threads import copy_host_tensors, copy_pool
+from hwsync.sync.host_threads import copy_host_tensors, copy_pool, host_cores_free
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float64)
 
@@ -47,7 +47,7 @@ def batches(draw: st.DrawFn) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 def test_every_copy_lands_as_a_plain_copy_whatever_the_cut(batch, threshold, piece):
     dests, srcs = batch
     originals = [s.clone() for s in srcs]
-    with pytest.MonkeyPatch.context() as m:
+    with pytest.MonkeyPatch.context() as m, host_cores_free():
         m.setattr(host_threads, "PARALLEL_FROM_BYTES", threshold)
         m.setattr(host_threads, "PIECE_BYTES", piece)
         copy_host_tensors(dests, srcs)
@@ -60,9 +60,23 @@ def test_a_failed_copy_is_raised_after_every_other_copy_ran(monkeypatch):
     monkeypatch.setattr(host_threads, "PARALLEL_FROM_BYTES", 1)
     dests = [torch.zeros(1000), torch.zeros(3), torch.zeros(1000)]
     srcs = [torch.ones(1000), torch.ones(4), torch.ones(1000)]  # the middle pair cannot be copied
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError), host_cores_free():
         copy_host_tensors(dests, srcs)
     assert torch.equal(dests[0], srcs[0]) and torch.equal(dests[2], srcs[2])
+
+
+def test_copies_stay_on_the_calling_thread_unless_the_cores_are_free(monkeypatch):
+    """A streamed packed sync's sender packs on the other core meanwhile: its receiver's copies must not take it."""
+    monkeypatch.setattr(host_threads, "PARALLEL_FROM_BYTES", 1)
+    used: list[str] = []
+    real = host_threads._shared_pool
+    monkeypatch.setattr(host_threads, "_shared_pool", lambda: used.append("pool") or real())
+    dests, srcs = [torch.zeros(1000), torch.zeros(1000)], [torch.ones(1000), torch.ones(1000)]
+    copy_host_tensors(dests, srcs)
+    assert used == [] and all(torch.equal(d, s) for d, s in zip(dests, srcs))
+    with host_cores_free():
+        copy_host_tensors([torch.zeros(1000), torch.zeros(1000)], srcs)
+    assert used == ["pool"]
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,

@@ -40,7 +40,7 @@ from hwsync.protocol.layout import SHARED_SEGMENT_NAME
 from hwsync.sync import host_copy
 from hwsync.sync.bucket import IntoFn, LoadFn, checked_destination, copy_bytes
 from hwsync.sync.host_copy import Moves
-from hwsync.sync.host_threads import copy_pool
+from hwsync.sync.host_threads import copy_pool, host_cores_free
 from hwsync.sync.spec import dtype_from_name
 from hwsync.sync.stats import SyncStats
 
@@ -242,7 +242,8 @@ class SharedReader:
             if load is None:
                 raise ValueError(f"into() returned None for {tensors[0][0]!r} and no load was given; return "
                                  "a destination for every tensor or pass load")
-            load(tensors)
+            with host_cores_free():  # a one-copy sync's sender waits meanwhile: load's copies may take its core
+                load(tensors)
         stats.load_s += time.perf_counter() - t0
         stats.tensors += len(frame.refs) + len(frame.device_refs)
         stats.bytes += sum(r.nbytes for r in frame.refs) + sum(r.nbytes for r in frame.device_refs)

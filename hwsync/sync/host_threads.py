@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -23,6 +26,11 @@ HOST_COPY_THREADS = 2
 PARALLEL_FROM_BYTES = 32 << 20
 #: a contiguous copy larger than this is cut into pieces of it, so that the threads end together
 PIECE_BYTES = 16 << 20
+
+#: set while nothing else of the sync runs on this host beside the copies (a staged apply inside the engine's pause,
+#: a one-copy read of the sender's shared memory): only then do large copies take a second core. A streamed packed
+#: sync leaves it unset: its sender packs the next bucket meanwhile, and a second copy thread would take its core.
+_cores_free: ContextVar[bool] = ContextVar("hwsync_host_cores_free", default=False)
 
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
@@ -35,6 +43,16 @@ def unbind_this_thread() -> None:
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
     except (AttributeError, OSError):  # no affinity calls here (not Linux), or a cpuset that refuses: stay bound
         pass
+
+
+@contextmanager
+def host_cores_free() -> Iterator[None]:
+    """Within this block (on this thread) the sync has the host's cores to itself: copy_host_tensors may spread."""
+    token = _cores_free.set(True)
+    try:
+        yield
+    finally:
+        _cores_free.reset(token)
 
 
 def copy_pool(threads: int, name: str) -> ThreadPoolExecutor:
@@ -68,10 +86,11 @@ def _pieces(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> list[tuple[t
 
 
 def copy_host_tensors(dests: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """`dest.copy_(src)` for each pair of host tensors, on HOST_COPY_THREADS copy threads when they are large
-    (each thread a run of about equal bytes, in order); returns once every copy ran, raising the first error."""
+    """`dest.copy_(src)` for each pair of host tensors, on HOST_COPY_THREADS copy threads when they are large and
+    the cores are free (`host_cores_free`; each thread a run of about equal bytes, in order), else here; returns
+    once every copy ran, raising the first error."""
     total = sum(d.numel() * d.element_size() for d in dests)
-    if total < PARALLEL_FROM_BYTES or HOST_COPY_THREADS < 2:
+    if total < PARALLEL_FROM_BYTES or HOST_COPY_THREADS < 2 or not _cores_free.get():
         torch._foreach_copy_(dests, srcs)
         return
     runs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in range(HOST_COPY_THREADS)]

@@ -32,7 +32,7 @@ from hwsync.delta.header import BITMAP, BLOCKS, SAME, STEPS, DeltaHeader
 from hwsync.delta.staged import StagedPayload
 from hwsync.errors import StagingMemoryError
 from hwsync.sync.bucket import IntoFn, matching_destination
-from hwsync.sync.host_threads import copy_host_tensors
+from hwsync.sync.host_threads import copy_host_tensors, host_cores_free
 from hwsync.sync.jobs import wait_all
 from hwsync.sync.loader import Hooks
 from hwsync.sync.spec import TensorSpec, dtype_from_name, dtype_name
@@ -187,7 +187,7 @@ class StagingArea:
         names, nbytes = list(dict.fromkeys(self._staged)), 0
         in_engine: list[str] = []
         t0 = time.perf_counter()
-        with hooks.pause() if hooks.pause is not None else nullcontext():
+        with hooks.pause() if hooks.pause is not None else nullcontext(), host_cores_free():
             writes: list[tuple[StagedPayload, torch.Tensor]] = []
             whole: list[tuple[str, torch.Tensor]] = []
             host_copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
