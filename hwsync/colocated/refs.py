@@ -13,11 +13,12 @@ Device references in the same frames (the trainer's own device memory) are mappe
 mapped once per segment, kept across syncs, unmapped when an offer stops listing them.
 
 Host-to-host copies are memmoves on the data pointers, cut into COPY_CHUNK_BYTES pieces and
-queued on `copy_threads` threads (2 by default; free of any core their creator was bound to, host_threads.py)
-that run across batches: during a one-copy sync
-the sender has nothing to do, so the receiver may use the core the packed path would have spent
-packing (ctypes releases the GIL for memmove). Nothing waits per batch: a thread slowed by
-another process hands its share to the other, and `finish` waits for the queue before Complete.
+queued on `copy_threads` threads (2 by default, free of any core their creator was bound to:
+host_threads.py) that run across batches: during a one-copy sync the sender has nothing to do,
+so the receiver may use the core the packed path would have spent packing (ctypes releases the
+GIL for memmove); `load` is called with the cores free for the same reason. Nothing waits per
+batch: a thread slowed by another process hands its share to the other, and `finish` waits for
+the queue before Complete.
 """
 
 from __future__ import annotations

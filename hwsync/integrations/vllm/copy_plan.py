@@ -387,7 +387,7 @@ class CopyPlan:
                 dests.append(c.dest if c.loaded < 0 else self._into_scratch(c, filled))
                 srcs.append(self._source(c, tensor))
         for dests, srcs in groups.values():  # blocking, as the loader's copy_: a bucket is refilled after load
-            if dests[0].device.type == "cpu":  # the engine is paused: the copy may take the host's other cores
+            if dests[0].device.type == "cpu":  # on two cores where the caller has them free (host_threads.py)
                 copy_host_tensors(dests, srcs)
             else:
                 torch._foreach_copy_(dests, srcs)
