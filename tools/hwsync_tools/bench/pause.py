@@ -369,8 +369,9 @@ def _print_table(r: dict[str, Any]) -> None:
           f"{'held s':>7} {'apply s':>8} {'tok/s':>6} {'staging MB':>11}")
     for row in r["rows"]:
         apply = f"{row['apply_s']:8.3f}" if row["apply_s"] is not None else f"{'-':>8}"
+        paused = f"{row['paused_s']:8.3f}" if row["paused_s"] is not None else f"{'-':>8}"  # no pause recorded
         print(f"{row['way']:<9} {row['sync']:<6} {str(row['delta']):<7} {row['sync_s']:7.2f} {row['stall_s']:8.3f} "
-              f"{row['stall_beyond_idle_step_s']:13.3f} {row['paused_s'] or 0.0:8.3f} {row['held_s']:7.3f} {apply} "
+              f"{row['stall_beyond_idle_step_s']:13.3f} {paused} {row['held_s']:7.3f} {apply} "
               f"{row['tokens_per_s']:6.1f} "
               f"{row['staging_bytes'] / 1e6:11.0f}")
     print(f"staged / streamed stall (full) = {r['staged_vs_streamed_full_stall']:.3f} (target <= "
