@@ -52,8 +52,11 @@ def _read(folder: str, name: str, procs: dict, timeout: float = 120.0):
 
 
 def _write(folder: str, name: str, value) -> None:
-    with open(os.path.join(folder, name), "w") as f:
+    """Whole or not at all: a worker polls for the file and reads it as soon as it exists."""
+    tmp = os.path.join(folder, name + ".tmp")
+    with open(tmp, "w") as f:
         json.dump(value, f)
+    os.replace(tmp, os.path.join(folder, name))
 
 
 def test_verl_engine_across_hosts_three_steps_bit_exact(tmp_path):
