@@ -4,7 +4,11 @@
 # Run on a GPU machine whose Python already has a CUDA build of torch, msgpack and pytest (pyzmq and
 # stevedore come as wheels in .whl/ where the machine has no package registry; see docs/cuda.md):
 #   bash ci/gpu.sh [LOG_DIR] [STEPS]
-# STEPS (default all): any of install,roundtrip,ipc-exit,bench,bench-load,bench-shm,tests,suite, comma-separated.
+# STEPS (default all): any of install,roundtrip,ipc-exit,bench,bench-load,bench-shm,tests,suite, comma-separated;
+# and, only when named (the default list already fills more than one 10-minute call), issue 50's sync probes:
+# probe-before (ci/gpu_sync_probe_before.py against hwsync before the replay work, .gpu-before/site, which
+# ci/gpu-before.sh makes where .git is: carry it) and probe (ci/gpu_sync_probe.py, today's tree); each writes
+# LOG_DIR/<step>/probe.json. HWSYNC_GPU_PROBE_GB (default 4.02) and HWSYNC_GPU_PROBE_SYNCS (default 8) size them.
 # The benchmarks run before the tests, on a quiet GPU; PYTEST_WORKERS=N runs the tests on N pytest-xdist workers
 # (bring pytest-xdist and execnet as wheels in .whl/ too).
 # With verl installed (its wheel in .whl/, installed without its dependencies), `bench` also runs verl's own
@@ -47,6 +51,23 @@ peer=()
 step bench 300 "$PY" -m hwsync.cli bench transfer --gb "$GB" --syncs 6 --receive into --json "${peer[@]}"
 step bench-load 240 "$PY" -m hwsync.cli bench transfer --gb "$GB" --syncs 6 --receive load --source packed --json
 step bench-shm 240 "$PY" -m hwsync.cli bench transfer --gb "$GB" --syncs 6 --transport shm --json
+# issue 50's "before": the old probe, unmodified, on the old tree; run from / so that only PYTHONPATH and the
+# installed (today's) dists are on the path, and the log says which hwsync and which cuda backend were imported
+PROBE_GB=${HWSYNC_GPU_PROBE_GB:-4.02} PROBE_SYNCS=${HWSYNC_GPU_PROBE_SYNCS:-8}
+probe_before() {
+  local old=$PWD/.gpu-before/site
+  [ -f .gpu-before/REV ] || { echo "no .gpu-before/: run bash ci/gpu-before.sh where .git is, and carry .gpu-before"
+                              return 2; }
+  echo "hwsync before the replay work: $(cat .gpu-before/REV)"
+  (cd / && PYTHONPATH=$old "$PY" -c 'import hwsync, hwsync_cuda, sys
+print("imports", hwsync.__file__, hwsync_cuda.__file__)
+sys.exit(not all(m.__file__.startswith(sys.argv[1]) for m in (hwsync, hwsync_cuda)))' "$old") || return 3
+  PYTHONPATH=$old GB=$PROBE_GB SYNCS=$PROBE_SYNCS "$PY" ci/gpu_sync_probe_before.py "$LOG/probe-before"
+}
+export PY LOG PROBE_GB PROBE_SYNCS
+export -f probe_before
+step probe-before 240 bash -c probe_before
+step probe 300 env GB="$PROBE_GB" SYNCS="$PROBE_SYNCS" "$PY" ci/gpu_sync_probe.py "$LOG/probe"
 workers=()
 [ -n "${PYTEST_WORKERS:-}" ] && workers=(-n "$PYTEST_WORKERS")
 # the CUDA-only files, then every backend-parametrized test's cuda case
