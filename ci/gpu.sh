@@ -5,7 +5,8 @@
 # stevedore come as wheels in .whl/ where the machine has no package registry; see docs/cuda.md):
 #   bash ci/gpu.sh [LOG_DIR] [STEPS]
 # STEPS (default all): any of install,roundtrip,ipc-exit,bench,bench-load,bench-shm,tests,suite, comma-separated;
-# and, only when named (the default list already fills more than one 10-minute call), issue 50's sync probes:
+# and, only when named (the default list already fills more than one 10-minute call), issue 50's sync probes,
+# which run right after install (on a quiet GPU):
 # probe-before (ci/gpu_sync_probe_before.py against hwsync before the replay work, .gpu-before/site, which
 # ci/gpu-before.sh makes where .git is: carry it) and probe (ci/gpu_sync_probe.py, today's tree); each writes
 # LOG_DIR/<step>/probe.json. HWSYNC_GPU_PROBE_GB (default 4.02) and HWSYNC_GPU_PROBE_SYNCS (default 8) size them.
@@ -43,14 +44,6 @@ step install 300 "$PY" -m pip install -q --no-index --no-deps --no-build-isolati
   "$PY" -m hwsync.cli info
   "$PY" -m pip list 2>/dev/null | grep -iE '^(verl|pyzmq|stevedore|numba|msgpack) '; } >"$LOG/machine.txt" 2>&1
 cat "$LOG/machine.txt"
-step roundtrip 90 "$PY" -m hwsync.cli roundtrip
-# which export keeps torch's "Producer process has been terminated..." warning at exit (docs/cuda.md)
-step ipc-exit 240 "$PY" ci/gpu_ipc_exit.py
-peer=()
-"$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("verl") is None)' && peer=(--peer verl)
-step bench 300 "$PY" -m hwsync.cli bench transfer --gb "$GB" --syncs 6 --receive into --json "${peer[@]}"
-step bench-load 240 "$PY" -m hwsync.cli bench transfer --gb "$GB" --syncs 6 --receive load --source packed --json
-step bench-shm 240 "$PY" -m hwsync.cli bench transfer --gb "$GB" --syncs 6 --transport shm --json
 # issue 50's "before": the old probe, unmodified, on the old tree; run from / so that only PYTHONPATH and the
 # installed (today's) dists are on the path, and the log says which hwsync and which cuda backend were imported
 PROBE_GB=${HWSYNC_GPU_PROBE_GB:-4.02} PROBE_SYNCS=${HWSYNC_GPU_PROBE_SYNCS:-8}
@@ -68,6 +61,14 @@ export PY LOG PROBE_GB PROBE_SYNCS
 export -f probe_before
 step probe-before 240 bash -c probe_before
 step probe 300 env GB="$PROBE_GB" SYNCS="$PROBE_SYNCS" "$PY" ci/gpu_sync_probe.py "$LOG/probe"
+step roundtrip 90 "$PY" -m hwsync.cli roundtrip
+# which export keeps torch's "Producer process has been terminated..." warning at exit (docs/cuda.md)
+step ipc-exit 240 "$PY" ci/gpu_ipc_exit.py
+peer=()
+"$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("verl") is None)' && peer=(--peer verl)
+step bench 300 "$PY" -m hwsync.cli bench transfer --gb "$GB" --syncs 6 --receive into --json "${peer[@]}"
+step bench-load 240 "$PY" -m hwsync.cli bench transfer --gb "$GB" --syncs 6 --receive load --source packed --json
+step bench-shm 240 "$PY" -m hwsync.cli bench transfer --gb "$GB" --syncs 6 --transport shm --json
 workers=()
 [ -n "${PYTEST_WORKERS:-}" ] && workers=(-n "$PYTEST_WORKERS")
 # the CUDA-only files, then every backend-parametrized test's cuda case
