@@ -40,7 +40,7 @@ def shared() -> SharedTensors:
 
 
 def _plan(items: Named) -> SentPlan:
-    return SentPlan([sent_tensor(name, t) for name, t in items], frozenset(), 0)
+    return SentPlan([sent_tensor(name, t, torch.Tensor.data_ptr) for name, t in items], frozenset(), 0)
 
 
 def _changed(at: int, how: Callable[[str, torch.Tensor], object]) -> Callable[[Named], list]:

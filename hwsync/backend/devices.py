@@ -78,3 +78,22 @@ def start_on_this_device(target: Callable[[], Any], name: str, device: Device | 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     return thread
+
+
+def identified(ptr: int, tensor: torch.Tensor, data_ptr: Callable[[torch.Tensor], int]) -> bool:
+    """Whether `ptr`, the tensor's address as `data_ptr` (a backend's Device.data_ptr) read it, tells its memory
+    apart from any other's: only then can a plan hold it.
+
+    torch's data_ptr of a tensor that holds no storage of its own (a wrapper subclass) is 0 plus its offset, the
+    same for every such tensor: a plan checked by it would replay copies from, or into, memory the tensor no longer
+    uses. Such a tensor has no plan unless its backend gives its own addresses. A tensor without bytes needs none."""
+    if tensor.numel() == 0:
+        return True
+    if ptr == 0:
+        return False
+    if data_ptr is not torch.Tensor.data_ptr:  # the backend's own addresses: they are its memory's
+        return True
+    try:
+        return tensor.untyped_storage().data_ptr() != 0
+    except RuntimeError:  # "invalid python storage": a wrapper subclass's
+        return False

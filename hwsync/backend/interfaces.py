@@ -12,7 +12,7 @@ Rules every backend follows (the conformance test checks the shape, reviews chec
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -109,6 +109,12 @@ class Device(ABC):
         the CPU queues nothing): callers then synchronize the device. Waiting on it waits for that stream only,
         not for the trainer's other streams (its collectives, its prefetches), as a device synchronize would."""
         return None
+
+    #: the address of a tensor's first byte in this device's memory, where two tensors with one address, shape,
+    #: strides and dtype read the same bytes, and 0 where the tensor has no memory of its own to say it by (what a
+    #: replayed sync checks its tensors by: colocated/replay.py). torch's own by default, the C function itself (a
+    #: plan's checks call it once a tensor); a backend whose tensors hold no storage of their own gives its own.
+    data_ptr: Callable[[torch.Tensor], int] = staticmethod(torch.Tensor.data_ptr)
 
     def counters(self) -> dict[str, int] | None:
         """What this process's device work counted so far (copies, bytes, exports, opens), where a backend counts

@@ -170,7 +170,8 @@ class SharedBuffers:
                               dense=all(p.into for p in receivers.peers),
                               refs_to=receivers if all(p.host == here for p in receivers.peers) else None,
                               mapped=mapped,
-                              stable=self.stable_sources, closing=self._control.closing)
+                              stable=self.stable_sources, closing=self._control.closing,
+                              data_ptr=self.backend.device().data_ptr)
         if replay is not None:  # every receiver runs the plan's copies again: only its buckets are sent
             self._seq = stream.replay(replay, matched)
             stats.tensors, stats.bytes = len(replay.tensors), replay.nbytes

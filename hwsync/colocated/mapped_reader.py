@@ -108,7 +108,7 @@ class MappedReader:
                 self._queued.add(dest.device)
                 if recording is not None:
                     assert given is not None
-                    recording.destinations.append((ref.name, dtype, tuple(ref.shape), given, given.data_ptr()))
+                    recording.add_destination(ref.name, dtype, tuple(ref.shape), given)
                     recording.nbytes += nbytes
             elif dest is not None:  # another device: a copy of its own, not replayed
                 batch.add(dest, 0, mapping, ref.offset, nbytes)

@@ -138,7 +138,7 @@ class SharedReader:
                     host_copies.append((dest.data_ptr(), source.data_ptr() + ref.offset, ref.nbytes))
                 if recording is not None:
                     assert given is not None
-                    recording.destinations.append((ref.name, dtype, tuple(ref.shape), given, given.data_ptr()))
+                    recording.add_destination(ref.name, dtype, tuple(ref.shape), given)
                 continue
             recording = None
             if dest is not None:
@@ -160,7 +160,7 @@ class SharedReader:
     # -- plans (replay.py) ------------------------------------------------------------------------------------
     def record(self, sender_pid: int, sync: int) -> None:
         """Record this sync's copies as a plan (kept by `keep_plan` once the sync completed)."""
-        self._recording = ReadPlan(sender_pid, sync, [], [], 0)
+        self._recording = ReadPlan(sender_pid, sync, [], [], 0, data_ptr=self.device.data_ptr)
 
     @property
     def recording(self) -> ReadPlan | None:
@@ -174,7 +174,7 @@ class SharedReader:
     def keep_plan(self) -> None:
         """The sync completed: what it recorded, if anything, is the plan now (else the old one is dropped)."""
         recorded, self._recording = self._recording, None
-        self.plan = recorded if recorded is not None and recorded.destinations else None
+        self.plan = recorded if recorded is not None and recorded.destinations and not recorded.unidentified else None
         if self.plan is not None:
             self.plan.merge_launches()
             self.plan.nbytes += sum(n for _, pieces in self.plan.buckets for *_, n in pieces)

@@ -23,13 +23,14 @@ is planned and sent as before.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, islice, starmap
 from typing import Any
 
 import torch
 
+from hwsync.backend.devices import identified
 from hwsync.sync.bucket import IntoFn
 from hwsync.sync.host_copy import Moves
 from hwsync.sync.spec import TensorSpec
@@ -38,6 +39,8 @@ from hwsync.sync.spec import TensorSpec
 #: receiver reads follow from these alone while the segment holding them lives: a new tensor object, as
 #: `state_dict()` makes each call, over the same memory replays too)
 SentTensor = tuple[str, type, int, torch.Size, tuple[int, ...], torch.dtype]
+
+_data_ptr, _is_contiguous = torch.Tensor.data_ptr, torch.Tensor.is_contiguous
 
 
 @dataclass
@@ -62,6 +65,8 @@ class SentPlan:
     #: the sync that made it (what receivers report in Ready.plan), and the receivers (instances) that took it
     sync: int = 0
     instances: frozenset[str] = field(default_factory=frozenset)
+    #: how the tensors' addresses were read (the backend's Device.data_ptr), and are read again to match them
+    data_ptr: Callable[[torch.Tensor], int] = _data_ptr
 
     #: the plan's tensors by field, each a list in order (made at the first match: `match` walks them beside the
     #: items, instead of building a tuple per tensor)
@@ -71,7 +76,7 @@ class SentPlan:
         """Whether `items` are this plan's tensors as they were; and the items: all of them when they are, else
         those read so far first, then the rest, to send as a fresh sync."""
         if self._columns is None:
-            self._columns = _Columns(self.tensors)
+            self._columns = _Columns(self.tensors, self.data_ptr)
         columns, it = self._columns, iter(items)
         seen: list[tuple[str, torch.Tensor]] = []
         start, size, total = 0, 1, len(self.tensors)
@@ -91,7 +96,6 @@ class SentPlan:
 #: the most items `SentPlan.match` compares in one run (bounds the lists it makes)
 _MOST_PER_RUN = 4096
 _END: Any = object()  # no item left
-_data_ptr, _is_contiguous = torch.Tensor.data_ptr, torch.Tensor.is_contiguous
 
 
 class _Columns:
@@ -103,7 +107,8 @@ class _Columns:
     `is_contiguous()` stands for them; a plan holding one that was not compares strides too.
     """
 
-    def __init__(self, tensors: list[SentTensor]) -> None:
+    def __init__(self, tensors: list[SentTensor], data_ptr: Callable[[torch.Tensor], int]) -> None:
+        self.data_ptr = data_ptr
         self.names = [t[0] for t in tensors]
         self.types = [t[1] for t in tensors]
         self.ptrs = [t[2] for t in tensors]
@@ -114,7 +119,7 @@ class _Columns:
     def same(self, run: list[tuple[str, torch.Tensor]], start: int) -> bool:
         """Whether `run` are the plan's tensors `start`, `start` + 1, ... as they were."""
         end = start + len(run)
-        data_ptr, is_contiguous, contiguous = _data_ptr, _is_contiguous, self.strides is None
+        data_ptr, is_contiguous, contiguous = self.data_ptr, _is_contiguous, self.strides is None
         try:
             # every field of a tensor at once, then the next: the copy before it evicted the tensors' metadata from
             # the caches, and a pass per field would fetch it again each time (measured: twice the time for 20,000)
@@ -143,12 +148,15 @@ def _contiguous(shape: torch.Size, stride: tuple[int, ...]) -> bool:
     return True
 
 
-def sent_tensor(name: str, tensor: torch.Tensor) -> SentTensor:
+def sent_tensor(name: str, tensor: torch.Tensor, data_ptr: Callable[[torch.Tensor], int]) -> SentTensor | None:
     """One tensor as a plan records it (and as a replay compares it: equal only if it is the same memory, read as
-    the same layout)."""
+    the same layout); None for a tensor of bytes with no address to know its memory by (no plan can hold it)."""
     # every field: `param.data = ...` keeps the object and changes its storage, shape or strides; the type, because
     # a subclass may read its memory otherwise (a DTensor's data_ptr is its local shard's)
-    return (name, type(tensor), tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
+    ptr = data_ptr(tensor)
+    if not identified(ptr, tensor, data_ptr):
+        return None
+    return (name, type(tensor), ptr, tensor.shape, tensor.stride(), tensor.dtype)
 
 
 @dataclass
@@ -176,8 +184,19 @@ class ReadPlan:
     buckets: list[tuple[int, list[tuple[torch.Tensor, int, int, int]]]] = field(default_factory=list)
     #: each bucket's copies as host memmoves (made at the first replay; None where a tensor is on a device)
     moves: list[Moves | None] | None = None
+    #: how the destinations' addresses were read (the backend's Device.data_ptr), and are read again to check them
+    data_ptr: Callable[[torch.Tensor], int] = _data_ptr
+    #: a destination had no address to check it by (`identified`): the plan is never kept
+    unidentified: bool = False
     #: the destinations field by field (made at the first replay, again once one is another tensor object)
     _columns: _Destinations | None = field(default=None, init=False, repr=False, compare=False)
+
+    def add_destination(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], given: torch.Tensor) -> None:
+        """Note a destination `into` gave, with its address now (each replay checks it is still the one)."""
+        ptr = self.data_ptr(given)
+        if not identified(ptr, given, self.data_ptr):
+            self.unidentified = True
+        self.destinations.append((name, dtype, shape, given, ptr))
 
     def merge_launches(self) -> None:
         """One launch per device and element width for the whole sync (the frames' launches joined)."""
@@ -193,7 +212,7 @@ class ReadPlan:
         contiguous layout (then the plan can replay; else a fresh sync takes what `into` gives, or refuses it)."""
         if self._columns is None:
             self._columns = _Destinations(self.destinations)
-        columns, data_ptr, is_contiguous = self._columns, _data_ptr, _is_contiguous
+        columns, data_ptr, is_contiguous = self._columns, self.data_ptr, _is_contiguous
         now: list[torch.Tensor | None] = []
         given: torch.Tensor | None
         # each destination checked as `into` gives it, every field at once: the tensors' metadata is fetched once
@@ -210,7 +229,7 @@ class ReadPlan:
         for i, (name, dtype, shape, dest, ptr) in enumerate(destinations):
             given = now[i]
             if (given is None or given.device != dest.device or given.dtype != dtype or tuple(given.shape) != shape
-                    or not given.is_contiguous() or given.data_ptr() != ptr):
+                    or not given.is_contiguous() or data_ptr(given) != ptr):
                 return False
             destinations[i] = (name, dtype, shape, given, ptr)  # another tensor over the same memory: kept from now
         self._columns = None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -57,7 +58,8 @@ class BucketStream:
 
     def __init__(self, link: BucketLink, buffers: SendBuffers, pool: BufferPool, bucket_bytes: int, sync: int,
                  first_seq: int, stats: SyncStats, dense: bool = False, refs_to: SyncReceivers | None = None,
-                 mapped: MappedSources | None = None, stable: bool = True, closing: CloseSignal | None = None) -> None:
+                 mapped: MappedSources | None = None, stable: bool = True, closing: CloseSignal | None = None,
+                 data_ptr: Callable[[torch.Tensor], int] = torch.Tensor.data_ptr) -> None:
         self.link, self.buffers, self.pool, self.sync, self.stats = link, buffers, pool, sync, stats
         #: close() on the sender: read before each tensor (a flag), so that a source that closes its own sender ends
         #: the sync at its next item, before any Done (the link's own check runs only every PACKING_CHECK_S)
@@ -90,6 +92,8 @@ class BucketStream:
         self._planned_pieces: list[tuple[int, torch.Tensor, int, int]] = []  # the open bucket's
         #: buckets are replayed only when packed dense (every receiver copies into its own tensors)
         self._dense = dense
+        #: how a plan reads its tensors' addresses (the backend's Device.data_ptr)
+        self._data_ptr = data_ptr
 
     @property
     def plan(self) -> SentPlan | None:
@@ -97,7 +101,8 @@ class BucketStream:
         if not self._planned:
             return None
         return SentPlan(self._planned, frozenset(self._planned_segments), self.stats.bytes,
-                        frozenset(self._planned_device_segments), buckets=self._planned_buckets)
+                        frozenset(self._planned_device_segments), buckets=self._planned_buckets,
+                        data_ptr=self._data_ptr)
 
     def replay(self, plan: SentPlan, tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Refill and post the plan's buckets (`tensors`, the matched source, stay alive meanwhile); the next
@@ -148,7 +153,7 @@ class BucketStream:
                 if flat is None:
                     flat = as_bytes(tensor)  # only now: a DTensor gathers here, one at a time
                     if self._planned is not None and (hasattr(tensor, "full_tensor")
-                                                      or flat.data_ptr() != tensor.data_ptr()):
+                                                      or self._data_ptr(flat) != self._data_ptr(tensor)):
                         self._planned = None  # a copy made for this sync (strided, gathered): nothing to replay
                 if self.current is None:
                     self.current = self._take()
@@ -165,7 +170,7 @@ class BucketStream:
                 self._copies.flush()
                 stats.pack_s += time.perf_counter() - t0
             if self._planned is not None:
-                self._planned.append(sent_tensor(name, tensor))
+                self._plan(name, tensor)
             stats.tensors += 1
             stats.bytes += nbytes
         last = self.packer.close()
@@ -191,7 +196,7 @@ class BucketStream:
             self._refs.append(Ref(name, dtype, tuple(tensor.shape), index, offset, nbytes))
             kind = "shared"
             if self._planned is not None and not volatile:
-                self._planned.append(sent_tensor(name, tensor))
+                self._plan(name, tensor)
                 self._planned_segments.add(segment.name)
             else:
                 self._planned = None
@@ -204,7 +209,7 @@ class BucketStream:
             self._device_refs.append(DeviceRef(name, dtype, tuple(tensor.shape), ident, offset))
             kind = "mapped"
             if self._planned is not None:
-                self._planned.append(sent_tensor(name, tensor))
+                self._plan(name, tensor)
                 self._planned_device_segments.add(ident)
         self._refs_bytes += nbytes
         self._refs_wire += entry_wire_bytes(name, tensor.dim())
@@ -215,6 +220,15 @@ class BucketStream:
         if self._refs_bytes >= REFS_BATCH_BYTES or self._refs_wire >= REFS_BATCH_WIRE_BYTES:
             self._flush_refs()
         return True
+
+    def _plan(self, name: str, tensor: torch.Tensor) -> None:
+        """Note the tensor in this sync's plan; a tensor with no address to check it by leaves the sync without one."""
+        assert self._planned is not None
+        planned = sent_tensor(name, tensor, self._data_ptr)
+        if planned is None:
+            self._planned = None
+        else:
+            self._planned.append(planned)
 
     def _flush_refs(self) -> None:
         receivers = self.refs_to

@@ -295,7 +295,7 @@ class BucketReader:
             given = into(e.name, dtype, e.shape)
             self._into[e.name] = checked_destination(e.name, dtype, e.shape, given)
             if record is not None and given is not None:
-                record.destinations.append((e.name, dtype, tuple(e.shape), given, given.data_ptr()))
+                record.add_destination(e.name, dtype, tuple(e.shape), given)
         return self._into.get(e.name)
 
     def pending(self) -> list[str]:
@@ -357,8 +357,10 @@ class BucketReader:
 class BucketRecord(Protocol):
     """Where BucketReader.read notes what it did, for a replay (hwsync.colocated.replay.ReadPlan)."""
 
-    destinations: list[tuple[str, torch.dtype, tuple[int, ...], torch.Tensor, int]]
     buckets: list[tuple[int, list[tuple[torch.Tensor, int, int, int]]]]
+
+    def add_destination(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], given: torch.Tensor) -> None:
+        """Note a destination `into` gave."""
 
 
 def replay_bucket(view: torch.Tensor, pieces: list[tuple[torch.Tensor, int, int, int]]) -> None:

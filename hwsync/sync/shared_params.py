@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from hwsync.backend.devices import identified
 from hwsync.backend.interfaces import Device
 from hwsync.backend.shm import SharedSegment
 from hwsync.protocol.layout import ALIGNMENT, SegmentSpec
@@ -125,9 +126,12 @@ class SharedTensors:
         self._finalizer = weakref.finalize(self, _drop_segments, self._segments, self._pinned, device)
         self.tensors: dict[str, torch.Tensor] = {}
         copies: dict[tuple, torch.Tensor] = {}  # tied tensors (one memory, several names) get one copy
+        address = torch.Tensor.data_ptr if device is None else device.data_ptr
         try:
             for (name, tensor), (index, offset) in zip(items, self._layout(items, segment_bytes)):
-                key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+                ptr = address(tensor)  # a tensor with no address of its own is tied to none
+                key = ((tensor.device, ptr, tensor.dtype, tuple(tensor.shape), tensor.stride())
+                       if identified(ptr, tensor, address) else (id(tensor),))
                 if key not in copies:
                     nbytes = tensor.numel() * tensor.element_size()
                     flat = self._segments[index].tensor[offset: offset + nbytes]

@@ -14,6 +14,7 @@ import torch
 from hwsync.backend import Device, ProbeResult
 from hwsync_sim.runtime import ENV_VISIBLE, TYPE, NodeConfig, Runtime, SimError, initialized, runtime
 from hwsync_sim.streams import SimEvent, SimStream, SimStreamError
+from hwsync_sim.tensor import block_of
 
 
 def _writable(start: int, nbytes: int) -> bool:
@@ -49,6 +50,18 @@ class SimDeviceEvent:
     def query(self) -> bool:
         """Whether the work before the event has run."""
         return self._event.query()
+
+
+def sim_data_ptr(tensor: torch.Tensor) -> int:
+    """A sim tensor's address: its allocation's device address (runtime.Memory.address) plus its offset; torch's own
+    for a host tensor; 0 for a sim tensor the simulator did not make."""
+    if tensor.device.type != TYPE:
+        return torch.Tensor.data_ptr(tensor)
+    try:
+        block = block_of(tensor)
+    except SimError:
+        return 0
+    return block.mem.address + tensor.storage_offset() * tensor.element_size()
 
 
 class SimDevice(Device):
@@ -112,6 +125,9 @@ class SimDevice(Device):
         rt = runtime()
         stream = rt.stream(rt.current() if index is None else index)
         return SimDeviceEvent(rt, stream, stream.record())
+
+    #: a sim tensor holds no storage of its own (torch's data_ptr says 0 plus its offset): its allocation's address
+    data_ptr = staticmethod(sim_data_ptr)
 
     def counters(self) -> dict[str, int] | None:
         """What this process's sim work counted (hwsync_sim.runtime); empty before the sim started here."""

@@ -98,14 +98,31 @@ class NodeConfig:
                    float(os.environ.get(ENV_DELAY, "0.2")), int(os.environ.get(ENV_MAIN_DEVICE, "0")))
 
 
+#: the next device address an allocation gets: each takes a range of its own size (rounded up to 512 bytes, a
+#: device allocator's alignment), never given again, so the addresses of two live allocations, and of views into
+#: them, never meet, whichever host memory holds their bytes
+_next_address = [1 << 40]
+_address_lock = threading.Lock()
+
+
+def _address_for(nbytes: int) -> int:
+    with _address_lock:
+        address = _next_address[0]
+        _next_address[0] += max(512, -(-nbytes // 512) * 512)
+        return address
+
+
 class Memory:
     """The bytes of one device allocation: host memory, or a shared segment once exported."""
 
-    __slots__ = ("index", "nbytes", "data", "segment", "sent", "mapping", "__weakref__")
+    __slots__ = ("index", "nbytes", "address", "data", "segment", "sent", "mapping", "__weakref__")
 
     def __init__(self, index: int, data: torch.Tensor) -> None:
         self.index = index
         self.nbytes = data.numel()
+        #: its device address (Device.data_ptr): stays when its bytes move into a shared segment at the first export,
+        #: as a GPU allocation's does
+        self.address = _address_for(self.nbytes)
         self.data = data  # flat uint8 host tensor standing in for the device memory
         self.segment = None  # hwsync.backend.shm.SharedSegment once the memory is shared
         self.sent: list[int] = []  # ref-counter slots of its exports (hwsync_sim.sharing)
