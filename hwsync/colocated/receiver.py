@@ -54,6 +54,7 @@ from hwsync.protocol import (
     decode,
 )
 from hwsync.sync.bucket import BucketReader, IntoFn, LoadFn, host_moves, replay_bucket
+from hwsync.sync.collector import hold_collector
 from hwsync.sync.delta_receiver import ReceiverDeltas
 from hwsync.sync.loader import Hooks, Loader
 from hwsync.sync.report import ReceiverReport, ReceiverState
@@ -131,6 +132,7 @@ class WeightReceiver:
         stats, sync, control = SyncStats(), None, self._control
         self._replaying = False
         staging = self._staging_area()
+        release_collector = None
         try:
             # everything the Ready needs first (the device's memory figures may start its runtime): the connection
             # and the Ready then go out back to back, so the sender learns who connected almost at once
@@ -149,6 +151,8 @@ class WeightReceiver:
                 raise ProtocolError(f"the offer names process {offer.pid} as its sender, but the sender that welcomed "
                                     f"this receiver is process {control.sender[0]}; refused")
             control.sender = (offer.pid, offer.host)
+            if staging is None:  # the engine waits for this sync (a staging one serves meanwhile): collector.py
+                release_collector = hold_collector()
             self._accept(offer, stats)
             if staging is not None:  # what staging will hold, checked before a byte moves
                 headers = offer.delta.headers if offer.delta is not None else None
@@ -194,6 +198,9 @@ class WeightReceiver:
         except BaseException as exc:
             self._fail(sync, exc)
             raise
+        finally:
+            if release_collector is not None:
+                release_collector()
         return stats
 
     def _staging_area(self) -> StagingArea | None:

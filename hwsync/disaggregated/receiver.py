@@ -38,6 +38,7 @@ from hwsync.errors import SyncError, SyncTimeoutError
 from hwsync.protocol import Commit, Go, Joined, PlanAccept, PlanFrame, Progress, RankComplete, Setup
 from hwsync.sizes import DEFAULT_NUM_BUFFERS, MIN_NUM_BUFFERS
 from hwsync.sync.bucket import BucketReader, IntoFn, LoadFn
+from hwsync.sync.collector import hold_collector
 from hwsync.sync.delta_receiver import ApplyDelta, Applying, ReceiverDeltas
 from hwsync.sync.loader import Hooks, Loader
 from hwsync.sync.report import ReceiverReport, ReceiverState
@@ -108,6 +109,7 @@ class CrossNodeReceiver:
         stats = SyncStats(transport=f"collective/{self.backend.name}")
         link = self._link
         began = committing = False
+        release_collector = None
         try:
             self._data = []
             said = ReceiverState.of(state)
@@ -118,6 +120,9 @@ class CrossNodeReceiver:
                 self._join(frame)
                 frame = link.next((PlanFrame,), "waiting for sender 0's plan", self._worker)
             assert isinstance(frame, PlanFrame)
+            # the engine waits for this sync (one that stages serves meanwhile): the collector is held (collector.py)
+            if self._staging is None and hooks.commit is None:
+                release_collector = hold_collector()
             if frame.epoch != self._epoch:
                 raise SyncError(f"sender 0 planned for group epoch {frame.epoch} but this rank has {self._epoch}")
             plan = CollectivePlan.from_frame(frame)
@@ -186,6 +191,9 @@ class CrossNodeReceiver:
             if isinstance(exc, SyncTimeoutError) and self._data:
                 raise SyncTimeoutError(f"{exc}. {self._progress()}") from exc
             raise
+        finally:
+            if release_collector is not None:
+                release_collector()
         stats.total_s = time.perf_counter() - start
         return stats
 

@@ -28,6 +28,7 @@ import torch
 from hwsync.backend.interfaces import Backend, Device
 from hwsync.control.endpoints import CloseSignal, Lifetime
 from hwsync.errors import HwsyncError, SupersededError
+from hwsync.sync.collector import collector_held
 from hwsync.sync.options import SenderOptions
 from hwsync.sync.planner import TrainerModel, plan_for_engines
 from hwsync.sync.prepared import Prepared
@@ -134,15 +135,16 @@ class SyncPipeline:
         """One sync, start to commit (`commit=False`: to confirmed, the commit left `pending`); raises (after aborting
         the carrier) if any step fails."""
         try:
-            reports = self.carrier.gather(stats)
-            pairs, manifest = resolve_source(source, reports, manifest, stats)
-            if self.carrier.needs_manifest:  # the collective carrier plans its buckets before the first tensor
-                pairs, manifest = with_manifest(pairs, manifest, "sender 0 plans the buckets before the first "
-                                                                 "tensor is produced")
-            with self._onload(onload, stats):
-                sync = self._prepare(pairs, manifest, EngineDtypes(reports), delta, reports, stats)
-                self.carrier.stream(sync, version, stats)
-            self.carrier.confirm(version, stats)
+            with collector_held():  # a sync's per-tensor objects die before any collection moves them (collector.py)
+                reports = self.carrier.gather(stats)
+                pairs, manifest = resolve_source(source, reports, manifest, stats)
+                if self.carrier.needs_manifest:  # the collective carrier plans its buckets before the first tensor
+                    pairs, manifest = with_manifest(pairs, manifest, "sender 0 plans the buckets before the first "
+                                                                     "tensor is produced")
+                with self._onload(onload, stats):
+                    sync = self._prepare(pairs, manifest, EngineDtypes(reports), delta, reports, stats)
+                    self.carrier.stream(sync, version, stats)
+                self.carrier.confirm(version, stats)
         except BaseException as exc:
             self._fail(exc)
             raise
