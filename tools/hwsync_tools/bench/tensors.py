@@ -9,6 +9,12 @@ round's own ratio many/few. Each pair's first sync on a path records the plan an
 replay it (docs/architecture.md, "Plan once, replay after"). Before every sync the sender writes new values into
 its tensors in place, and each receiver checks, at the end, that it holds the last sync's values, so a replay that
 skipped a tensor fails the run.
+
+`--fresh`: each pair sends two copies of its tensors in turn, so no sync matches the last one's plan and every sync
+is planned afresh, as the first sync of a model is and every sync of a trainer that gathers new tensors each step.
+`--gc-baseline`: a third pair, as many tensors, whose two processes leave Python's collector alone
+(HWSYNC_GC_HOLD=0: hwsync/sync/collector.py), syncing in turns with the others; the table adds its seconds and the
+median of each round's ratio to the many-tensor pair's.
 """
 
 from __future__ import annotations
@@ -16,8 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
@@ -42,9 +51,28 @@ def _fill(named: list[tuple[str, torch.Tensor]], sync: int) -> None:
         t.fill_(float((i + sync) % 128))
 
 
+@contextmanager
+def _collector_left_alone(yes: bool) -> Iterator[None]:
+    """Within the block, with `yes`, hwsync leaves Python's collector alone in this process (HWSYNC_GC_HOLD=0)."""
+    if not yes:
+        yield
+        return
+    before = os.environ.get("HWSYNC_GC_HOLD")
+    os.environ["HWSYNC_GC_HOLD"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["HWSYNC_GC_HOLD"]
+        else:
+            os.environ["HWSYNC_GC_HOLD"] = before
+
+
 def _receiver_main(endpoint: str, spec_json: str, syncs: int, threads: int, timeout_s: float,
-                   conn: Connection) -> None:
+                   conn: Connection, no_gc_hold: bool = False) -> None:
     """The spawned engine stand-in: `syncs` syncs straight `into` its tensors, then whether they hold the last one."""
+    if no_gc_hold:
+        os.environ["HWSYNC_GC_HOLD"] = "0"
     torch.set_num_threads(threads)
     from hwsync.colocated.receiver import WeightReceiver
 
@@ -67,14 +95,16 @@ def _receiver_main(endpoint: str, spec_json: str, syncs: int, threads: int, time
 class _Pair:
     """One sender, its spawned receiver and its tensors (plain ones for packed syncs, shared ones for one-copy)."""
 
-    def __init__(self, spec: Spec, args: argparse.Namespace) -> None:
-        self.spec, self.args = spec, args
-        self.named = build(spec)
+    def __init__(self, spec: Spec, args: argparse.Namespace, no_gc_hold: bool = False) -> None:
+        self.spec, self.args, self.no_gc_hold = spec, args, no_gc_hold
+        #: the tensors, sent in turn: two copies with --fresh (no sync is the last one's plan), else one
+        self.sets = [build(spec) for _ in range(2 if args.fresh else 1)]
+        self.named = self.sets[0]
         #: per path: each timed sync's seconds, and how many of them replayed the path's first sync's plan
         self.seconds: dict[str, list[float]] = {path: [] for path in PATHS}
         self.replayed = dict.fromkeys(PATHS, 0)
         self.syncs = 0
-        self.shared: SharedTensors | None = None
+        self.shared: list[SharedTensors] = []
         self.sender: WeightSender | None = None
         self.conn: Connection | None = None
         self.proc: BaseProcess | None = None
@@ -88,24 +118,23 @@ class _Pair:
         self.proc = mp.get_context("spawn").Process(
             target=_receiver_main, daemon=True,
             args=(self.sender.endpoint, json.dumps(self.spec), 2 * self.args.syncs, self.args.threads,
-                  self.args.timeout, child))
+                  self.args.timeout, child, self.no_gc_hold))
         self.proc.start()
         child.close()
 
     def sync(self, path: str, first: bool) -> None:
         """One sync on `path`, with new values; timed unless it is the path's `first`."""
-        if path == "one-copy" and self.shared is None:
+        if path == "one-copy" and not self.shared:
             from hwsync.backend.registry import get_backend
             from hwsync.sync.shared_params import SharedTensors
 
-            self.shared = SharedTensors(self.named, device=get_backend().device())
+            self.shared = [SharedTensors(named, device=get_backend().device()) for named in self.sets]
         assert self.sender is not None, "start() first"
-        items = self.named
-        if path == "one-copy":
-            assert self.shared is not None
-            items = list(self.shared.items())
+        which = self.syncs % len(self.sets)
+        items = list(self.shared[which].items()) if path == "one-copy" else self.sets[which]
         _fill(items, self.syncs)
-        stats = self.sender.send(items, version=self.syncs)
+        with _collector_left_alone(self.no_gc_hold):
+            stats = self.sender.send(items, version=self.syncs)
         self.syncs += 1
         if not first:
             self.seconds[path].append(stats.total_s)
@@ -122,8 +151,8 @@ class _Pair:
 
     def close(self) -> None:
         """Release the shared segments, the sender, the pipe and the process, whatever state they are in."""
-        if self.shared is not None:
-            self.shared.close()
+        for shared in self.shared:
+            shared.close()
         if self.sender is not None:
             self.sender.close()
         if self.conn is not None:
@@ -142,8 +171,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     total = int(args.gb * 1e9)
     few = _Pair(model_spec(total, args.dtype, args.few), args)
     many = _Pair(model_spec(total, args.dtype, args.many), args)
-    pairs = (few, many)
+    baseline = _Pair(model_spec(total, args.dtype, args.many), args, no_gc_hold=True) if args.gc_baseline else None
+    pairs = (few, many) if baseline is None else (few, many, baseline)
     rounds: dict[str, list[float]] = {path: [] for path in PATHS}
+    gc_rounds: dict[str, list[float]] = {path: [] for path in PATHS}
     try:
         for pair in pairs:
             pair.start()
@@ -153,6 +184,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     pair.sync(path, first=r == 0)
                 if r:
                     rounds[path].append(many.seconds[path][-1] / few.seconds[path][-1])
+                    if baseline is not None:
+                        gc_rounds[path].append(baseline.seconds[path][-1] / many.seconds[path][-1])
                     if args.verbose:
                         print(f"{path} round {r + 1}/{args.syncs}: {few.seconds[path][-1]:.4f} s, "
                               f"{many.seconds[path][-1]:.4f} s", file=sys.stderr, flush=True)
@@ -162,10 +195,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             pair.close()
     if errors:
         raise RuntimeError(f"received weights are wrong: {errors}")
-    bytes_ = [sum(t.numel() * t.element_size() for _, t in pair.named) for pair in pairs]
-    return {
+    bytes_ = [sum(t.numel() * t.element_size() for _, t in pair.named) for pair in (few, many)]
+    out: dict[str, Any] = {
         "bytes": bytes_, "tensors": [len(few.spec), len(many.spec)], "dtype": args.dtype, "syncs": args.syncs,
-        "threads": args.threads,
+        "threads": args.threads, "fresh": args.fresh,
         "paths": {path: {
             "few_s": statistics.median(few.seconds[path]), "many_s": statistics.median(many.seconds[path]),
             "many_vs_few": statistics.median(rounds[path]), "round_ratios": rounds[path],
@@ -173,6 +206,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "replayed": [few.replayed[path], many.replayed[path]], "timed": len(few.seconds[path]),
         } for path in PATHS},
     }
+    if baseline is not None:
+        for path in PATHS:
+            out["paths"][path].update({
+                "no_gc_hold_s": statistics.median(baseline.seconds[path]),
+                "no_gc_hold_vs_many": statistics.median(gc_rounds[path]), "no_gc_hold_round_ratios": gc_rounds[path],
+                "no_gc_hold_seconds": baseline.seconds[path]})
+            out["paths"][path]["replayed"].append(baseline.replayed[path])
+    return out
 
 
 def add_bench_tensors_arguments(parser: argparse.ArgumentParser) -> None:
@@ -185,6 +226,11 @@ def add_bench_tensors_arguments(parser: argparse.ArgumentParser) -> None:
                         help="syncs per pair and path; the first records the plan and is not timed")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each process")
     parser.add_argument("--timeout", type=float, default=120.0, help="timeout_s of every wait")
+    parser.add_argument("--fresh", action="store_true",
+                        help="send two copies of the tensors in turn: every sync is planned afresh (none replays)")
+    parser.add_argument("--gc-baseline", action="store_true",
+                        help="a third pair of as many tensors whose processes leave Python's collector alone "
+                             "(HWSYNC_GC_HOLD=0), in turns with the others")
     parser.add_argument("--verbose", action="store_true", help="print each round's seconds on stderr")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     tiny_defaults(parser, gb=0.01, many=512, few=4, syncs=3)
@@ -205,13 +251,23 @@ def run_bench_tensors(args: argparse.Namespace) -> int:
         print(json.dumps(r, indent=2))
         return 0
     few, many = r["tensors"]
+    gc = "no_gc_hold_s" in r["paths"][PATHS[0]]
     print(f"hwsync bench tensors: {r['bytes'][0] / 1e9:.2f} GB as {many} tensors against {few} ({r['dtype']}), "
-          f"{r['threads']} thread(s) per process; syncs 2-{r['syncs']} of each, in turns; medians")
-    print(f"{'path':10} {f'{few} tensors s':>14} {f'{many} tensors s':>16} {'many / few':>11} {'replayed':>12}")
+          f"{r['threads']} thread(s) per process; syncs 2-{r['syncs']} of each, in turns; medians"
+          + ("; every sync planned afresh (--fresh)" if r["fresh"] else ""))
+    head = f"{'path':10} {f'{few} tensors s':>14} {f'{many} tensors s':>16} {'many / few':>11}"
+    if gc:
+        head += f" {'no GC hold s':>13} {'no hold / hold':>15}"
+    print(head + f" {'replayed':>14}")
     for path, p in r["paths"].items():
-        replayed = f"{p['replayed'][0]}+{p['replayed'][1]} of {2 * p['timed']}"
-        print(f"{path:10} {p['few_s']:>14.4f} {p['many_s']:>16.4f} {p['many_vs_few']:>10.2f}x {replayed:>12}")
-    print("many / few: the median of each round's own ratio (the two syncs of a round run one after the other)")
+        replayed = f"{'+'.join(str(n) for n in p['replayed'])} of {len(p['replayed']) * p['timed']}"
+        row = f"{path:10} {p['few_s']:>14.4f} {p['many_s']:>16.4f} {p['many_vs_few']:>10.2f}x"
+        if gc:
+            row += f" {p['no_gc_hold_s']:>13.4f} {p['no_gc_hold_vs_many']:>14.2f}x"
+        print(row + f" {replayed:>14}")
+    print("many / few: the median of each round's own ratio (the syncs of a round run one after the other)")
+    if gc:
+        print(f"no hold / hold: {many} tensors with Python's collector left alone (HWSYNC_GC_HOLD=0) against held")
     return 0
 
 
