@@ -4,9 +4,9 @@ A sync that plans its tensors (the first one, and every one whose tensors are ne
 sharded parameters each step) makes a few objects a tensor on each side (references and their frames' entries,
 views, the plan it records), and many of them live until the sync ends. Python's collector runs every 700 new
 objects and moves whatever is alive then into older generations; once enough has moved it scans every object of the
-process. Measured on this project's 2-core VM, a planned sync of 20,000 tensors (0.5 GB, shared memory): about one
-full collection a sync in each process (0.12-0.19 s each, in processes of 330,000-490,000 objects), 0.76-0.82 s a
-sync against 0.33-0.46 s with the collector held back.
+process. On a planned sync of 20,000 tensors (0.5 GB) that was about one full collection a sync in each process
+(0.12-0.19 s each, in processes of 330,000-490,000 objects): held back, such a sync runs 1.39-1.52x faster
+(`hwsync bench tensors --fresh --gc-baseline`, docs/performance.md).
 
 So a sync holds the collector back: the first generation is collected every HELD_THRESHOLD new objects instead of
 700, and the objects a sync makes for a moment are freed by reference counting before any collection moves them. A
