@@ -5,7 +5,7 @@ sharded parameters each step) makes a few objects a tensor on each side (referen
 views, the plan it records), and many of them live until the sync ends. Python's collector runs every 700 new
 objects and moves whatever is alive then into older generations; once enough has moved it scans every object of the
 process. On a planned sync of 20,000 tensors (0.5 GB) that was about one full collection a sync in each process
-(0.12-0.19 s each, in processes of 330,000-490,000 objects): held back, such a sync runs 1.39-1.52x faster
+(0.12-0.19 s each, in processes of 330,000-490,000 objects): held back, such a sync runs 1.39-1.53x faster
 (`hwsync bench tensors --fresh --gc-baseline`, docs/performance.md).
 
 So a sync holds the collector back: the first generation is collected every HELD_THRESHOLD new objects instead of
