@@ -47,14 +47,14 @@ def hold_collector() -> Callable[[], None]:
             if _saved is not None:
                 gc.set_threshold(HELD_THRESHOLD, *current[1:])
         _holders += 1
-    released = threading.Event()
+    released = [False]  # read and set under the lock
 
     def release() -> None:
         global _holders, _saved
         with _lock:
-            if released.is_set():
+            if released[0]:
                 return
-            released.set()
+            released[0] = True
             _holders -= 1
             if _holders == 0 and _saved is not None:
                 if gc.get_threshold()[0] == HELD_THRESHOLD:  # else the process set its own meanwhile: it stays
