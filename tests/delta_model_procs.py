@@ -72,8 +72,8 @@ class Trainer:
     def apply(self, op: dict[str, Any]) -> None:
         """One change: training (in place) or a change of the tensors' set or specs (the test's model mirrors it)."""
         kind, g = op["op"], torch.Generator().manual_seed(op.get("seed", 0))
-        if kind == "add":  # add_ a small value to a share of each tensor's elements, in place
-            for t in self.tensors.values():
+        if kind == "add":  # add_ a small value to a share of each tensor's elements (or of one: the rest frozen), in place
+            for t in [self.tensors[op["only"]]] if op.get("only") in self.tensors else self.tensors.values():
                 flat = t.view(-1)
                 idx = torch.nonzero(torch.rand(flat.numel(), generator=g) < op["share"]).view(-1).to(self.device)
                 flat.index_add_(0, idx, torch.full((idx.numel(),), op["value"], dtype=t.dtype, device=self.device))
@@ -235,7 +235,8 @@ def _sync(sender: Any, trainer: Trainer, command: dict[str, Any], results) -> No
 
 
 def receiver_main(commands, results) -> None:
-    """An engine: {"connect"}, {"receive"} (optionally stalling in its first callback), {"restart"}, {"stop"}.
+    """An engine: {"connect"}, {"receive"} (optionally stalling in its first callback), {"restart"}, {"renew"} (a
+    destination made anew), {"stop"}.
 
     Modes: "load" keeps a copy of what load() is handed; "into" keeps one tensor per name and makes a new one
     on a new spec; "stubborn" returns its existing tensor whatever spec is asked (a wrong one must be refused;
@@ -267,6 +268,12 @@ def receiver_main(commands, results) -> None:
                 assert receiver is not None
                 results.put(_receive(receiver, held, config["mode"], config["engine"], command.get("stall"), results,
                                      device))
+            elif cmd == "renew":  # the engine makes its tensor anew: other memory, holding zeros or what it held
+                name, mode = command["name"], config["mode"]
+                ours = name in held and mode != "load" and not (mode == "mixed" and zlib.crc32(name.encode()) % 2)
+                if ours:  # only a destination into() gave: a load engine's copies are its own business
+                    held[name] = held[name].clone() if command["keep"] else torch.zeros_like(held[name])
+                results.put({"ok": True, "renewed": ours})
             elif cmd == "close":
                 if receiver is not None:
                     receiver.close()

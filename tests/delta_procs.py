@@ -29,7 +29,8 @@ def start(endpoint: str, mode: str, dtypes: dict | None = None, timeout_s: float
 
 
 def receiver_main(endpoint: str, mode: str, dtypes: dict | None, timeout_s: float, commands, results) -> None:
-    """Receive one sync per command: {"receive": True}, optionally {"flip": name} first or {"fail_after": seconds}
+    """Receive one sync per command: {"receive": True}, optionally {"flip": name}, {"renew": [names]} or {"copy":
+    [names]} first (a byte flipped; the tensors made anew, of zeros or of what they held), or {"fail_after": seconds}
     (the sync fails that long after its last tensor), or {"stop": True}.
 
     `mode`: "load", "into" (a destination of the announced spec, made anew when the spec changes) or "into-rigid"
@@ -55,6 +56,10 @@ def receiver_main(endpoint: str, mode: str, dtypes: dict | None, timeout_s: floa
         if "flip" in command:  # a byte of a destination changed behind hwsync's back
             flat = held[command["flip"]].view(-1).view(torch.uint8)
             flat[3] ^= 0x10
+        for name in command.get("renew", ()):  # the engine made that tensor anew: new memory, zeros
+            held[name] = torch.zeros_like(held[name])
+        for name in command.get("copy", ()):  # ... new memory, holding what the old held
+            held[name] = held[name].clone()
         try:
             loader: object = load if mode == "load" else None
             if "fail_after" in command:  # this engine fails its sync late, after the others completed theirs

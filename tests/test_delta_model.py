@@ -4,7 +4,7 @@ shared memory; tests/delta_model_procs.py) through random sequences of syncs, fu
 right after send() returns and between syncs; reshapes, dtype and element-count changes, tensors added and
 removed; stable and staging sources (stable_sources both ways), and tensors in hwsync's shared memory (one-copy syncs,
 replayed while nothing changed: hwsync.colocated.replay); load, into and stubborn-into engines; restarted
-engines; an engine or the trainer killed mid-sync; drop_delta_baseline(). The test process holds only the model:
+engines; an engine's destination made anew (other memory, of zeros or of what it held); an engine or the trainer killed mid-sync; drop_delta_baseline(). The test process holds only the model:
 the specs of the trainer's tensors and the digests of what the trainer was given for each version, as the
 engine's loader stores it (`torch.empty(shape, dtype=engine_dtype).copy_(t)`).
 
@@ -92,7 +92,7 @@ class FalseSuccess(Violation):
 
 TRAIN = [{"op": "adamw", "lr": 1e-5}, {"op": "add", "share": 1.0, "value": 1e-3},
          {"op": "add", "share": 0.02, "value": 1e-3}, {"op": "add", "share": 0.3, "value": 0.05},
-         {"op": "adamw", "lr": 1e-3}]
+         {"op": "adamw", "lr": 1e-3}, {"op": "add", "share": 0.02, "value": 1e-3, "only": True}]  # only: one tensor
 RESHAPE, DTYPE, NUMEL, ADD, REMOVE = "reshape", "dtype", "numel", "add_tensor", "remove"
 SHAPES = [(64, 128), (4096,), (32, 32), (33, 7), (128, 64)]
 #: how an engine takes tensors (tests/delta_model_procs.py: receiver_main)
@@ -197,6 +197,17 @@ class DeltaModel(RuleBasedStateMachine):
         else:
             self.fleet.receiver(which % len(self.cfg.receivers)).call(cmd="restart", keep=what.endswith("weights"))
 
+    @precondition(lambda self: self.last_was_sync)
+    @rule(keep=st.booleans(), pick=st.integers(0, 4), which=st.integers(0, 2))
+    def renew(self, keep: bool, pick: int, which: int) -> None:
+        """An engine makes one of the tensors `into` gave anew, in other memory, holding zeros or what it held (the
+        digest hwsync holds is the old memory's: zeros may fail the next sync by name, what it held may not)."""
+        index, names = which % len(self.cfg.receivers), list(self.specs)
+        name = names[pick % len(names)]
+        renewed = self.fleet.receiver(index).call(cmd="renew", name=name, keep=keep)["renewed"]
+        if renewed and not keep:
+            self.changed.append(f"engine {index} made {name} anew, of zeros")
+
     @precondition(lambda self: self.cfg.kills > self.kills and self.last_was_sync and self.syncs_since_disturb >= 2)
     @rule(victim=st.sampled_from(["receiver", "sender"]), which=st.integers(0, 2))
     def kill_mid_sync(self, victim: str, which: int) -> None:
@@ -211,7 +222,7 @@ class DeltaModel(RuleBasedStateMachine):
         seed = 7919 * self.version + pick
         shape, dtype = self.specs[name]
         if isinstance(before, dict):
-            op = {**before, "seed": seed}
+            op = {**before, "seed": seed, **({"only": name} if before.get("only") else {})}
         elif before == RESHAPE:
             op = {"op": RESHAPE, "name": name, "shape": _reshaped(shape)}
             self.specs[name] = (op["shape"], dtype)
@@ -414,6 +425,12 @@ def test_a_destination_of_the_old_shape_is_refused_on_the_full_path_with_an_hwsy
 @pytest.mark.parametrize("change", [DTYPE, NUMEL])
 def test_a_dtype_or_element_count_change_goes_whole_or_is_refused_by_name(fleet, change):
     _replay(_config(("load",)), [_sync(), _sync(before=change), _sync()])
+
+
+def test_an_unchanged_tensor_made_anew_by_the_engine_is_not_passed_on_its_old_digest(fleet):
+    """Found by the machine once it could make a destination anew (renew): the digest a receiver held was taken of the
+    engine's old memory, and an unchanged tensor's delta ("same": nothing written) passed on it, leaving zeros."""
+    _replay(_config(("stubborn",)), [_sync(), ("renew", {"keep": False, "pick": 0, "which": 0}), _sync()])
 
 
 REPLAYS = [_sync(), _sync(before=TRAIN[0]), _sync(after=TRAIN[1]), _sync(),

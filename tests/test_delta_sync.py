@@ -6,6 +6,7 @@
 - a payload larger than a bucket, and dense, sparse and unchanged tensors in one sync;
 - a receiver that restarted gets a full sync, with the reason in the stats;
 - a byte changed in a destination behind hwsync's back fails the delta's check, and the next (full) sync heals it;
+- a destination made anew (other memory) is digested whole: its zeros fail the delta by name, its old values pass;
 - a receiver or a sender killed mid-delta leaves the receiver incomplete, and the next sync is full and exact.
 """
 
@@ -165,6 +166,30 @@ def test_a_byte_changed_behind_hwsyncs_back_fails_the_check_and_the_next_sync_he
         stats, got = _sync(sender, commands, results, delta_procs.stepped(4), 4)
         assert stats.delta.mode == "full", stats.delta
         assert got["digests"] == procs.digests(delta_procs.stepped(4))
+        commands.put({"stop": True})
+        proc.join(30)
+
+
+@pytest.mark.parametrize("name", ["w2", "w1"])  # unchanged at step 3 (nothing written), changed in 1% (sparse)
+def test_a_destination_made_anew_fails_the_delta_by_name_and_the_next_sync_heals_it(backend, name):
+    # the digest a receiver holds is its old memory's: trusted for the new, an unchanged tensor passed unwritten
+    with WeightSender(options=SenderOptions(delta=True, timeout_s=60)) as sender:
+        proc, commands, results = delta_procs.start(sender.endpoint, "into")
+        for step in (1, 2):
+            _, got = _sync(sender, commands, results, delta_procs.stepped(step), step)
+            assert got["digests"] == procs.digests(delta_procs.stepped(step))
+        commands.put({"receive": True, "renew": [name]})  # the engine made it anew: other memory, zeros
+        with pytest.raises(RemoteError, match=f"{name} does not have .* other memory"):
+            sender.send(delta_procs.stepped(3).items(), version=3)
+        got = results.get(timeout=60)
+        assert "DeltaCheckError" in got["error"] and got["incomplete"], got
+        stats, got = _sync(sender, commands, results, delta_procs.stepped(4), 4)
+        assert stats.delta.mode == "full", stats.delta
+        assert got["digests"] == procs.digests(delta_procs.stepped(4))
+        # made anew holding what it held: digested whole, it checks out and the delta lands
+        stats, got = _sync(sender, commands, results, delta_procs.stepped(5), 5, command={"copy": ["w1", "w2"]})
+        assert stats.delta.mode == "delta", stats.delta
+        assert got["digests"] == procs.digests(delta_procs.stepped(5))
         commands.put({"stop": True})
         proc.join(30)
 

@@ -33,6 +33,9 @@ class StagedPayload:
     base_digest: int | None
     #: whether the commit checks from the changed elements (else it digests the tensor whole)
     by_changes: bool
+    #: the engine's tensor the stage checked it against: `base_digest` is that memory's, and the commit checks from
+    #: the changes only when it writes into that memory
+    base: torch.Tensor
 
     @property
     def nbytes(self) -> int:
@@ -44,7 +47,7 @@ class StagedPayload:
         the engine's tensor was not the base the stage checked, so the receiver then holds no known version)."""
         payload = self.payload.to(dest.device, non_blocking=dest.device.type != "cpu")
         try:
-            if self.by_changes and self.base_digest is not None:
+            if self.by_changes and self.base_digest is not None and _same_memory(dest, self.base):
                 gain = apply_into(dest, self.header, payload, name=self.name, gain=True)
                 ok = gain is not None and (self.base_digest + gain) % (1 << 64) == self.header.digest
             else:
@@ -56,3 +59,13 @@ class StagedPayload:
             raise DeltaCheckError(f"{self.name}: after its staged {self.header.code} delta was written at the commit, "
                                   "the engine's tensor does not have the sender's digest: it changed between the stage "
                                   "(where the delta checked out on a copy of it) and the commit; the next sync is full")
+
+
+def _same_memory(tensor: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether `tensor` is `base`'s memory (`base` is held, so its storage cannot have been freed and reused)."""
+    if tensor is base:
+        return True
+    try:
+        return tensor.data_ptr() == base.data_ptr() and tensor.untyped_storage() is base.untyped_storage()
+    except (RuntimeError, TypeError):  # no torch storage (a wrapper subclass): only the very tensor counts
+        return False

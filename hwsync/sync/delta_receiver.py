@@ -18,6 +18,11 @@ base or a corrupted payload at any changed element, at a cost that scales with t
 Otherwise, and at every HWSYNC_DELTA_FULL_CHECK_EVERY-th delta sync (default 8; 1: always), the whole
 tensor is digested, which also catches a byte changed behind hwsync's back where no delta wrote.
 
+A held digest speaks for the memory it was taken of, and nothing else: each is kept with the tensor's address and
+its storage (weakly), and a tensor that `into` now gives in other memory (an engine that made its parameter anew)
+is digested whole. Trusted there, an unchanged tensor ("same": nothing written) would pass on the digest of memory
+the engine no longer uses, and the sync end in success with whatever the new memory holds.
+
 Where the result goes: a tensor `into` names is patched in place (only the changed elements are
 written); every other tensor is patched in a copy this receiver keeps (its own baseline, kept from
 the first full sync of a sender in delta mode) and handed to `load` whole: engines whose loader
@@ -28,13 +33,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import NamedTuple
 
 import torch
 
-from hwsync.backend.devices import DeviceOwner
+from hwsync.backend.devices import DeviceOwner, identified
 from hwsync.backend.interfaces import Device
 from hwsync.delta import native, warm
 from hwsync.delta.digest import tensor_digest
@@ -81,6 +87,27 @@ def full_check_every() -> int:
     return every
 
 
+class HeldDigest(NamedTuple):
+    """A tensor's digest, with the memory it was taken of: its address, and its storage (a weak reference: an engine
+    that frees the tensor frees it; None where the backend's tensors hold no torch storage, their addresses unique)."""
+
+    digest: int
+    ptr: int
+    storage: weakref.ref[torch.UntypedStorage] | None
+
+
+def held_digest(digest: int, tensor: torch.Tensor, data_ptr: Callable[[torch.Tensor], int]) -> HeldDigest | None:
+    """`digest`, as what `tensor`'s memory holds; None where the memory cannot be told apart (never trusted later)."""
+    ptr = data_ptr(tensor)
+    if not identified(ptr, tensor, data_ptr):
+        return None
+    try:
+        storage = weakref.ref(tensor.untyped_storage())
+    except (RuntimeError, TypeError):  # a wrapper subclass's: identified by the backend's own addresses
+        storage = None
+    return HeldDigest(digest, ptr, storage)
+
+
 class ReceiverDeltas:
     """What one receiver holds of its sender's deltas, and how this sync's payloads are applied."""
 
@@ -92,8 +119,11 @@ class ReceiverDeltas:
         self._headers: dict[str, DeltaHeader] = {}
         self._targets: dict[str, TensorSpec] = {}
         self._delta = False
-        #: the digest of each tensor this receiver holds, as its last check (or the digests after a full sync) found it
-        self._digests: dict[str, int] = {}
+        #: the digest of each tensor this receiver holds, as its last check (or the digests after a full sync) found
+        #: it, and the memory it was found in
+        self._digests: dict[str, HeldDigest] = {}
+        #: how tensors' addresses are read (the backend's Device.data_ptr; set by `intake`)
+        self._data_ptr: Callable[[torch.Tensor], int] = torch.Tensor.data_ptr
         #: delta syncs completed since the last that digested every tensor whole; whether this one does
         self._since_full = 0
         self._full = True
@@ -101,9 +131,9 @@ class ReceiverDeltas:
         self._owner: DeviceOwner | None = None
         #: the tensors a full sync in delta mode wrote (destinations and kept copies), digested once it completes
         self._written: dict[str, torch.Tensor] = {}
-        self._digesting: Future[dict[str, int]] | None = None
+        self._digesting: Future[dict[str, HeldDigest]] | None = None
         #: a staged full sync's digests, taken before it said staged (`digest_staged`), until it completes
-        self._digested: dict[str, int] | None = None
+        self._digested: dict[str, HeldDigest] | None = None
 
     def begin(self, wire: DeltaField | None, targets: list[TensorSpec] | None) -> None:
         """A sync starts; `wire` is its offer's or plan's delta field. Whatever it was, nothing is held until it
@@ -160,7 +190,7 @@ class ReceiverDeltas:
         if self._pool is not None and self._owner is not None and self._owner.index != owner.index:
             self._pool.shutdown()
             self._pool = None
-        self._owner = owner
+        self._owner, self._data_ptr = owner, device.data_ptr
         if self._wire is None:
             return load, into
         if not self.is_delta:  # a full sync: what it writes is digested once it completes (complete())
@@ -208,10 +238,12 @@ class ReceiverDeltas:
             kept = self._kept[name] = torch.empty(spec.shape, dtype=dtype, device=payload.device)
         return kept, False
 
-    def apply(self, name: str, payload: torch.Tensor, result: torch.Tensor) -> None:
-        """Apply one tensor's payload on `result` (its base) and check the result's digest (any thread)."""
+    def apply(self, name: str, payload: torch.Tensor, result: torch.Tensor, engine: torch.Tensor | None = None) -> None:
+        """Apply one tensor's payload on `result` (its base) and check the result's digest (any thread). `engine`:
+        the tensor `result` is a scratch copy of, which holds the result once the sync commits (a staged delta)."""
         header = self._headers[name]
-        held = None if self._full else self._digests.get(name)
+        memory = result if engine is None else engine  # what the held digest was, and the new one is, taken of
+        held = None if self._full else self.held_for(name, memory)
         payload = payload.to(result.device)
         if held is not None and header.code == SAME:
             ok, how = held == header.digest, "the digest it held (nothing changed)"
@@ -230,26 +262,32 @@ class ReceiverDeltas:
                 raise ProtocolError(f"{name}: its {header.code} delta could not be applied ({exc}); this receiver "
                                     "holds no known version of it, and the sender's next sync is full") from None
         if not ok:
+            moved = held is None and not self._full and name in self._digests
             self._digests.pop(name, None)
+            if moved:
+                why = ("into() gave it in other memory than the tensor this receiver last wrote (made anew?), which "
+                       "did not hold the declared base")
+            else:
+                why = ("this receiver's copy was not the declared base (changed behind hwsync's back?) or the apply "
+                       "was torn")
             raise DeltaCheckError(f"{name} does not have the sender's digest for its {header.code} delta (checked on "
-                                  f"{how}): this receiver's copy was not the declared base (changed behind "
-                                  "hwsync's back?) or the apply was torn; the next sync is full")
-        self._digests[name] = header.digest
+                                  f"{how}): {why}; the next sync is full")
+        self._record(name, header.digest, memory)
 
     def stage(self, name: str, payload: torch.Tensor, base: StagedBase, into: StagedInto) -> None:
         """Check one payload on a scratch copy of the engine's tensor (`base`, from `staged_base`; the engine reads
         it on) and stage what the commit writes: the payload where it is sparse, else the patched copy (any thread)."""
         header, spec, engine = base.header, base.spec, base.tensor
-        held = self._digests.get(name)  # the base's, before this sync's check records the new one
+        held = self.held_for(name, engine)  # the base's, before this sync's check records the new one
         if header.code == SAME:
             self.apply(name, payload, engine)  # writes nothing: the digest it held, or the tensor read whole
             return
         scratch = engine.clone()
-        self.apply(name, payload, scratch)
+        self.apply(name, payload, scratch, engine)
         if payload_kept(header, scratch.numel() * scratch.element_size()):
             by_changes = not self._full and engine.device.type == "cpu" and _check_changes(header)
             into.area.keep_payload(StagedPayload(name, scratch.dtype, tuple(spec.shape), header, payload, held,
-                                                 by_changes))
+                                                 by_changes, engine))
         else:
             into.area.keep_tensor(name, scratch)
 
@@ -260,7 +298,7 @@ class ReceiverDeltas:
         if self._wire is None or self._delta:
             return
         try:
-            self._digested = _digest_all({**self._written, **self._kept})
+            self._digested = _digest_all({**self._written, **self._kept}, self._data_ptr)
         except Exception as exc:  # noqa: BLE001 - as a digest after the sync: the next delta is checked whole
             log.debug("hwsync: digesting a staged full sync failed (digested after it completes): %s", exc)
             self._digested = None
@@ -279,7 +317,28 @@ class ReceiverDeltas:
                 return
             # after a full sync in delta mode, digest what it wrote while the trainer trains: the first delta is then
             # checked from its changes; a full sync that landed wrong still fails it (its digest is the sender's)
-            self._digesting = self.pool().submit(_digest_all, written)
+            self._digesting = self.pool().submit(_digest_all, written, self._data_ptr)
+
+    def held_for(self, name: str, tensor: torch.Tensor) -> int | None:
+        """The digest held for `name`, where `tensor` is the memory it was taken of (else None: digest it whole)."""
+        held = self._digests.get(name)
+        if held is None or self._data_ptr(tensor) != held.ptr:
+            return None
+        if held.storage is not None:
+            try:
+                if held.storage() is not tensor.untyped_storage():  # freed, and another tensor at its address
+                    return None
+            except (RuntimeError, TypeError):
+                return None
+        return held.digest
+
+    def _record(self, name: str, digest: int, tensor: torch.Tensor) -> None:
+        """`tensor` checked out with `digest`: held for the next delta (unless its memory cannot be told apart)."""
+        held = held_digest(digest, tensor, self._data_ptr)
+        if held is None:
+            self._digests.pop(name, None)
+        else:
+            self._digests[name] = held
 
     def _settle(self) -> None:
         """Take the last full sync's digests (waiting for them); none if digesting failed (checked whole then)."""
@@ -316,9 +375,10 @@ class _Recorded:
         return dest
 
 
-def _digest_all(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
-    """Each tensor's digest (an apply thread's job)."""
-    return {name: tensor_digest(tensor) for name, tensor in tensors.items()}
+def _digest_all(tensors: Mapping[str, torch.Tensor], data_ptr: Callable[[torch.Tensor], int]) -> dict[str, HeldDigest]:
+    """Each tensor's digest, with its memory (an apply thread's job)."""
+    digests = {name: held_digest(tensor_digest(tensor), tensor, data_ptr) for name, tensor in tensors.items()}
+    return {name: held for name, held in digests.items() if held is not None}
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -164,7 +164,7 @@ class StagingArea:
             payload = torch.empty(staged.nbytes, dtype=torch.uint8, device=self._where)
             payload.copy_(staged.payload)
             self._payloads[staged.name] = StagedPayload(staged.name, staged.dtype, staged.shape, staged.header,
-                                                        payload, staged.base_digest, staged.by_changes)
+                                                        payload, staged.base_digest, staged.by_changes, staged.base)
             self._staged.append(staged.name)
 
     def keep_tensor(self, name: str, tensor: torch.Tensor) -> None:
