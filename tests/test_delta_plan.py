@@ -108,6 +108,29 @@ def test_a_receiver_refuses_a_delta_from_another_base_and_holds_nothing_until_a_
     assert receiver.held is None, "a sync that started (and failed) leaves nothing held"
 
 
+def test_a_held_digest_speaks_for_its_memory_only_and_follows_a_staged_commit_into_the_engine():
+    """A digest a receiver holds is trusted only for the memory it was taken of: an alias of that memory (a view,
+    `.data`) has it, other memory does not (a tensor made anew; one over the same address but another storage, as
+    an allocator reusing freed memory gives); after a staged commit it speaks for the engine's tensor."""
+    from hwsync.sync.delta_receiver import held_digest
+
+    receiver, engine = ReceiverDeltas(), torch.arange(64, dtype=torch.float32)
+    receiver.begin(DeltaField(None, "s:1"), None)
+    receiver._record("w", 1234, engine)
+    assert receiver.held_for("w", engine) == 1234
+    assert receiver.held_for("w", engine.data) == 1234 and receiver.held_for("w", engine.view(8, 8)) == 1234
+    assert receiver.held_for("w", engine.clone()) is None, "other memory, the same values: digested whole"
+    assert receiver.held_for("w", engine[1:]) is None
+    elsewhere = torch.empty(64)
+    reused = held_digest(1234, elsewhere, torch.Tensor.data_ptr)._replace(ptr=engine.data_ptr())  # another storage
+    receiver._digests["w"] = reused
+    assert receiver.held_for("w", engine) is None, "the address alone is not the memory"
+    staging = engine.clone()  # a staged full sync's digests are taken of the staging area's tensors
+    receiver._digests = {"w": held_digest(99, staging, torch.Tensor.data_ptr)}
+    receiver.complete({"w": engine})  # the commit copied them into the engine's
+    assert receiver.held_for("w", engine) == 99 and receiver.held_for("w", staging) is None
+
+
 def test_engine_dtypes_cast_only_where_every_receiver_agrees_and_never_widen():
     report = engine_dtypes([("w", torch.zeros(2, dtype=torch.bfloat16)), ("n", torch.zeros(2)),
                             ("i", torch.zeros(2, dtype=torch.int64))])

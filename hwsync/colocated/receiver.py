@@ -173,6 +173,7 @@ class WeightReceiver:
                                         "receiver said it cannot run; refused")
                 replay = word.go
             self._replaying = replay
+            landed: dict[str, torch.Tensor] | None = None  # where a staged sync's tensors went in the engine
             if replay:  # the tensors of the plan it holds: its copies again
                 self._replay(offer, stats)
             elif staging is None:
@@ -182,12 +183,12 @@ class WeightReceiver:
                 self._shared.not_a_plan()
                 into = staging.for_sync(hooks.into)  # a delta's base: the engine's own tensor where it names one
                 self._receive_buckets(offer, *self._deltas.intake(None, into, self.backend.device()), stats)
-                self._await_apply(offer, staging, hooks, start, stats)
+                landed = self._await_apply(offer, staging, hooks, start, stats)
             if hooks.done is not None and staging is None:  # a staging receiver's ran inside the pause (apply)
                 t0 = time.perf_counter()
                 hooks.done()
                 stats.load_s += time.perf_counter() - t0
-            self._deltas.complete()
+            self._deltas.complete(landed)
             self.version = offer.version
             self.incomplete = False
             stats.total_s = time.perf_counter() - start
@@ -208,9 +209,11 @@ class WeightReceiver:
             self._staging = StagingArea(self.backend.device(), self._stage_options)
         return self._staging
 
-    def _await_apply(self, offer: Offer, staging: StagingArea, hooks: Hooks, start: float, stats: SyncStats) -> None:
+    def _await_apply(self, offer: Offer, staging: StagingArea, hooks: Hooks, start: float,
+                     stats: SyncStats) -> dict[str, torch.Tensor]:
         """Staged and checked: say so, wait for the sender's Apply (every receiver staged), then apply inside the
-        engine's pause. An Abort instead (another receiver failed) raises: nothing was applied."""
+        engine's pause; returns the engine's tensors the staged ones landed in. An Abort instead (another receiver
+        failed) raises: nothing was applied."""
         assert stats.stage is not None
         self._deltas.digest_staged()  # a full sync in delta mode: its digests now, not beside the engine's next step
         stats.stage.stage_s = time.perf_counter() - start
@@ -226,6 +229,7 @@ class WeightReceiver:
         result = staging.apply(hooks, self._deltas.pool())
         stats.stage.apply_s = result.apply_s
         stats.load_s += result.apply_s
+        return result.landed
 
     def _report(self, state: ReceiverState | dict[str, Any] | None) -> ReceiverReport:
         """What the Ready reports: the caller's state, the delta baseline held, and this device's memory (which a

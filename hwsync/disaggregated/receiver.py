@@ -109,6 +109,7 @@ class CrossNodeReceiver:
         stats = SyncStats(transport=f"collective/{self.backend.name}")
         link = self._link
         began = committing = False
+        landed: dict[str, torch.Tensor] | None = None  # where a staged sync's tensors went in the engine
         release_collector = None
         try:
             self._data = []
@@ -166,6 +167,7 @@ class CrossNodeReceiver:
             if staging is not None:  # committed: every rank staged it; apply inside the engine's pause
                 self.staged, self.incomplete = None, True
                 applied = staging.apply(hooks, self._deltas.pool())
+                landed = applied.landed
                 assert stats.stage is not None
                 stats.stage.apply_s = applied.apply_s
                 stats.load_s += applied.apply_s  # done() ran inside the pause, with the apply
@@ -177,7 +179,7 @@ class CrossNodeReceiver:
                 hooks.commit()
                 stats.stage.apply_s = time.perf_counter() - t0
                 self.version, self.incomplete = version, False
-            self._deltas.complete()  # committed everywhere: this receiver holds sender 0's new baseline
+            self._deltas.complete(landed)  # committed everywhere: this receiver holds sender 0's new baseline
         except BaseException as exc:
             link.report(exc)
             log.warning("hwsync cross-node receive failed on receiver %d: %s", self.rank, exc)

@@ -303,8 +303,9 @@ class ReceiverDeltas:
             log.debug("hwsync: digesting a staged full sync failed (digested after it completes): %s", exc)
             self._digested = None
 
-    def complete(self) -> None:
-        """The sync completed and every tensor checked out: this receiver holds the sender's new baseline."""
+    def complete(self, landed: Mapping[str, torch.Tensor] | None = None) -> None:
+        """The sync completed and every tensor checked out: this receiver holds the sender's new baseline.
+        `landed`: a staged sync's tensors as written into the engine's own (their digests now speak for those)."""
         if self._wire is not None:
             self.held = self._wire.next
         if self._delta:
@@ -314,6 +315,10 @@ class ReceiverDeltas:
             written, self._written = {**self._written, **self._kept}, {}
             if digested is not None:  # staged, and digested before it said so: the apply copied those bytes
                 self._digests = digested
+        if landed:
+            self._rebind(landed)
+        if self._wire is not None and not self._delta:
+            if digested is not None:
                 return
             # after a full sync in delta mode, digest what it wrote while the trainer trains: the first delta is then
             # checked from its changes; a full sync that landed wrong still fails it (its digest is the sender's)
@@ -331,6 +336,13 @@ class ReceiverDeltas:
             except (RuntimeError, TypeError):
                 return None
         return held.digest
+
+    def _rebind(self, landed: Mapping[str, torch.Tensor]) -> None:
+        """The staged bytes each digest was taken of now lie in the engine's tensors: the digests speak for those."""
+        for name, tensor in landed.items():
+            held = self._digests.get(name)
+            if held is not None:
+                self._record(name, held.digest, tensor)
 
     def _record(self, name: str, digest: int, tensor: torch.Tensor) -> None:
         """`tensor` checked out with `digest`: held for the next delta (unless its memory cannot be told apart)."""

@@ -23,7 +23,7 @@ import threading
 import time
 from concurrent.futures import Executor
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -74,6 +74,8 @@ class ApplyResult:
     tensors: int
     bytes: int
     apply_s: float
+    #: the engine's own tensors the staged ones were written into, by name (a delta's digests are rebound to them)
+    landed: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class StagingArea:
@@ -186,6 +188,7 @@ class StagingArea:
         load, into = hooks.load, hooks.into
         names, nbytes = list(dict.fromkeys(self._staged)), 0
         in_engine: list[str] = []
+        landed: dict[str, torch.Tensor] = {}
         t0 = time.perf_counter()
         with hooks.pause() if hooks.pause is not None else nullcontext(), host_cores_free():
             writes: list[tuple[StagedPayload, torch.Tensor]] = []
@@ -201,6 +204,7 @@ class StagingArea:
                         raise ValueError(f"into() returned None at the commit for {name!r}, whose tensor it gave as "
                                          "the delta's base at the stage; give the same tensor until the commit")
                     writes.append((payload, dest))
+                    landed[name] = dest
                     continue
                 staged = self._tensors[name]
                 nbytes += staged.numel() * staged.element_size()
@@ -212,9 +216,11 @@ class StagingArea:
                     host_copies[0].append(dest)
                     host_copies[1].append(staged)
                     in_engine.append(name)
+                    landed[name] = dest
                 else:
                     dest.copy_(staged, non_blocking=True)
                     in_engine.append(name)
+                    landed[name] = dest
             if host_copies[0]:
                 copy_host_tensors(*host_copies)
             _write_payloads(writes, pool)
@@ -232,7 +238,7 @@ class StagingArea:
             if self._base_in_engine:  # the engine's tensor is the next delta's base: no copy of it is kept
                 for name in in_engine:
                     self._drop(name)
-        return ApplyResult(len(names), nbytes, time.perf_counter() - t0)
+        return ApplyResult(len(names), nbytes, time.perf_counter() - t0, landed)
 
     def release(self) -> None:
         """Free every staging tensor (a sync failed or was aborted before its commit)."""
