@@ -75,14 +75,15 @@ class Trainer:
         if kind == "add":  # add_ a small value to a share of each tensor's elements (or of one: the rest frozen), in place
             for t in [self.tensors[op["only"]]] if op.get("only") in self.tensors else self.tensors.values():
                 flat = t.view(-1)
-                idx = torch.nonzero(torch.rand(flat.numel(), generator=g) < op["share"]).view(-1).to(self.device)
-                flat.index_add_(0, idx, torch.full((idx.numel(),), op["value"], dtype=t.dtype, device=self.device))
+                # on the tensor's own device: the "shared" source's tensors are in host memory on any backend
+                idx = torch.nonzero(torch.rand(flat.numel(), generator=g) < op["share"]).view(-1).to(t.device)
+                flat.index_add_(0, idx, torch.full((idx.numel(),), op["value"], dtype=t.dtype, device=t.device))
         elif kind == "adamw":  # an AdamW-like step at a small LR, in place (moments in fp32)
             lr = op["lr"]
             for name, t in self.tensors.items():
-                grad = torch.randn(t.shape, generator=g).to(self.device)
+                grad = torch.randn(t.shape, generator=g).to(t.device)
                 m, v = self.moments.get(name, (None, None))
-                if m is None or m.shape != t.shape:
+                if m is None or m.shape != t.shape or m.device != t.device:
                     m, v = torch.zeros_like(grad), torch.zeros_like(grad)
                     self.moments[name] = (m, v)
                 m.mul_(0.9).add_(grad, alpha=0.1)
