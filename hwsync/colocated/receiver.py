@@ -293,6 +293,9 @@ class WeightReceiver:
                 if self._reader.pending():
                     raise SyncError(f"the sync ended with tensors incomplete: {self._reader.pending()[:5]}")
                 self._shared.finish(views, stats)  # queued reads of shared memory end before our Complete
+                # an abort that came while the copies ran: the sender's send() raised then, and its trainer may have
+                # trained on the memory they read (a receiver that completed would hold torn bytes); fail instead
+                self._control.poll(sync, "checking for an abort after the sync's copies")
                 return
             if self._staging is None:  # a staging receiver's engine is untouched until the Apply
                 self.incomplete = True
@@ -316,6 +319,7 @@ class WeightReceiver:
         else:
             self._control.await_frame(Done, offer.sync, "waiting for the end of a replayed sync", stats)
             self._shared.finish(False, stats)
+            self._control.poll(offer.sync, "checking for an abort after the sync's copies")  # as _receive_buckets
         stats.notes["replay"] = offer.replay
 
     def _read_bucket(self, offer: Offer, frame: Bucket, seq: int, bell: Doorbell | None, load: LoadFn | None,
