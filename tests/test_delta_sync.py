@@ -155,19 +155,26 @@ def test_a_byte_changed_behind_hwsyncs_back_fails_the_check_and_the_next_sync_he
     monkeypatch.setenv("HWSYNC_DELTA_FULL_CHECK_EVERY", "1")
     with WeightSender(options=SenderOptions(delta=True, timeout_s=60)) as sender:
         proc, commands, results = delta_procs.start(sender.endpoint, "into")
-        for step in (1, 2):
-            _, got = _sync(sender, commands, results, delta_procs.stepped(step), step)
-            assert got["digests"] == procs.digests(delta_procs.stepped(step))
-        commands.put({"receive": True, "flip": "w2"})  # w2 does not change at step 3: only the check can see it
-        with pytest.raises(RemoteError, match="w2 does not have the sender's digest"):
-            sender.send(delta_procs.stepped(3).items(), version=3)
-        got = results.get(timeout=60)
-        assert "DeltaCheckError" in got["error"] and got["incomplete"], got
-        stats, got = _sync(sender, commands, results, delta_procs.stepped(4), 4)
-        assert stats.delta.mode == "full", stats.delta
-        assert got["digests"] == procs.digests(delta_procs.stepped(4))
+        # w2 does not change at step 3: only the check can see it
+        _third_fails_and_fourth_heals(sender, commands, results, {"flip": "w2"}, "w2 does not have the sender's digest")
         commands.put({"stop": True})
         proc.join(30)
+
+
+def _third_fails_and_fourth_heals(sender, commands, results, disturb: dict, match: str) -> None:
+    """Syncs 1 (full) and 2 (delta) exact; `disturb` before sync 3, which fails with a DeltaCheckError matching
+    `match` and leaves the receiver incomplete; sync 4 is full and exact."""
+    for step in (1, 2):
+        _, got = _sync(sender, commands, results, delta_procs.stepped(step), step)
+        assert got["digests"] == procs.digests(delta_procs.stepped(step))
+    commands.put({"receive": True, **disturb})
+    with pytest.raises(RemoteError, match=match):
+        sender.send(delta_procs.stepped(3).items(), version=3)
+    got = results.get(timeout=60)
+    assert "DeltaCheckError" in got["error"] and got["incomplete"], got
+    stats, got = _sync(sender, commands, results, delta_procs.stepped(4), 4)
+    assert stats.delta.mode == "full", stats.delta
+    assert got["digests"] == procs.digests(delta_procs.stepped(4))
 
 
 @pytest.mark.parametrize("name", ["w2", "w1"])  # unchanged at step 3 (nothing written), changed in 1% (sparse)
@@ -175,17 +182,9 @@ def test_a_destination_made_anew_fails_the_delta_by_name_and_the_next_sync_heals
     # the digest a receiver holds is its old memory's: trusted for the new, an unchanged tensor passed unwritten
     with WeightSender(options=SenderOptions(delta=True, timeout_s=60)) as sender:
         proc, commands, results = delta_procs.start(sender.endpoint, "into")
-        for step in (1, 2):
-            _, got = _sync(sender, commands, results, delta_procs.stepped(step), step)
-            assert got["digests"] == procs.digests(delta_procs.stepped(step))
-        commands.put({"receive": True, "renew": [name]})  # the engine made it anew: other memory, zeros
-        with pytest.raises(RemoteError, match=f"{name} does not have .* other memory"):
-            sender.send(delta_procs.stepped(3).items(), version=3)
-        got = results.get(timeout=60)
-        assert "DeltaCheckError" in got["error"] and got["incomplete"], got
-        stats, got = _sync(sender, commands, results, delta_procs.stepped(4), 4)
-        assert stats.delta.mode == "full", stats.delta
-        assert got["digests"] == procs.digests(delta_procs.stepped(4))
+        # the engine made it anew: other memory, zeros
+        _third_fails_and_fourth_heals(sender, commands, results, {"renew": [name]},
+                                      f"{name} does not have .* other memory")
         # made anew holding what it held: digested whole, it checks out and the delta lands
         stats, got = _sync(sender, commands, results, delta_procs.stepped(5), 5, command={"copy": ["w1", "w2"]})
         assert stats.delta.mode == "delta", stats.delta

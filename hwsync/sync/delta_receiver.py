@@ -315,14 +315,13 @@ class ReceiverDeltas:
             written, self._written = {**self._written, **self._kept}, {}
             if digested is not None:  # staged, and digested before it said so: the apply copied those bytes
                 self._digests = digested
+            else:
+                # after a full sync in delta mode, digest what it wrote while the trainer trains: the first delta is
+                # then checked from its changes; a full sync that landed wrong still fails it (its digest is the
+                # sender's)
+                self._digesting = self.pool().submit(_digest_all, written, self._data_ptr)
         if landed:
             self._rebind(landed)
-        if self._wire is not None and not self._delta:
-            if digested is not None:
-                return
-            # after a full sync in delta mode, digest what it wrote while the trainer trains: the first delta is then
-            # checked from its changes; a full sync that landed wrong still fails it (its digest is the sender's)
-            self._digesting = self.pool().submit(_digest_all, written, self._data_ptr)
 
     def held_for(self, name: str, tensor: torch.Tensor) -> int | None:
         """The digest held for `name`, where `tensor` is the memory it was taken of (else None: digest it whole)."""
