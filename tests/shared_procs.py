@@ -27,12 +27,15 @@ def model(seed: int = 0) -> torch.nn.Module:
 def receive_digests(endpoint: str, syncs: int, q, mode: str = "into", slow_s: float = 0.0,
                     timeout_s: float = 30.0) -> None:
     """Receive `syncs` syncs `into` tensors on this backend's device or through `load` (sleeping `slow_s`
-    before reading each view); report every tensor's digest, or the error."""
+    before reading each view), or fail in `into` ("fail"); report every tensor's digest, or the error with the
+    digests of what load read before it."""
     torch.set_num_threads(1)
     device = get_backend().device().torch_device()
     dest: dict[str, torch.Tensor] = {}
 
     def into(name, dtype, shape):
+        if mode == "fail":
+            raise RuntimeError(f"the engine has no room for {name} (test)")
         if name not in dest:
             dest[name] = torch.empty(shape, dtype=dtype, device=device)
         return dest[name]
@@ -49,12 +52,12 @@ def receive_digests(endpoint: str, syncs: int, q, mode: str = "into", slow_s: fl
                     got[name] = digest(t)
 
             try:
-                stats = receiver.receive(load, into=into if mode == "into" else None)
+                stats = receiver.receive(load, into=into if mode in ("into", "fail") else None)
                 got.update({n: digest(t) for n, t in dest.items()})
                 q.put({"digests": got, "version": receiver.version, "tensors": stats.tensors,
                        "buckets": stats.buckets})
             except Exception as exc:
-                q.put({"error": f"{type(exc).__name__}: {exc}", "incomplete": receiver.incomplete})
+                q.put({"error": f"{type(exc).__name__}: {exc}", "incomplete": receiver.incomplete, "read": got})
 
 
 def slow_receiver_main(endpoint: str) -> None:

@@ -132,6 +132,32 @@ def test_the_tear_check_can_fail_when_send_does_not_wait(backend, monkeypatch):
     assert not results[0]["same"], "without the wait for Complete the receiver reads the next step's values"
 
 
+def test_a_failed_sync_raises_only_once_no_receiver_reads_the_trainer_memory(backend):
+    """One receiver fails at once while the other still reads views of the trainer's memory: send() raises only
+    after that one stopped, so the trainer's next step (right after) reaches none of its reads. Had send() raised at
+    once, the slow receiver's later views would hold the next step's values (a receiver that missed the abort in
+    flight would even complete with them)."""
+    net = procs.model()
+    with SharedParameters(net), WeightSender(num_receivers=2, options=SenderOptions(timeout_s=60)) as sender:
+        reader, read_q = start_receiver(sender.endpoint, mode="load", slow_s=0.3)
+        failing, fail_q = start_receiver(sender.endpoint, mode="fail")
+        for t in net.state_dict().values():
+            t.fill_(1.0)
+        sent = digests(net.state_dict())
+        with pytest.raises(Exception, match="no room for"):
+            sender.send(net.state_dict().items(), version=1)
+        for t in net.state_dict().values():
+            t.fill_(-1.0)  # the trainer steps the moment send() raised
+        read, failed = read_q.get(timeout=60), fail_q.get(timeout=60)
+        reader.join(30)
+        failing.join(30)
+    assert "no room for" in failed["error"]
+    assert "aborted" in read.get("error", ""), read  # the slow receiver fails its sync too: it holds no version
+    assert read["read"], "the slow receiver read views before it heard the abort"
+    assert all(read["read"][name] == sent[name] for name in read["read"]), \
+        "a view read after send() raised held the trainer's next step"
+
+
 def test_a_receiver_killed_while_reading_references(backend):
     net = procs.model()
     with SharedParameters(net), WeightSender(options=SenderOptions(timeout_s=20)) as sender:

@@ -308,7 +308,8 @@ class SharedBuffers:
         return merged
 
     def fail(self, exc: BaseException) -> None:
-        """Abort every receiver (one that failed first ignores it), then release the buffers.
+        """Abort every receiver and wait until none reads the sync's memory (SyncReceivers.abort), then release
+        the exports and buffers.
 
         The bound socket stays: it is the session's address, and a receiver reconnecting after
         the failure must find it. Frames of the failed sync are told apart by their sync id.
@@ -316,10 +317,17 @@ class SharedBuffers:
         receivers, self._receivers = self._receivers, None
         self._plan = self._made = None  # what a failed sync's receivers hold is unknown: the next one plans afresh
         try:
-            if self._mapped is not None:
+            if receivers is not None:
+                reading = receivers.abort(exc)
+                if reading:
+                    said = (f"{', '.join(map(str, reading))} did not say within {self._control.timeout_s:g} s that it "
+                            "stopped reading this sync's memory: changing the tensors now may still reach it (it "
+                            "fails its sync when it sees the abort, so it holds no version from this one)")
+                    log.warning("hwsync: %s", said)
+                    exc.add_note(said)
+            if self._mapped is not None:  # only now: a receiver's copies may read the exports until it stopped
                 self._mapped.abort(receivers.peers if receivers is not None else [])
             if receivers is not None:
-                receivers.abort(exc)
                 if self._buffers is not None and not self._accepted:  # some never mapped what they were offered
                     for peer in receivers.peers:
                         self._buffers.release_for(peer.identity.hex())

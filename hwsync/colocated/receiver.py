@@ -408,10 +408,11 @@ class WeightReceiver:
             self._control.send(Release(sync=offer.sync, buf=buf, seq=seq))
 
     def _fail(self, sync: int | None, exc: BaseException) -> None:
-        """Report the failure to the sender (unless it came from there), then drop buffers and socket, and what was
-        staged: the engine keeps the version it serves, and the next sync is whole. A sync that failed before its
-        offer staged nothing: the staging area still holds what the engine does (a delta's base), and is kept."""
-        self._control.report_failure(sync, exc)
+        """End every read of the sender's memory (queued copies included) and unmap it, then tell the sender (an
+        error frame, or Stopped to its Abort: its send() waits for that before its trainer steps), then close the
+        socket. What was staged goes: the engine keeps the version it serves, and the next sync is whole. A sync
+        that failed before its offer staged nothing: the staging area still holds what the engine does (a delta's
+        base), and is kept."""
         self.staged = None
         if self._staging is not None and sync is not None:
             self._staging.release()
@@ -421,9 +422,10 @@ class WeightReceiver:
         dead = sender[0] is not None and not peer_alive(*sender)
         if dead:  # the sender died without cleaning up: its private ipc directory is ours to remove
             remove_ipc_dir(self._control.address, owner_pid=sender[0])
-        if self._shared is not None:  # unmapped, and a dead sender's segments unlinked: none stays alive
+        if self._shared is not None:  # its copies waited for, unmapped, a dead sender's segments unlinked
             self._shared.close(dead_sender=sender[0] if dead else None)
         self._close_buffers()
+        self._control.report_failure(sync, exc)
         self._control.close(ERROR_LINGER_S)
 
     def _close_doorbell(self) -> None:

@@ -26,6 +26,7 @@ from hwsync.protocol import (
     Gone,
     Refs,
     Refused,
+    Stopped,
     Welcome,
     check_size,
     cut,
@@ -52,6 +53,8 @@ class ReceiverControl:
         self.last_sync = 0
         #: (pid, host) of the sender, from its Welcome or last offer
         self.sender: tuple[int | None, str | None] = (None, None)
+        #: the sync whose Abort this receiver heard (it answers with Stopped once its reads ended), if any
+        self.aborted: int | None = None
 
     @property
     def address(self) -> str:
@@ -63,6 +66,7 @@ class ReceiverControl:
         if self._sock is None:
             self._sock, self._watch = connect_control(self._ctx, self.endpoint)
             self.refused = False
+            self.aborted = None
 
     def send(self, frame: Frame) -> None:
         """One frame to the sender."""
@@ -108,7 +112,7 @@ class ReceiverControl:
                 if sync is None and frame_sync is not None and frame_sync <= self.last_sync:
                     continue  # e.g. an abort for a sync this receiver had already completed
                 if isinstance(frame, Abort):
-                    raise RemoteError(f"sender aborted the sync: {frame.message}")
+                    raise self._aborted(frame)
                 if isinstance(frame, kinds):
                     return frame
         finally:
@@ -130,24 +134,33 @@ class ReceiverControl:
             if getattr(frame, "sync", None) != sync:
                 continue
             if isinstance(frame, Abort):
-                raise RemoteError(f"sender aborted the sync: {frame.message}")
+                raise self._aborted(frame)
             if isinstance(frame, (Done, Refs)):
                 frames.append(frame)
         self._watch.check(what)  # after the frames: an abort sent just before the sender closed comes first
         raise_if_exited([self.sender], what=what, endpoint=self.address)
         return frames
 
+    def _aborted(self, frame: Abort) -> RemoteError:
+        """The error an Abort raises; its sync is noted, to be answered with Stopped (report_failure)."""
+        self.aborted = frame.sync
+        return RemoteError(f"sender aborted the sync: {frame.message}")
+
     def report_failure(self, sync: int | None, exc: BaseException) -> None:
-        """Tell the sender: withdraw our Ready when no offer came, else an error frame (unless it came from there)."""
+        """Tell the sender, once this receiver's reads of its memory ended: Stopped to its Abort, our Ready withdrawn
+        when no offer came, else an error frame."""
         if self._sock is None:
             return
         if sync is None and isinstance(exc, BadFrame) and exc.sync is not None:
             sync = exc.sync  # a malformed offer: refused with the reason, as its sender can match it to the sync
         try:
-            if sync is None and not self.refused and not isinstance(exc, RemoteError):
+            if isinstance(exc, RemoteError):
+                if self.aborted is not None:  # the sender's send() raises only once every receiver said this
+                    self.send(Stopped(sync=self.aborted))
+            elif sync is None and not self.refused:
                 # no offer came: withdraw our Ready so send() skips us (an abort means the sender forgot us already)
                 self.send(Gone())
-            elif sync is not None and not isinstance(exc, RemoteError):
+            elif sync is not None:
                 kind = "protocol" if isinstance(exc, ProtocolError) else "load"
                 self.send(Error(sync=sync, kind=kind, message=cut(f"{type(exc).__name__}: {exc}")))
         except (zmq.ZMQError, ProtocolError):

@@ -261,13 +261,15 @@ class SharedReader:
                 stats.load_s += time.perf_counter() - t0
 
     def _finish(self, loaded_views: bool) -> None:
-        self._wait_copies()
-        if loaded_views and self.device.torch_type != "cpu":
-            self._queued.add(self.device.torch_device())
-        for where in self._queued:
-            wait_for_queued(self.device, where)
-        self._queued.clear()
-        self.device_segments.finish()
+        try:
+            self._wait_copies()
+        finally:  # a host copy that failed does not spare the wait for the device's queued ones
+            if loaded_views and self.device.torch_type != "cpu":
+                self._queued.add(self.device.torch_device())
+            for where in self._queued:
+                wait_for_queued(self.device, where)
+            self._queued.clear()
+            self.device_segments.finish()
 
     def _unmap(self, name: str) -> None:
         self.drop_plan()  # its copies may read this mapping
@@ -288,8 +290,8 @@ class SharedReader:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-        try:  # a failed sync may have device copies from the mappings still queued: never unmap under them
-            self._finish(False)
+        try:  # a failed sync may have device copies from the mappings still queued (load's too): never unmap under
+            self._finish(True)  # them, nor say this receiver stopped reading before they end
         except Exception as exc:  # noqa: BLE001 - the mappings go anyway; the failure was the sync's
             log.warning("hwsync: waiting for device copies before unmapping shared segments failed: %s", exc)
         self.device_segments.close()

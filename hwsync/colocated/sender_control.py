@@ -21,13 +21,18 @@ import zmq
 from hwsync.control.endpoints import CloseSignal, Endpoint, peer_alive, raise_if_exited, receive_frame
 from hwsync.control.sockets import ConnectionLog, Gate, Reply, bind_control, reply_on
 from hwsync.errors import ClosedError, ProtocolError, RemoteError, SyncTimeoutError
-from hwsync.protocol import TO_SENDER, Abort, Error, Frame, Gone, Ready, cut, encode
+from hwsync.protocol import TO_SENDER, Abort, Applied, Complete, Error, Frame, Gone, Ready, Stopped, cut, encode
 from hwsync.sync.report import ReceiverReport
 from hwsync.sync.stats import SyncStats
 from hwsync.timing import CLOSE_LINGER_S
 
 #: a frame of one of this sync's receivers: (its connection's identity, the checked frame)
 Received = tuple[bytes, Frame]
+
+#: frames after which a receiver reads none of the sync's memory: it loaded all, failed, or heard the abort
+_DONE_READING = (Complete, Applied, Error, Stopped)
+#: how often the wait for Stopped looks for a receiver that exited meanwhile
+_STOP_POLL_S = 0.05
 
 
 class SenderControl:
@@ -141,6 +146,8 @@ class SyncReceivers:
         self.control = control
         self.peers = peers
         self.sync = sync
+        #: receivers that said they read none of the sync's memory any more (Complete, Applied, Error, Stopped)
+        self.done_reading: set[bytes] = set()
 
     @property
     def identities(self) -> list[bytes]:
@@ -156,8 +163,13 @@ class SyncReceivers:
     def recv(self, what: str) -> Received:
         """The next frame of one of the sync's receivers; an error frame of this sync raises."""
         identity, frame = self.control.recv(what, self.peers)
+        self._note(identity, frame)
         self.raise_if_error(frame, identity)
         return identity, frame
+
+    def _note(self, identity: bytes, frame: Frame) -> None:
+        if isinstance(frame, _DONE_READING) and frame.sync in (self.sync, None):
+            self.done_reading.add(identity)
 
     def poll(self, what: str) -> list[Received]:
         """Without waiting: raise on close(), an error frame or a receiver that exited; the sync's frames queued now.
@@ -166,6 +178,8 @@ class SyncReceivers:
         """
         self.control.closing.check(what)
         frames = self.control.drain()
+        for identity, frame in frames:
+            self._note(identity, frame)
         for identity, frame in frames:
             self.raise_if_error(frame, identity)
         raise_if_exited([(p.pid, p.host) for p in self.peers], what=what, endpoint=self.control.address)
@@ -193,12 +207,33 @@ class SyncReceivers:
             peer = next((p for p in self.peers if p.identity == identity), None)
             raise cls(f"receiver failed: {frame.message}" if peer is None else f"{peer} failed: {frame.message}")
 
-    def abort(self, exc: BaseException) -> None:
-        """Tell every receiver the sync failed, and why (one that failed first ignores it)."""
+    def abort(self, exc: BaseException) -> list[Peer]:
+        """Tell every receiver the sync failed, and why, and wait until each one reads none of its memory; the
+        receivers that did not say so within the timeout (nor exited).
+
+        A receiver may still be copying from the trainer's memory (shared segments, device exports) when another
+        one fails. send() raises after this, and the trainer steps then: had it not waited, that receiver could
+        complete with bytes of two steps. Each receiver answers the Abort with Stopped once its copies ended (one
+        that completed, applied or failed first has said so already)."""
         try:
             self.broadcast(Abort(sync=self.sync, message=cut(f"{type(exc).__name__}: {exc}")))
         except (zmq.ZMQError, ClosedError):
-            pass
+            return []  # the socket is gone: no receiver hears anything from it any more
+        deadline = time.monotonic() + self.control.timeout_s
+        while True:
+            try:
+                for identity, frame in self.control.drain():
+                    self._note(identity, frame)
+            except (zmq.ZMQError, ClosedError, ProtocolError):
+                return []
+            reading = [p for p in self.peers if p.identity not in self.done_reading and peer_alive(p.pid, p.host)]
+            left = deadline - time.monotonic()
+            if not reading or left <= 0:
+                return reading
+            try:
+                self.control.socket().poll(int(min(left, _STOP_POLL_S) * 1000) + 1, zmq.POLLIN)
+            except (zmq.ZMQError, ClosedError):
+                return []
 
 
 # -- peers: receivers bound by a Ready with the token, and who waits for the next sync -----------------------

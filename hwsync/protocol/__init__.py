@@ -19,7 +19,8 @@ the version, the frame sets of each socket, `encode`, `decode` and `peek`.
 
 Two paths speak it, and each one's message sequence is drawn once, in its module's docstring: colocated.py
 (same host: Ready, Welcome or Refused, Offer, Accept, Bucket and Release, Refs, Done, Complete, then Apply and
-Applied for receivers that stage; Error and Abort end a sync early) and disaggregated.py (across nodes:
+Applied for receivers that stage; Error and Abort end a sync early, and each receiver answers an Abort
+with Stopped) and disaggregated.py (across nodes:
 RankReady to sender 0's hub, Welcome or Refused, Setup, PlanFrame, Go, Commit; Ping, Pong and Alive
 meanwhile). A peer proves the token in its Ready (RankReady), which binds its connection's identity; every
 frame of an identity that never presented it is dropped (hwsync.control.sockets).
@@ -48,6 +49,7 @@ from hwsync.protocol.colocated import (
     Refused,
     Release,
     Replay,
+    Stopped,
     Welcome,
 )
 from hwsync.protocol.disaggregated import (
@@ -72,14 +74,14 @@ from hwsync.protocol.fields import BadFrame, Count, Frame, Map, short, value_to_
 from hwsync.protocol.layout import BucketSpec, Entry, Ref, SegmentSpec
 
 #: bump when frames change incompatibly; a receiver refuses any other version
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 __all__ = ["PROTOCOL_VERSION", "TO_HUB", "TO_RANK", "TO_RECEIVER", "TO_SENDER", "Abort", "Accept", "Alive",
            "Applied", "Apply", "BadFrame", "Bucket", "BucketSpec", "Commit", "Complete", "Count", "Done", "Entry",
            "Error", "Frame", "Go", "Gone",
            "Joined", "Listening", "Map", "Offer", "Ping", "PlanAccept", "PlanFrame", "Pong", "Progress", "RankComplete",
            "RankReady", "Ready", "Ref", "Refs", "Refused", "Release", "Replay", "SegmentSpec", "Sent", "Setup", "Start",
-           "Waiting", "Welcome", "decode", "encode", "frame_set", "peek", "refused_reason"]
+           "Stopped", "Waiting", "Welcome", "decode", "encode", "frame_set", "peek", "refused_reason"]
 
 
 def frame_set(*classes: type[Frame]) -> dict[str, type[Frame]]:
@@ -90,7 +92,7 @@ def frame_set(*classes: type[Frame]) -> dict[str, type[Frame]]:
     return table
 
 
-TO_SENDER = frame_set(Ready, Gone, Accept, Release, Complete, Applied, Error)
+TO_SENDER = frame_set(Ready, Gone, Accept, Release, Complete, Applied, Error, Stopped)
 TO_RECEIVER = frame_set(Welcome, Refused, Offer, Replay, Bucket, Refs, Done, Apply, Abort)
 TO_HUB = frame_set(RankReady, Listening, Joined, PlanAccept, Progress, Sent, RankComplete, Pong, Error)
 TO_RANK = frame_set(Welcome, Refused, Start, Waiting, Setup, PlanFrame, Go, Commit, Ping, Alive, Abort)

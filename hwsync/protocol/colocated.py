@@ -15,6 +15,11 @@
     Complete {stats}                  ->  (a receiver that stages: staged and checked, nothing applied yet)
                                       <-  Apply  (receivers that stage, once every receiver sent Complete)
     Applied {stats}                   ->  (the engine holds the version)
+
+  A sync that fails ends early: Error from a receiver, Abort from the sender to every receiver, and each
+  receiver that had not sent Complete, Applied or Error answers the Abort with Stopped once its reads of the
+  sender's memory ended. The sender's send() raises only after that (or the receiver's exit, or its timeout):
+  its trainer may then step on memory no receiver reads.
 """
 
 from __future__ import annotations
@@ -118,6 +123,14 @@ class Complete(Frame):
 
     sync: Count
     stats: Map
+
+
+@frame("stopped")
+class Stopped(Frame):
+    """The receiver heard the sync's Abort and reads none of the sender's memory any more (its queued copies
+    ended): the sender's send() may raise, and its trainer step, only once every receiver said this (or exited)."""
+
+    sync: Count
 
 
 @frame("apply")
