@@ -262,6 +262,27 @@ def test_a_conditional_release_skips_an_export_its_consumer_unmapped(sim, peers)
     assert sim.device().memory_allocated() == allocated - 4096
 
 
+def test_a_late_release_of_a_freed_export_never_reaches_a_newer_one(sim, peers):
+    """torch hands out ref-counter slots in order and never reuses one, so hwsync's late, conditional release of an
+    export whose block is long freed (an orphan settled after its receiver unmapped it) finds its old counter at 0
+    and does nothing. A sim that reused the slot would take the newer export's counter down instead (and count it
+    "released 2 times" once that consumer unmapped it)."""
+    old = _open_sender(sim)
+    stale = old.handles()["buffers"][0]
+    assert peers["a"].call("map", old.handles()) == [3, 3, 3, 3]
+    assert peers["a"].call("close") == "closed"
+    old.close()  # freed: every counter of it is at 0
+    new = _open_sender(sim)
+    fresh = new.handles()["buffers"][0]
+    assert (fresh["refs"], fresh["slot"]) != (stale["refs"], stale["slot"]), "a slot was reused"
+    sharing.release_if_held(stale)  # the orphan's release, late
+    assert peers["a"].call("map", new.handles()) == [3, 3, 3, 3]
+    assert peers["a"].call("close") == "closed"
+    leaks_before = len(runtime().leaks)
+    new.close()
+    assert len(runtime().leaks) == leaks_before
+
+
 def test_an_export_mapped_and_closed_is_freed_without_a_leak(sim, peers):
     sender = _open_sender(sim)
     allocated = sim.device().memory_allocated()

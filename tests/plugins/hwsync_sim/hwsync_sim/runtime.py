@@ -125,7 +125,7 @@ class Memory:
         self.address = _address_for(self.nbytes)
         self.data = data  # flat uint8 host tensor standing in for the device memory
         self.segment = None  # hwsync.backend.shm.SharedSegment once the memory is shared
-        self.sent: list[int] = []  # ref-counter slots of its exports (hwsync_sim.sharing)
+        self.sent: list[tuple[str, int]] = []  # (counter file, slot) of each of its exports (hwsync_sim.sharing)
         self.mapping = None  # for memory mapped from another process: what to release on free
 
 

@@ -61,13 +61,17 @@ _lock = threading.RLock()
 _limbo: list[Memory] = []
 _reported: set[int] = set()  # id() of limbo memories already reported
 _mapped: dict[str, "weakref.ref[Block]"] = {}  # segment name -> the Block this process maps it as
-_counters: "_Counters | None" = None
+_counters: "_Counters | None" = None  # the file new exports take their slot in
+_files: "dict[str, _Counters]" = {}  # every counter file of this process still in use, by name
 _exported: "weakref.WeakSet[Memory]" = weakref.WeakSet()  # live exported memories, unlinked at exit
 _exiting = False
 
 
 class _Counters:
-    """This process's ref-counter file: one slot per export (torch's CudaIPCRefCountersFile)."""
+    """One ref-counter file of this process (torch's CudaIPCRefCountersFile): one slot per export, handed out in
+    order and never reused (torch only counts the slots returned), so a late release of an old export can never
+    take down a newer one's counter. A full file is followed by a new one, and removed once every slot it gave
+    out is back."""
 
     def __init__(self, pid: int) -> None:
         self.name = f"{FILE_PREFIX}{pid}-refs-{secrets.token_hex(4)}"
@@ -76,19 +80,24 @@ class _Counters:
         resource_tracker.register("/" + self.name, "shared_memory")
         os.ftruncate(fd, SLOTS * SLOT.size)
         os.close(fd)
-        self.free = list(range(SLOTS - 1, -1, -1))
+        self.next = 0
+        self.used = 0
+
+    @property
+    def full(self) -> bool:
+        """Whether every slot was handed out (new exports take a new file)."""
+        return self.next >= SLOTS
 
     def take(self) -> int:
-        """A fresh slot set to 1."""
-        if not self.free:
-            raise SimError(f"sim: more than {SLOTS} exports alive in one process")
-        slot = self.free.pop()
+        """The next slot, set to 1."""
+        slot, self.next, self.used = self.next, self.next + 1, self.used + 1
         update(self.name, slot, set_to=(1, 0))
         return slot
 
-    def give_back(self, slot: int) -> None:
-        """The export is gone: its slot may be reused."""
-        self.free.append(slot)
+    def give_back(self, slot: int) -> bool:
+        """The export is gone (its slot is not reused); whether the file is done with (full, every slot back)."""
+        self.used -= 1
+        return self.full and not self.used
 
     def close(self) -> None:
         """Remove the file (consumers that still hold a slot's name fail softly, as in torch)."""
@@ -124,10 +133,11 @@ def share(tensor: SimTensor) -> dict[str, Any]:
         _move_to_shared(rt, mem)
     rt.tally("exports")
     with _lock:
-        if _counters is None:
+        if _counters is None or _counters.full:
             _counters = _Counters(rt.pid)
+            _files[_counters.name] = _counters
         slot = _counters.take()
-        mem.sent.append(slot)
+        mem.sent.append((_counters.name, slot))
         _exported.add(mem)
         refs = _counters.name
     return {"segment": mem.segment.name, "bytes": mem.nbytes, "physical": rt.physical(mem.index), "pid": rt.pid,
@@ -224,16 +234,11 @@ def freed(rt: Runtime, mem: Memory) -> None:
     if _exiting:
         return  # at_exit already let this process's exports go
     with _lock:
-        if any(_counter(slot) != 0 for slot in mem.sent):  # torch: an unsigned counter above 0
+        if any(update(name, slot)[0] != 0 for name, slot in mem.sent):  # torch: an unsigned counter above 0
             _limbo.append(mem)
         else:
             _release(rt, mem)
     collect(rt, report=False)
-
-
-def _counter(slot: int) -> int:
-    assert _counters is not None
-    return update(_counters.name, slot)[0]
 
 
 def _release(rt: Runtime, mem: Memory) -> None:
@@ -241,8 +246,9 @@ def _release(rt: Runtime, mem: Memory) -> None:
     mem.data.fill_(POISON)
     mem.data = torch.empty(0, dtype=torch.uint8)
     mem.segment.close()
-    for slot in mem.sent:
-        _counters.give_back(slot)  # type: ignore[union-attr]
+    for name, slot in mem.sent:
+        if _files[name].give_back(slot):
+            _files.pop(name).close()
     mem.sent = []
     rt.account(mem.index, -mem.nbytes)
 
@@ -259,7 +265,7 @@ def collect(rt: Runtime, report: bool = True, parked: bool = False) -> list[str]
     leaks = []
     with _lock:
         for mem in list(_limbo):
-            states = [update(_counters.name, slot) for slot in mem.sent]  # type: ignore[union-attr]
+            states = [update(name, slot) for name, slot in mem.sent]
             if all(counter == 0 for counter, _ in states):
                 _limbo.remove(mem)
                 _reported.discard(id(mem))
@@ -286,7 +292,7 @@ def _stuck(states: list[tuple[int, int]]) -> bool:
 
 def _leak_text(rt: Runtime, mem: Memory, states: list[tuple[int, int]]) -> str:
     why = []
-    for (counter, pid), slot in zip(states, mem.sent):
+    for (counter, pid), (_, slot) in zip(states, mem.sent):
         if counter == 0:
             continue
         if counter < 0:
@@ -320,7 +326,8 @@ def at_exit(rt: Runtime) -> None:
                 if mem.segment is not None:
                     mem.segment.close()
             _limbo.clear()
-            if _counters is not None:
-                _counters.close()
+            for counters in _files.values():
+                counters.close()
+            _files.clear()
     except Exception:  # noqa: BLE001 - never fail an interpreter's exit
         pass
