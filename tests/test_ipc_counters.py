@@ -173,3 +173,18 @@ def test_a_mapping_that_fails_its_check_is_unmapped_before_the_exports_are_relea
     # unmapped first, so the release (which reads the counter) skips it: never released twice
     assert segments.events == [("unmapped", 0), ("released", 0), ("released", 1)]
     del failed
+
+
+def test_a_receiver_that_completed_a_failed_sync_keeps_its_segment_exports(live_pid):
+    """It maps every export it was sent (its Complete came before the abort): kept, as confirmed, and never released
+    for it; the receiver that failed the sync has its export of that sync orphaned as above."""
+    released = _Releases()
+    segments = SegmentExports(released)
+    segments.record_for("done", live_pid, HOST, 1, lambda: {"id": "seg1-done"})
+    segments.record_for("failed", live_pid, HOST, 1, lambda: {"id": "seg1-failed"})
+    segments.release_unconfirmed(["done", "failed"], completed={"done"})
+    assert segments.held_by("done") == {1} and segments.held_by("failed") == set()
+    assert segments.record_for("done", live_pid, HOST, 1, lambda: {"id": "again"}) is None, "not exported again"
+    segments.release_unconfirmed(["done"])  # a later sync it did not complete: nothing of it was unconfirmed
+    segments.record_for("failed2", live_pid, HOST, 1, lambda: {"id": "x"})  # the process comes back: orphans go
+    assert released.released == ["seg1-failed"]

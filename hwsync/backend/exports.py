@@ -27,9 +27,10 @@ release one export.
 The same counting holds for device segments a sender's tensors lie in (mapped sources,
 hwsync.colocated.mapped), kept by SegmentExports: one export per (receiver process, segment), made when
 the receiver first needs it, mid-sync. Which exports a receiver mapped is known for sure only once it
-completed a sync (`confirm`); after a failed sync every receiver of it unmaps all it mapped, and the
-exports that sync made become orphans (`release_unconfirmed`: a frame carrying one may never have been
-read).
+completed a sync (`confirm`). After a failed sync the sender knows which of its receivers completed it
+before another failed it (they keep every mapping); every other receiver of it unmaps all it mapped, and
+the exports that sync made for it become orphans (`release_unconfirmed`: a frame carrying one may never
+have been read).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,11 +184,15 @@ class SegmentExports:
         for exports in self._by_receiver.values():
             exports.unconfirmed.clear()
 
-    def release_unconfirmed(self, receivers: list[str]) -> None:
-        """A sync of these receivers failed, and each unmaps all it mapped: the exports that sync made for them become
-        orphans (a frame carrying one may never have been read); their others are forgotten; other receivers keep
-        theirs."""
+    def release_unconfirmed(self, receivers: list[str], completed: Collection[str] = ()) -> None:
+        """A sync of these receivers failed. One that failed or stopped unmaps all it mapped: the exports that sync
+        made for it become orphans (a frame carrying one may never have been read); its others are forgotten. One
+        of `completed` (it completed the sync before another receiver failed it) maps every export it was sent, and
+        keeps them, as after a sync that succeeded. Other receivers keep theirs."""
         for receiver in receivers:
+            if receiver in completed and receiver in self._by_receiver:
+                self._by_receiver[receiver].unconfirmed.clear()
+                continue
             exports = self._by_receiver.pop(receiver, None)
             if exports is not None:
                 ORPHANS.add(exports.pid, exports.host, self._release_one,

@@ -326,7 +326,8 @@ class SharedBuffers:
                     log.warning("hwsync: %s", said)
                     exc.add_note(said)
             if self._mapped is not None:  # only now: a receiver's copies may read the exports until it stopped
-                self._mapped.abort(receivers.peers if receivers is not None else [])
+                self._mapped.abort(receivers.peers if receivers is not None else [],
+                                   receivers.completed if receivers is not None else ())
             if receivers is not None:
                 if self._buffers is not None and not self._accepted:  # some never mapped what they were offered
                     for peer in receivers.peers:

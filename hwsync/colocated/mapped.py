@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,10 +136,9 @@ class MappedSources:
 
     def ids_for(self, peer: Peer, shared: list[int]) -> list[int]:
         """Of the ids still `shared` (shared_ids()), those this receiver maps as far as the sender knows: what its
-        offer lists, so that the receiver unmaps the rest. After a failed sync the sender released (or orphaned) every
-        export of its receivers, and one that completed that sync before another failed it keeps its mappings unless
-        told: a later export of the same id then met its old mapping ("exported again while this receiver maps
-        it"), and the sender's release of its export left the receiver mapping memory whose count said unmapped."""
+        offer lists, so that the receiver unmaps the rest. After a failed sync the sender released (or orphaned) the
+        exports of its receivers that did not complete it, and a receiver that did not complete may still map some
+        (it unmaps on its own failure): unlisted, they go, and a later export of the same id meets no old mapping."""
         if self._exports is None:
             return []
         held = self._exports.held_by(peer.identity.hex())
@@ -179,10 +178,11 @@ class MappedSources:
             self._exports.confirm()
         self._end()
 
-    def abort(self, receivers: list[Peer]) -> None:
-        """The sync failed and its receivers unmap all: release what it exported to them; collect."""
+    def abort(self, receivers: list[Peer], completed: Collection[bytes] = ()) -> None:
+        """The sync failed: those of its receivers that did not complete it unmap all (release what it exported to
+        them); those that did keep theirs; collect."""
         if self._exports is not None:
-            self._exports.release_unconfirmed([p.identity.hex() for p in receivers])
+            self._exports.release_unconfirmed([p.identity.hex() for p in receivers], {i.hex() for i in completed})
             self._exports.release_dead()
         self._end()
 

@@ -148,6 +148,8 @@ class SyncReceivers:
         self.sync = sync
         #: receivers that said they read none of the sync's memory any more (Complete, Applied, Error, Stopped)
         self.done_reading: set[bytes] = set()
+        #: those of them that loaded (or staged) the whole sync: each maps every export it was sent
+        self.completed: set[bytes] = set()
 
     @property
     def identities(self) -> list[bytes]:
@@ -170,6 +172,8 @@ class SyncReceivers:
     def _note(self, identity: bytes, frame: Frame) -> None:
         if isinstance(frame, _DONE_READING) and frame.sync in (self.sync, None):
             self.done_reading.add(identity)
+            if isinstance(frame, (Complete, Applied)):
+                self.completed.add(identity)
 
     def poll(self, what: str) -> list[Received]:
         """Without waiting: raise on close(), an error frame or a receiver that exited; the sync's frames queued now.
