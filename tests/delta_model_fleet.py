@@ -48,7 +48,19 @@ class Proc:
                         raise RuntimeError(f"process {self.pid} exited ({self.process.exitcode}) while {what}") \
                             from None
                 if time.monotonic() > deadline:
-                    raise Stuck(f"process {self.pid} gave no reply within {timeout_s:.0f}s while {what}") from None
+                    raise Stuck(f"process {self.pid} gave no reply within {timeout_s:.0f}s while {what}; its threads "
+                                f"then:\n{self.stacks()}") from None
+
+    def stacks(self) -> str:
+        """Every thread's stack in the process now (faulthandler, on SIGUSR1), the innermost frames last."""
+        path = procs.stacks_path(self.pid)
+        try:
+            os.kill(self.pid, signal.SIGUSR1)
+            time.sleep(1.0)
+            with open(path) as f:
+                return f.read()[-6000:] or "(none written)"
+        except OSError as exc:
+            return f"(none: {exc})"
 
     def call(self, wait_s: float = 60.0, **command: Any) -> dict[str, Any]:
         """A command and its reply; a reply that says the harness itself failed raises RuntimeError."""
@@ -67,6 +79,10 @@ class Proc:
         if self.process.is_alive():
             os.kill(self.process.pid, signal.SIGKILL)
         self.process.join(30)
+        try:
+            os.unlink(procs.stacks_path(self.pid))
+        except OSError:
+            pass
 
     def stop(self) -> None:
         """Ask it to end; kill it if it does not."""

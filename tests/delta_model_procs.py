@@ -9,7 +9,10 @@ digest of everything it holds after each receive(). The test process compares th
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
+import tempfile
 import time
 import traceback
 import zlib
@@ -156,6 +159,15 @@ class Trainer:
             yield name, view
 
 
+def stacks_path(pid: int) -> str:
+    """Where process `pid` writes every thread's stack when sent SIGUSR1 (the fleet asks before it calls it stuck)."""
+    return os.path.join(tempfile.gettempdir(), f"hwsync-model-{pid}.stacks")
+
+
+def _dump_stacks_on_request() -> None:
+    faulthandler.register(signal.SIGUSR1, file=open(stacks_path(os.getpid()), "w"), all_threads=True)  # noqa: SIM115
+
+
 def _compiled_copies() -> None:
     """Under HWSYNC_TEST_COMPILED_COPIES=1, every plan's host copies run as the compiled loop from the first."""
     if os.environ.get("HWSYNC_TEST_COMPILED_COPIES") == "1":
@@ -168,6 +180,7 @@ def _compiled_copies() -> None:
 
 def sender_main(commands, results) -> None:
     """The trainer: {"open"}, {"tensors"}, {"change"}, {"sync"}, {"drop"}, {"stop"}; one reply each ("sync": two)."""
+    _dump_stacks_on_request()
     torch.set_num_threads(1)
     _compiled_copies()
     from hwsync import WeightSender
@@ -244,6 +257,7 @@ def receiver_main(commands, results) -> None:
     after a failed sync it makes new ones);
     "mixed" gives destinations for some names and takes the others through load().
     """
+    _dump_stacks_on_request()
     torch.set_num_threads(1)
     _compiled_copies()
     from hwsync import WeightReceiver

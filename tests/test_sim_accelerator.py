@@ -283,6 +283,35 @@ def test_a_late_release_of_a_freed_export_never_reaches_a_newer_one(sim, peers):
     assert len(runtime().leaks) == leaks_before
 
 
+def test_a_mapping_freed_by_garbage_collection_while_work_is_queued_does_not_hang(sim, monkeypatch):
+    """Garbage collection may run a mapping's finalizer on a thread that is inside a stream's lock (an allocation in
+    enqueue). The finalizer waits for the stream before it releases the export's counter, as torch does; there the
+    stream's thread could never take the lock to run anything, and the process hung (the delta model's long sim
+    profile: a receiver stuck in its own digest). The release now runs as the thread leaves the lock."""
+    from hwsync_sim import streams
+    from hwsync_sim.runtime import Memory
+
+    rt, device = runtime(), sim.device().torch_device()
+    record = sharing.share(torch.ones(16, dtype=torch.uint8, device=device))
+    mapping = Memory(0, torch.zeros(16, dtype=torch.uint8))  # as a consumer's mapping of that export
+    mapping.segment, mapping.mapping = type("Unmapped", (), {"close": lambda self: None})(), (record["refs"],
+                                                                                           record["slot"])
+    finalizers = [lambda: sharing.freed(rt, mapping)]
+    made = streams.SimEvent.__init__
+
+    def collected_while_made(self, *args):  # the allocation that ran the collection
+        if finalizers:
+            finalizers.pop()()
+        made(self, *args)
+
+    monkeypatch.setattr(streams.SimEvent, "__init__", collected_while_made)
+    worker = threading.Thread(target=lambda: rt.stream(0).record().synchronize(), daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "hung: the finalizer waited for the stream inside the stream's lock"
+    assert sharing.update(record["refs"], record["slot"])[0] == 0, "the mapping's counter was released"
+
+
 def test_an_export_mapped_and_closed_is_freed_without_a_leak(sim, peers):
     sender = _open_sender(sim)
     allocated = sim.device().memory_allocated()

@@ -222,6 +222,9 @@ def freed(rt: Runtime, mem: Memory) -> None:
     if mem.mapping is not None:
         stream = rt.stream(mem.index)
         if threading.current_thread() is not stream.thread:
+            if stream.holds_lock():  # run by garbage collection inside the stream's own lock: waiting there never ends
+                stream.after_lock(lambda: freed(rt, mem))
+                return
             stream.record().synchronize()  # torch syncs the stream before releasing the counter
         refs, slot = mem.mapping
         try:

@@ -58,6 +58,7 @@ class SimStream:
         self._seq = 0
         self._hurry_to = 0  # every item with seq <= this runs without waiting for its delay
         self.error: BaseException | None = None
+        self._deferred = threading.local()  # per thread: work that must wait until it leaves self._cv
         self._thread = threading.Thread(target=self._run, name=f"sim-stream-{name}", daemon=True)
         self._thread.start()
 
@@ -77,6 +78,7 @@ class SimStream:
             event = SimEvent(self, self._seq)
             self._queue.append((self._seq, time.monotonic() + self.delay_s, work, event, sticky))
             self._cv.notify()
+        self._run_deferred()
         return event
 
     def record(self) -> SimEvent:
@@ -89,6 +91,26 @@ class SimStream:
             if seq > self._hurry_to:
                 self._hurry_to = seq
                 self._cv.notify()
+        self._run_deferred()
+
+    def holds_lock(self) -> bool:
+        """Whether this thread is inside the stream's lock: a finalizer that garbage collection ran while this thread
+        queued work (an allocation in enqueue). Work that waits for the stream must not run there: the stream's
+        thread needs the lock to run anything, so it would wait for good."""
+        return self._cv._is_owned()  # type: ignore[attr-defined]
+
+    def after_lock(self, work: Callable[[], Any]) -> None:
+        """Run `work` on this thread as soon as it leaves the stream's lock (see holds_lock)."""
+        if not hasattr(self._deferred, "items"):
+            self._deferred.items = []
+        self._deferred.items.append(work)
+
+    def _run_deferred(self) -> None:
+        items = getattr(self._deferred, "items", None)
+        if items and not self.holds_lock():  # the lock is reentrant: only at the outermost exit
+            self._deferred.items = []
+            for work in items:
+                work()
 
     def synchronize(self) -> None:
         """Wait until everything queued so far has run; raises the stream's sticky error."""
