@@ -188,3 +188,17 @@ def test_a_receiver_that_completed_a_failed_sync_keeps_its_segment_exports(live_
     segments.release_unconfirmed(["done"])  # a later sync it did not complete: nothing of it was unconfirmed
     segments.record_for("failed2", live_pid, HOST, 1, lambda: {"id": "x"})  # the process comes back: orphans go
     assert released.released == ["seg1-failed"]
+
+
+def test_a_receiver_killed_in_a_failed_sync_has_every_segment_export_released(live_pid):
+    """Killed mid-sync, it never unmaps what it mapped in earlier syncs either: those go too, not only that sync's
+    (before, they were forgotten as if it had unmapped them, and its block stayed parked until the sender exited)."""
+    released = _Releases()
+    segments = SegmentExports(released)
+    segments.record_for("r", live_pid, HOST, 1, lambda: {"id": "seg1"})
+    segments.confirm()  # mapped in a completed sync
+    segments.record_for("r", live_pid, HOST, 2, lambda: {"id": "seg2"})
+    os.kill(live_pid, 9)
+    os.waitpid(live_pid, 0)
+    segments.release_unconfirmed(["r"])
+    assert sorted(released.released) == ["seg1", "seg2"] and segments.count() == 0

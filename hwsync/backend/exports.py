@@ -187,6 +187,7 @@ class SegmentExports:
     def release_unconfirmed(self, receivers: list[str], completed: Collection[str] = ()) -> None:
         """A sync of these receivers failed. One that failed or stopped unmaps all it mapped: the exports that sync
         made for it become orphans (a frame carrying one may never have been read); its others are forgotten. One
+        whose process is gone (killed in the sync) never unmaps any: every export it had is released now. One
         of `completed` (it completed the sync before another receiver failed it) maps every export it was sent, and
         keeps them, as after a sync that succeeded. Other receivers keep theirs."""
         for receiver in receivers:
@@ -194,9 +195,14 @@ class SegmentExports:
                 self._by_receiver[receiver].unconfirmed.clear()
                 continue
             exports = self._by_receiver.pop(receiver, None)
-            if exports is not None:
-                ORPHANS.add(exports.pid, exports.host, self._release_one,
-                            [exports.records[s] for s in exports.unconfirmed])
+            if exports is None:
+                continue
+            if not peer_alive(exports.pid, exports.host):  # killed in the sync: it never unmaps any, so all go now
+                for record in exports.records.values():
+                    self._release_one(record)
+                continue
+            ORPHANS.add(exports.pid, exports.host, self._release_one,
+                        [exports.records[s] for s in exports.unconfirmed])
 
     def release_dead(self) -> None:
         """Release the exports of receivers whose process is gone (what they mapped went with them)."""
