@@ -321,8 +321,8 @@ class SharedBuffers:
                 reading = receivers.abort(exc)
                 if reading:
                     said = (f"{', '.join(map(str, reading))} did not say within {self._control.timeout_s:g} s that it "
-                            "stopped reading this sync's memory: changing the tensors now may still reach it (it "
-                            "fails its sync when it sees the abort, so it holds no version from this one)")
+                            "stopped reading this sync's memory: changing the tensors now may still reach its copies "
+                            "(it fails its sync then: it looks for the abort once its copies end)")
                     log.warning("hwsync: %s", said)
                     exc.add_note(said)
             if self._mapped is not None:  # only now: a receiver's copies may read the exports until it stopped
