@@ -198,8 +198,7 @@ class SegmentExports:
             if exports is None:
                 continue
             if not peer_alive(exports.pid, exports.host):  # killed in the sync: it never unmaps any, so all go now
-                for record in exports.records.values():
-                    self._release_one(record)
+                self._release_all(exports)
                 continue
             ORPHANS.add(exports.pid, exports.host, self._release_one,
                         [exports.records[s] for s in exports.unconfirmed])
@@ -207,9 +206,12 @@ class SegmentExports:
     def release_dead(self) -> None:
         """Release the exports of receivers whose process is gone (what they mapped went with them)."""
         for exports in _pop_dead(self._by_receiver):
-            for record in exports.records.values():
-                self._release_one(record)
+            self._release_all(exports)
         ORPHANS.settle_dead()
+
+    def _release_all(self, exports: _SegmentExports) -> None:
+        for record in exports.records.values():
+            self._release_one(record)
 
     def drop(self, segment: int) -> None:
         """The sender stopped sharing `segment`: live receivers unmap it when told; dead ones are released."""
