@@ -6,6 +6,8 @@ import dataclasses
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hwsync.sync.spec import TensorSpec
 from hwsync.backend.memory import RankMemory
@@ -32,7 +34,9 @@ from hwsync.protocol import (
     decode,
     encode,
 )
-from hwsync.protocol.layout import DeviceRef, DeviceSegment
+from hwsync.protocol.layout import DeviceRef, DeviceSegment, Ref
+from hwsync.protocol.fields import INT_MAX
+from hwsync.sync.spec import WIRE_DTYPES, dtype_from_name
 
 ENTRY = Entry("w", "float32", (2, 3), 0, 0, 24, 24)
 #: segment names as hwsync makes them: hwsync-<pid>-<start>-<pidns>-[params-]<16 hex> (pid 1 here, as in _example)
@@ -227,3 +231,36 @@ def test_a_reference_to_a_segment_exported_earlier_is_left_to_the_receiver():
     frame = decode(_raw(t="refs", sync=1, segments=[], refs=[], device_segments=[],
                         device_refs=[["w", "float32", [4], 9, 1 << 30]]), TO_RECEIVER)
     assert frame.device_refs[0].segment == 9
+
+
+
+_ODD = st.sampled_from([None, True, False, -1, 0, 1, 255, 256, 2**62, INT_MAX, INT_MAX + 1, 0.0, 256.0, "", "bfloat16",
+                        "float32", "bool", "nope", b"bf16", [], [0], [True], [2, -1], [2.0], [INT_MAX, 2], "x" * 90])
+_DIM = st.one_of(st.integers(0, 9), st.sampled_from([True, False, -1, 2.0, INT_MAX + 1, None]))
+
+
+@settings(max_examples=1500, deadline=None)
+@given(name=st.one_of(st.just("w"), _ODD), dtype=st.one_of(st.sampled_from(sorted(WIRE_DTYPES)), _ODD),
+       shape=st.one_of(st.lists(_DIM, max_size=3), _ODD), segment=st.one_of(st.integers(0, 3), _ODD),
+       offset=st.one_of(st.integers(0, 3).map(lambda blocks: 256 * blocks), st.integers(0, 600), _ODD),
+       nbytes_off=st.one_of(st.sampled_from([0, 0, 1, -1]), st.tuples(_ODD)), extra=st.booleans())
+def test_a_references_quick_check_takes_exactly_what_the_field_by_field_one_takes(name, dtype, shape, segment, offset,
+                                                                                  nbytes_off, extra):
+    # Ref.from_wire checks every field inline and hands what fails to Ref._checked, which names the wrong field:
+    # whatever a peer sends, both must agree (the same Ref, or BadFrame)
+    try:  # the size the other fields make, so that the odd one is what is tested
+        numel = 1
+        for dim in shape:
+            numel *= int(dim)
+        nbytes = numel * dtype_from_name(dtype).itemsize
+    except (TypeError, ValueError):
+        nbytes = 0
+    nbytes = nbytes_off[0] if isinstance(nbytes_off, tuple) else nbytes + nbytes_off
+    item = [name, dtype, shape, segment, offset, nbytes] + (["more"] if extra else [])
+    outcomes = []
+    for parse in (Ref.from_wire, Ref._checked):
+        try:
+            outcomes.append(parse(list(item)))
+        except BadFrame:
+            outcomes.append(BadFrame)
+    assert outcomes[0] == outcomes[1], item

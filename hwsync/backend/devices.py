@@ -80,6 +80,10 @@ def start_on_this_device(target: Callable[[], Any], name: str, device: Device | 
     return thread
 
 
+#: tensor types that always hold a storage of their own (a wrapper is a subclass)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def identified(ptr: int, tensor: torch.Tensor, data_ptr: Callable[[torch.Tensor], int]) -> bool:
     """Whether `ptr`, the tensor's address as `data_ptr` (a backend's Device.data_ptr) read it, tells its memory
     apart from any other's: only then can a plan hold it.
@@ -92,6 +96,8 @@ def identified(ptr: int, tensor: torch.Tensor, data_ptr: Callable[[torch.Tensor]
     if ptr == 0:
         return False
     if data_ptr is not torch.Tensor.data_ptr:  # the backend's own addresses: they are its memory's
+        return True
+    if type(tensor) in _PLAIN:  # not a subclass, so no wrapper: its storage is its own (no storage object made)
         return True
     try:
         return tensor.untyped_storage().data_ptr() != 0

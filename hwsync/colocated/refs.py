@@ -39,7 +39,7 @@ from hwsync.errors import ProtocolError
 from hwsync.protocol import Offer, Refs, SegmentSpec
 from hwsync.protocol.layout import SHARED_SEGMENT_NAME
 from hwsync.sync import host_copy
-from hwsync.sync.bucket import IntoFn, LoadFn, checked_destination, copy_bytes
+from hwsync.sync.bucket import IntoFn, LoadFn, copy_bytes, flat_bytes, matching_destination
 from hwsync.sync.host_copy import Moves
 from hwsync.sync.host_threads import copy_pool, host_cores_free
 from hwsync.sync.spec import dtype_from_name
@@ -128,21 +128,21 @@ class SharedReader:
         out: list[tuple[str, torch.Tensor]] = []
         host_copies: list[tuple[int, int, int]] = []  # (dst, src, nbytes) on data pointers
         recording = self._recording
+        bases = [segment.data_ptr() for segment in segments]
         for ref in frame.refs:
             dtype = dtype_from_name(ref.dtype)
-            source = segments[ref.segment]
             given = None if into is None else into(ref.name, dtype, ref.shape)
-            dest = checked_destination(ref.name, dtype, ref.shape, given)
-            if dest is not None and dest.device.type == "cpu":
+            dest = matching_destination(ref.name, dtype, ref.shape, given)
+            if dest is not None and dest.is_cpu:  # a host copy needs only the addresses (dest is contiguous)
                 if ref.nbytes:
-                    host_copies.append((dest.data_ptr(), source.data_ptr() + ref.offset, ref.nbytes))
+                    host_copies.append((dest.data_ptr(), bases[ref.segment] + ref.offset, ref.nbytes))
                 if recording is not None:
-                    assert given is not None
-                    recording.add_destination(ref.name, dtype, tuple(ref.shape), given)
+                    recording.add_destination(ref.name, dtype, ref.shape, dest)
                 continue
             recording = None
+            source = segments[ref.segment]
             if dest is not None:
-                copy_bytes(dest, 0, source, ref.offset, ref.nbytes)  # queued on the device
+                copy_bytes(flat_bytes(dest), 0, source, ref.offset, ref.nbytes)  # queued on the device
                 self._queued.add(dest.device)
             elif ref.nbytes:
                 out.append((ref.name, source[ref.offset: ref.offset + ref.nbytes].view(dtype).view(ref.shape)))

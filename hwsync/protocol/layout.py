@@ -193,6 +193,27 @@ class Ref:
     @classmethod
     def from_wire(cls, item: Any) -> Ref:
         """Inverse of to_wire, checking every field and that the size is the dtype's and shape's."""
+        # a frame holds thousands: every check inline first; what fails any is checked again, field by field, by
+        # _checked, which names what is wrong (it accepts nothing this refuses)
+        if type(item) is list and len(item) == 6:
+            name, dtype, shape, segment, offset, nbytes = item
+            itemsize = _ITEMSIZE.get(dtype) if type(dtype) is str else None
+            if (itemsize is not None and type(name) is str and type(shape) is list and type(segment) is int
+                    and type(offset) is int and type(nbytes) is int and 0 <= segment <= INT_MAX
+                    and 0 <= offset <= INT_MAX and 0 <= nbytes <= INT_MAX and not offset % ALIGNMENT):
+                numel = 1
+                for dim in shape:
+                    if type(dim) is not int or not 0 <= dim <= INT_MAX:
+                        break
+                    numel *= dim
+                else:
+                    if nbytes == numel * itemsize:
+                        return cls(name, dtype, tuple(shape), segment, offset, nbytes)
+        return cls._checked(item)
+
+    @classmethod
+    def _checked(cls, item: Any) -> Ref:
+        """from_wire field by field, raising BadFrame that names the first wrong one."""
         if not isinstance(item, list) or len(item) != 6:
             raise BadFrame(f"a shared tensor reference must be a list of 6 fields, got {short(item)}")
         name, dtype, shape, segment, offset, nbytes = item
@@ -208,6 +229,9 @@ class Ref:
             raise BadFrame(f"shared tensor {short(name)} at byte {offset}: offsets are multiples of {ALIGNMENT}")
         return cls(name, dtype, shape, segment, offset, nbytes)
 
+
+#: bytes per element of each wire dtype
+_ITEMSIZE = {name: dtype_from_name(name).itemsize for name in WIRE_DTYPES}
 
 #: byte alignment of every tensor in a shared segment (the bucket alignment: any dtype view, device copy engines)
 ALIGNMENT = 256

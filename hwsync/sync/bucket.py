@@ -137,7 +137,13 @@ def checked_destination(name: str, dtype: torch.dtype, shape: tuple[int, ...], d
                         ) -> torch.Tensor | None:
     """What into(name) returned as flat bytes, or None; DestinationError naming the tensor unless it matches."""
     dest = matching_destination(name, dtype, shape, dest)
-    return None if dest is None else dest.detach().reshape(-1).view(torch.uint8)
+    return None if dest is None else flat_bytes(dest)
+
+
+def flat_bytes(dest: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor as a flat uint8 view of its bytes (three new tensor objects: a host copy that needs only
+    the address takes `data_ptr()` of the tensor itself)."""
+    return dest.detach().reshape(-1).view(torch.uint8)
 
 
 def matching_destination(name: str, dtype: torch.dtype, shape: tuple[int, ...], dest: torch.Tensor | None
@@ -146,7 +152,8 @@ def matching_destination(name: str, dtype: torch.dtype, shape: tuple[int, ...], 
     contiguous tensor of exactly `dtype` and `shape` (the full and the delta path check it alike)."""
     if dest is None:
         return None
-    if dest.dtype != dtype or tuple(dest.shape) != tuple(shape):
+    # torch.Size equals a tuple of the same ints; only a shape given as a list needs the conversions
+    if dest.dtype is not dtype or (dest.shape != shape and tuple(dest.shape) != tuple(shape)):
         raise DestinationError(f"into({name!r}) gave a {dest.dtype} tensor of shape {tuple(dest.shape)}, "
                                f"but the sender sent {dtype} of shape {tuple(shape)}; return a matching tensor "
                                "or None to get this one through load")
