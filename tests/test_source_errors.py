@@ -84,3 +84,43 @@ def test_the_planner_names_a_bad_item_of_its_sources_alike():
     plan = plan_sync(None, TrainerModel(SyncMode.FULL, base=[GOOD, BAD["meta tensor"][0]]))
     with pytest.raises(PlanError, match=r"item #1 \('w'\) of the weights source is a meta tensor"):
         list(plan.tensors())
+
+
+class _Name(str):
+    pass
+
+
+#: items named_tensor takes, some only through its one-check-at-a-time path (a str subclass as a name)
+ODD_GOOD = {
+    "parameter": ("w", torch.nn.Parameter(torch.ones(2))),
+    "bool": ("w", torch.ones(2, dtype=torch.bool)),
+    "empty": ("w", torch.ones(0, 3)),
+    "strided view": ("w", torch.ones(4, 4).t()),
+    "a list pair": ["w", torch.ones(2)],
+    "str subclass name": (_Name("w"), torch.ones(2)),
+}
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # nested tensors are a "prototype", quantized ones deprecated
+    ODD_BAD = {
+        "nested": ("w", torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])),
+        "quantized": ("w", torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8)),
+    }
+
+
+#: every item above, bad and good
+ITEMS = {**{case: item for case, (item, _) in BAD.items()}, **ODD_GOOD, **ODD_BAD}
+
+
+@pytest.mark.parametrize("case", list(ITEMS))
+def test_the_quick_check_of_an_item_takes_exactly_what_the_one_that_names_the_fault_takes(case):
+    # named_tensor checks every field at once and hands what fails to _checked_named_tensor, which names the fault
+    from hwsync.sync.spec import _checked_named_tensor, named_tensor
+
+    outcomes: list = []
+    for check in (named_tensor, lambda at, item: _checked_named_tensor(at, item, "the source", SourceError)):
+        try:
+            outcomes.append(check(1, ITEMS[case]))
+        except SourceError as exc:
+            outcomes.append(str(exc))
+    assert outcomes[0] == outcomes[1]
+    assert isinstance(outcomes[0], str) == (case not in ODD_GOOD), outcomes[0]

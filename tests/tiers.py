@@ -48,6 +48,7 @@ UNIT = (
     "tests/test_protocol_fuzz.py",
     "tests/test_replay_checks.py",
     "tests/test_shared_index.py",
+    "tests/test_source_errors.py::test_the_quick_check_of_an_item_takes_exactly_what_the_one_that_names_the_fault_takes",
     "tests/test_staged.py::test_the_commit_writes_wait_for_every_job_and_raise_the_first_failure_holding_nothing_alive",
     "tests/test_staged_payload.py",
     "tests/test_tiers.py",

@@ -181,7 +181,7 @@ class BucketStream:
 
     def _add_ref(self, name: str, tensor: torch.Tensor, nbytes: int, volatile: bool) -> bool:
         """Batch a reference to `tensor` if receivers can read it in place; else send the batch (it goes packed)."""
-        found = None if self._shared is None else self._shared.find(tensor)
+        found = None if self._shared is None else self._shared.find(tensor, nbytes)
         placed = None if found is not None or self.mapped is None or volatile else self.mapped.place(tensor)
         if found is None and placed is None:
             self._flush_refs()  # receivers copy the batch while this tensor is packed

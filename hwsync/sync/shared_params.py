@@ -63,6 +63,10 @@ def find_shared(tensor: torch.Tensor) -> tuple[SegmentSpec, int] | None:
     return SegmentIndex().find(tensor)
 
 
+#: the tensor types whose memory a segment can hold (a subclass may read its memory otherwise)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 class SegmentIndex:
     """This process's live segments by address, taken once for many lookups (one sync's tensors): a binary search
     per tensor, not a scan of every segment (a large model lies in tens of them)."""
@@ -75,18 +79,20 @@ class SegmentIndex:
         self._ends = [base + segment.size for base, segment in found]
         self._specs = [SegmentSpec(segment.name, segment.size) for _, segment in found]
 
-    def find(self, tensor: torch.Tensor) -> tuple[SegmentSpec, int] | None:
-        """(segment, byte offset) of `tensor` if it lies whole in one of the segments, contiguous, at an aligned
-        offset; else None."""
+    def find(self, tensor: torch.Tensor, nbytes: int | None = None) -> tuple[SegmentSpec, int] | None:
+        """(segment, byte offset) of `tensor` (of `nbytes`, when the caller knows them) if it lies whole in one of
+        the segments, contiguous, at an aligned offset; else None."""
         if not self._bases:
             return None
-        if tensor.device.type != "cpu" or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or not tensor.numel():
+        if type(tensor) not in _PLAIN or not tensor.is_cpu or not tensor.is_contiguous():
             return None
-        if not tensor.is_contiguous():
+        if nbytes is None:
+            nbytes = tensor.numel() * tensor.element_size()
+        if not nbytes:
             return None
         start = tensor.data_ptr()
         i = bisect_right(self._bases, start) - 1
-        if i < 0 or start + tensor.numel() * tensor.element_size() > self._ends[i]:
+        if i < 0 or start + nbytes > self._ends[i]:
             return None
         offset = start - self._bases[i]
         return (self._specs[i], offset) if offset % ALIGNMENT == 0 else None

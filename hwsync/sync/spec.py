@@ -136,6 +136,18 @@ def named_tensor(position: int, item: Any, where: str = "the source",
     a tensor; tensors without plain bytes to copy (meta, sparse and other non-strided layouts,
     nested, quantized or other dtypes the wire has no name for).
     """
+    # a sync asks this of every tensor: every check at once first; what fails one is checked again below, one at
+    # a time, to say which (that path accepts all this one does)
+    if isinstance(item, (tuple, list)) and len(item) == 2:
+        name, tensor = item
+        if (type(name) is str and isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided
+                and tensor.dtype in _SENDABLE and not tensor.is_meta and not tensor.is_nested):
+            return name, tensor
+    return _checked_named_tensor(position, item, where, error)
+
+
+def _checked_named_tensor(position: int, item: Any, where: str, error: type[Exception]) -> tuple[str, torch.Tensor]:
+    """named_tensor one check at a time: `error` names the first that fails."""
     if not isinstance(item, (tuple, list)) or len(item) != 2:
         kind = f"a {type(item).__name__} of {len(item)} items" if isinstance(item, (tuple, list)) else \
             f"of type {type(item).__name__}"
