@@ -85,6 +85,58 @@ def test_every_change_of_a_tensor_plans_afresh_and_keeps_every_item(shared, chan
     assert [id(item) for item in rest] == [id(item) for item in items]  # all of them, in order, once
 
 
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_the_look_at_the_first_tensor_never_refuses_what_the_match_takes_and_keeps_every_item(shared, change):
+    # opens() decides whether receivers are asked to check their destinations for a replay: it may let through what
+    # the whole match then refuses, never the reverse (a replay lost), and the sync gets every item, in order
+    plan = _plan(list(shared.items()))
+    items = CHANGES[change](list(shared.items()))
+    opens, rest = plan.opens(iter(items))
+    rest = list(rest)
+    assert [id(item) for item in rest] == [id(item) for item in items]
+    assert opens == (change not in {"reshaped in place (same memory)", "another dtype over the same memory",
+                                    "reordered"}), change  # the changes of the first tensor
+    same, _ = plan.match(iter(items))
+    assert opens or not same
+
+
+def test_the_look_at_the_first_tensor_opens_the_plans_own_tensors_and_a_strided_one():
+    base = torch.zeros(4, 6)
+    plan = _plan([("a", base.t()), ("b", base)])
+    assert plan.opens([("a", base.t()), ("b", base)])[0]
+    assert not plan.opens([("a", base.view(6, 4)), ("b", base)])[0]  # same memory and shape, other strides
+    row = torch.zeros(1, 6)
+    plan = _plan([("r", row)])
+    assert plan.opens([("r", row.as_strided((1, 6), (99, 1)))])[0]  # a contiguous tensor: a 1-long dim's stride is free
+    assert plan.match([("r", row.as_strided((1, 6), (99, 1)))])[0]
+
+
+def test_the_look_at_the_first_tensor_reads_one_item_and_a_sources_error_waits_for_the_sync():
+    t = torch.zeros(4)
+    plan = _plan([("a", t), ("b", t)])
+    taken = []
+
+    def lazy():
+        for name in ("x", "b"):
+            taken.append(name)
+            yield name, t
+
+    opens, rest = plan.opens(lazy())
+    assert not opens and taken == ["x"]
+    assert [name for name, _ in rest] == ["x", "b"]
+
+    def broken():
+        raise KeyError("the trainer's own error")
+        yield
+
+    opens, rest = plan.opens(broken())
+    assert not opens
+    with pytest.raises(KeyError, match="the trainer's own error"):  # where the sync reads its source, as before
+        next(rest)
+    opens, rest = plan.opens(iter([]))
+    assert not opens and not list(rest)
+
+
 def test_a_plan_of_a_strided_tensor_compares_strides():
     base = torch.zeros(4, 6)
     plan = _plan([("a", base.t()), ("b", base)])  # (6, 4) over strides (1, 6): not contiguous

@@ -141,6 +141,10 @@ class SharedBuffers:
     def _stream(self, receivers: SyncReceivers, sync: Prepared, version: int, stats: SyncStats) -> None:
         assert sync.source is not None  # the same-host path announces a delta's headers: never streamed
         source, replay = sync.source, self._replayable(receivers, sync)
+        if replay is not None:  # its first tensor is looked at before receivers are asked to check theirs
+            opens, source = replay.opens(source)
+            if not opens:
+                replay = self._plan = None
         bell = self._offer(receivers, version, sync, replay=0 if replay is None else replay.sync)
         same, matched = False, list[tuple[str, torch.Tensor]]()
         if replay is not None:  # the tensors are matched while the receivers check their destinations: both at once

@@ -72,6 +72,27 @@ class SentPlan:
     #: items, instead of building a tuple per tensor)
     _columns: _Columns | None = field(default=None, init=False, repr=False, compare=False)
 
+    def opens(self, items: Iterable[tuple[str, torch.Tensor]]) -> tuple[bool, Iterator[tuple[str, torch.Tensor]]]:
+        """Whether the first of `items` is this plan's first tensor as it was (a look at one item, before a replay
+        is proposed: a trainer whose tensors are new each step never has receivers check their destinations for
+        nothing); and the items, all of them (an error reading the first is raised where they are read next)."""
+        it = iter(items)
+        try:
+            first = next(it)
+        except StopIteration:
+            return False, it
+        except Exception as exc:  # noqa: BLE001 - the source's own error: raised where the sync reads its items
+            return False, _raising(exc)
+        name, kind, ptr, shape, stride, dtype = self.tensors[0]
+        try:
+            given, tensor = first
+            same = (given == name and type(tensor) is kind and self.data_ptr(tensor) == ptr and tensor.shape == shape
+                    and tensor.dtype is dtype
+                    and (tensor.is_contiguous() if _contiguous(shape, stride) else tensor.stride() == stride))
+        except (TypeError, ValueError, AttributeError, RuntimeError):
+            same = False  # malformed: what is wrong, the fresh sync names
+        return same, chain([first], it)
+
     def match(self, items: Iterable[tuple[str, torch.Tensor]]) -> tuple[bool, Iterator[tuple[str, torch.Tensor]]]:
         """Whether `items` are this plan's tensors as they were; and the items: all of them when they are, else
         those read so far first, then the rest, to send as a fresh sync."""
@@ -91,6 +112,12 @@ class SentPlan:
         if extra is not _END:  # one more (even None: the fresh sync names what is wrong with it)
             return False, chain(seen, [extra], it)
         return True, iter(seen)
+
+
+def _raising(exc: Exception) -> Iterator[tuple[str, torch.Tensor]]:
+    """An iterator that raises `exc` when first read."""
+    raise exc
+    yield  # a generator: the raise waits for the first next()
 
 
 #: the most items `SentPlan.match` compares in one run (bounds the lists it makes)
