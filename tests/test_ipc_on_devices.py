@@ -115,3 +115,24 @@ def test_device_tensors_packed_into_pinned_shm_segments_are_published_only_when_
         result = _sync_to_a_receiver(tensors, "shm")
         assert "error" not in result, result
         assert result["digests"] == procs.digests(tensors), f"sync {version}: the receiver read unfinished bytes"
+
+
+def test_a_replayed_bucket_of_host_and_device_tensors_into_shm_is_exact(sim):
+    """Host tensors are packed into host buffers on their own address (no flat byte view); a bucket that also holds
+    a device tensor replays as copies, for which each host tensor is read as bytes again: every replay exact."""
+    import mapped_procs
+
+    here = sim.device().torch_device()
+    source = {"host.a": torch.zeros(96, dtype=torch.bfloat16), "dev.b": torch.zeros(40, 3, device=here),
+              "host.c": torch.zeros(7, 5, dtype=torch.float16), "host.d": torch.zeros(3, dtype=torch.int64)}
+    with WeightSender(transport="shm", options=SenderOptions(bucket_bytes=BUCKET, timeout_s=60)) as sender:
+        p, q = procs.start_receiver(mapped_procs.receive, sender.endpoint, syncs=3)
+        for version in (1, 2, 3):
+            for i, t in enumerate(source.values()):
+                t.copy_(torch.arange(t.numel()).view(t.shape).to(t.dtype) + 10 * version + i)  # in place: replayable
+            stats = sender.send(list(source.items()), version=version)
+            result = q.get(timeout=90)
+            assert "error" not in result, result
+            assert result["digests"] == procs.digests(source), f"sync {version}"
+            assert ("replay" in stats.notes) == (version > 1), stats.notes
+        p.join(30)

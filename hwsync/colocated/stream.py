@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from ctypes import memmove
 from typing import Any, Protocol
 
 import torch
@@ -43,6 +44,8 @@ from hwsync.sync.spec import NamedTensors, TensorSpec, checked_items, dtype_name
 from hwsync.sync.stats import SyncStats
 from hwsync.timing import PACKING_CHECK_S
 
+#: tensor types packed from their own address (a subclass may hold its bytes elsewhere, or gather them)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 #: room kept in a descriptor for the frame's own fields besides the entries
 _FRAME_OVERHEAD = 1024
 #: a Refs batch is sent once it references this many bytes (receivers start copying early)...
@@ -120,6 +123,8 @@ class BucketStream:
                 moves.move_in(buffer.data_ptr())
             else:
                 for offset, flat, chunk_offset, chunk_bytes in pieces:
+                    if flat.dtype is not torch.uint8 or flat.dim() != 1:  # a host tensor packed on its address
+                        flat = as_bytes(flat)
                     self._copies.add(buffer, offset, flat, chunk_offset, chunk_bytes, non_blocking=True)
             self.stats.pack_s += time.perf_counter() - t0
             self._post(Closed(nbytes, []))
@@ -133,6 +138,7 @@ class BucketStream:
         self._shared = SegmentIndex() if LIVE and self.refs_to is not None else None
         next_check = time.perf_counter() + PACKING_CHECK_S
         closing = self.closing
+        host_buffers = self.buffers.buffer(0).device.type == "cpu"
         for _position, name, tensor in checked_items(source, manifest):
             if closing is not None:
                 closing.check(f"packing tensor {name!r}")
@@ -151,17 +157,23 @@ class BucketStream:
                     self._post(step)
                     continue
                 if flat is None:
-                    flat = as_bytes(tensor)  # only now: a DTensor gathers here, one at a time
-                    if self._planned is not None and (hasattr(tensor, "full_tensor")
-                                                      or self._data_ptr(flat) != self._data_ptr(tensor)):
-                        self._planned = None  # a copy made for this sync (strided, gathered): nothing to replay
+                    if host_buffers and type(tensor) in _PLAIN and tensor.is_cpu and tensor.is_contiguous():
+                        flat = tensor  # its address is all a memmove needs: no flat byte view made (issue 50)
+                    else:
+                        flat = as_bytes(tensor)  # only now: a DTensor gathers here, one at a time
+                        if self._planned is not None and (hasattr(tensor, "full_tensor")
+                                                          or self._data_ptr(flat) != self._data_ptr(tensor)):
+                            self._planned = None  # a copy made for this sync (strided, gathered): nothing to replay
                 if self.current is None:
                     self.current = self._take()
                 entry = step.entry
                 t0 = time.perf_counter()
-                # publish() waits for the device before a receiver hears of the bucket
-                self._copies.add(self.buffers.buffer(self.current), entry.offset, flat, entry.chunk_offset,
-                                 entry.chunk_bytes, non_blocking=True)
+                if flat is tensor:  # host to host: the packer keeps each chunk within the tensor's bytes
+                    memmove(self.buffers.buffer(self.current).data_ptr() + entry.offset,
+                            tensor.data_ptr() + entry.chunk_offset, entry.chunk_bytes)
+                else:  # publish() waits for the device before a receiver hears of the bucket
+                    self._copies.add(self.buffers.buffer(self.current), entry.offset, flat, entry.chunk_offset,
+                                     entry.chunk_bytes, non_blocking=True)
                 stats.pack_s += time.perf_counter() - t0
                 if self._planned is not None:
                     self._planned_pieces.append((entry.offset, flat, entry.chunk_offset, entry.chunk_bytes))
