@@ -61,6 +61,7 @@ CHANGES = {  # each a sync whose tensors are not the plan's: it must not replay
     "the last one changed": _changed(5, lambda n, t: (n, t.clone())),
     "a malformed item": _changed(3, lambda n, t: (n,)),
     "not a tensor": _changed(3, lambda n, t: (n, t.tolist())),
+    "a negative view of the same memory": _changed(0, lambda n, t: (n, torch._neg_view(t))),
     "reordered": lambda items: [items[1], items[0], *items[2:]],
     "one fewer": lambda items: items[:-1],
     "one more": lambda items: [*items, ("extra", torch.zeros(2))],
@@ -95,7 +96,7 @@ def test_the_look_at_the_first_tensor_never_refuses_what_the_match_takes_and_kee
     rest = list(rest)
     assert [id(item) for item in rest] == [id(item) for item in items]
     assert opens == (change not in {"reshaped in place (same memory)", "another dtype over the same memory",
-                                    "reordered"}), change  # the changes of the first tensor
+                                    "a negative view of the same memory", "reordered"}), change  # of the first
     same, _ = plan.match(iter(items))
     assert opens or not same
 
@@ -135,6 +136,22 @@ def test_the_look_at_the_first_tensor_reads_one_item_and_a_sources_error_waits_f
         next(rest)
     opens, rest = plan.opens(iter([]))
     assert not opens and not list(rest)
+
+
+def test_a_conjugate_view_of_the_planned_memory_plans_afresh():
+    z, w = torch.zeros(4, dtype=torch.complex64), torch.zeros(2)
+    plan = _plan([("z", z), ("w", w)])
+    assert plan.match(iter([("z", z.view(4)), ("w", w)]))[0]  # another object over the same memory: a replay
+    assert not plan.opens([("z", z.conj()), ("w", w)])[0]  # the same memory, read conjugated: never
+    assert not plan.match(iter([("z", z.conj()), ("w", w)]))[0]
+
+
+def test_a_lazy_conjugate_or_negative_destination_is_refused():
+    from hwsync.sync.bucket import matching_destination
+
+    for view in (torch.zeros(3, dtype=torch.complex64).conj(), torch._neg_view(torch.zeros(3))):
+        with pytest.raises(DestinationError, match="lazy .* view; return the tensor it views"):
+            matching_destination("w", view.dtype, (3,), view)
 
 
 def test_a_plan_of_a_strided_tensor_compares_strides():

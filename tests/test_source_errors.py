@@ -41,6 +41,10 @@ BAD = {
     "str item": ("ab", ["item #1 of the source is of type str", "(name, tensor) pair"]),
     "not a tensor": (("w", [1.0, 2.0]), ["item #1 ('w') of the source is of type list, not a torch.Tensor",
                                          "torch.as_tensor"]),
+    "conjugate view": (("w", torch.ones(2, dtype=torch.complex64).conj()),
+                       ["item #1 ('w') of the source is a lazy conjugate view", "tensor.resolve_conj()"]),
+    "negative view": (("w", torch._neg_view(torch.ones(2))),
+                      ["item #1 ('w') of the source is a lazy negative view", "tensor.resolve_neg()"]),
 }
 
 
@@ -124,3 +128,35 @@ def test_the_quick_check_of_an_item_takes_exactly_what_the_one_that_names_the_fa
             outcomes.append(str(exc))
     assert outcomes[0] == outcomes[1]
     assert isinstance(outcomes[0], str) == (case not in ODD_GOOD), outcomes[0]
+
+
+def test_a_conjugate_view_of_shared_memory_is_refused_not_sent_as_its_memory_holds_it():
+    """The one-copy path sends a reference to a tensor's memory: a lazy conjugate view of a shared tensor lies there
+    unconjugated, and a receiver reading it completed holding the values before conj() (until 2026-11-30)."""
+    import threading
+
+    from hwsync import WeightReceiver, WeightSender
+    from hwsync.sync.options import SenderOptions
+    from hwsync.sync.shared_params import SharedTensors
+
+    shared = SharedTensors([("z", torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64))])
+    dest, outcome = torch.zeros(2, dtype=torch.complex64), []
+    try:
+        with WeightSender(options=SenderOptions(timeout_s=20)) as sender:
+            def receive() -> None:
+                with WeightReceiver(sender.endpoint, timeout_s=20) as receiver:
+                    try:
+                        receiver.receive(into=lambda name, dtype, shape: dest)
+                        outcome.append("completed")
+                    except Exception as exc:  # noqa: BLE001 - what the test reads
+                        outcome.append(str(exc))
+
+            thread = threading.Thread(target=receive)
+            thread.start()
+            with pytest.raises(SourceError, match="item #0 .'z'. of the source is a lazy conjugate view"):
+                sender.send([("z", dict(shared.items())["z"].conj())], version=1)
+            thread.join(30)
+    finally:
+        shared.close()
+    assert outcome and "lazy conjugate view" in outcome[0], outcome
+    assert torch.equal(dest, torch.zeros(2, dtype=torch.complex64))

@@ -87,7 +87,7 @@ class SentPlan:
         try:
             given, tensor = first
             same = (given == name and type(tensor) is kind and self.data_ptr(tensor) == ptr and tensor.shape == shape
-                    and tensor.dtype is dtype
+                    and tensor.dtype is dtype and not tensor.is_conj() and not tensor.is_neg()
                     and (tensor.is_contiguous() if _contiguous(shape, stride) else tensor.stride() == stride))
         except (TypeError, ValueError, AttributeError, RuntimeError):
             same = False  # malformed: what is wrong, the fresh sync names
@@ -154,7 +154,8 @@ class _Columns:
                     run, self.names[start:end], self.types[start:end], self.ptrs[start:end], self.shapes[start:end],
                     self.dtypes[start:end]):
                 if (name != planned or type(tensor) is not kind or data_ptr(tensor) != ptr or tensor.shape != shape
-                        or tensor.dtype is not dtype or contiguous and not is_contiguous(tensor)):
+                        or tensor.dtype is not dtype or contiguous and not is_contiguous(tensor)
+                        or tensor.is_conj() or tensor.is_neg()):  # the same memory read conjugated or negated
                     return False
             if self.strides is None:
                 return True

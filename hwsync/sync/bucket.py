@@ -160,6 +160,9 @@ def matching_destination(name: str, dtype: torch.dtype, shape: tuple[int, ...], 
     if not dest.is_contiguous():
         raise DestinationError(f"into({name!r}) gave a non-contiguous tensor; return a contiguous one "
                                "or None to get this one through load")
+    if dest.is_conj() or dest.is_neg():  # bytes written into its memory would read back conjugated or negated
+        raise DestinationError(f"into({name!r}) gave a lazy {'conjugate' if dest.is_conj() else 'negative'} view; "
+                               "return the tensor it views, or None to get this one through load")
     return dest
 
 
@@ -384,7 +387,8 @@ def host_moves(pieces: list[tuple[torch.Tensor, int, int, int]]) -> Moves | None
     and in place (a replay checks it) as long as the moves are used."""
     if any(t.device.type != "cpu" for t, _, _, _ in pieces):
         return None
-    for t, at, _, nbytes in pieces:
-        if at + nbytes > t.numel():
-            raise IndexError(f"a recorded copy of {nbytes} bytes at {at} runs past a tensor of {t.numel()} bytes")
+    for t, at, _, nbytes in pieces:  # flat byte views, or contiguous tensors packed on their address
+        if at + nbytes > t.numel() * t.element_size():
+            raise IndexError(f"a recorded copy of {nbytes} bytes at {at} runs past a tensor of "
+                             f"{t.numel() * t.element_size()} bytes")
     return Moves([(t.data_ptr() + at, offset, nbytes) for t, at, offset, nbytes in pieces])

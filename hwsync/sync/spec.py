@@ -141,7 +141,8 @@ def named_tensor(position: int, item: Any, where: str = "the source",
     if isinstance(item, (tuple, list)) and len(item) == 2:
         name, tensor = item
         if (type(name) is str and isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided
-                and tensor.dtype in _SENDABLE and not tensor.is_meta and not tensor.is_nested):
+                and tensor.dtype in _SENDABLE and not tensor.is_meta and not tensor.is_nested
+                and not tensor.is_conj() and not tensor.is_neg()):
             return name, tensor
     return _checked_named_tensor(position, item, where, error)
 
@@ -170,6 +171,11 @@ def _checked_named_tensor(position: int, item: Any, where: str, error: type[Exce
     if tensor.layout is not torch.strided:
         raise error(f"{label} has layout {tensor.layout}, which has no plain bytes to send; send tensor.to_dense() "
                     "instead, or its parts (indices, values) as tensors of their own")
+    if tensor.is_conj() or tensor.is_neg():
+        fix = "tensor.resolve_conj()" if tensor.is_conj() else "tensor.resolve_neg()"
+        raise error(f"{label} is a lazy {'conjugate' if tensor.is_conj() else 'negative'} view: its memory holds the "
+                    f"values before the {'conj()' if tensor.is_conj() else 'negation'}, which would be sent as they "
+                    f"are; send {fix} instead")
     if tensor.dtype not in _SENDABLE:
         raise error(f"{label} has dtype {tensor.dtype}, which hwsync cannot send (it sends "
                     f"{', '.join(sorted(WIRE_DTYPES))}); convert it first, e.g. tensor.dequantize() or "
