@@ -134,7 +134,8 @@ def named_tensor(position: int, item: Any, where: str = "the source",
 
     Refused: anything but a 2-item tuple or list; a name that is not a str; a value that is not
     a tensor; tensors without plain bytes to copy (meta, sparse and other non-strided layouts,
-    nested, quantized or other dtypes the wire has no name for).
+    nested, quantized or other dtypes the wire has no name for); lazy conjugate or negative views
+    (their memory holds the values before the view: the bytes sent would be those).
     """
     # a sync asks this of every tensor: every check at once first; what fails one is checked again below, one at
     # a time, to say which (that path accepts all this one does)
