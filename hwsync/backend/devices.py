@@ -80,8 +80,9 @@ def start_on_this_device(target: Callable[[], Any], name: str, device: Device | 
     return thread
 
 
-#: tensor types that always hold a storage of their own (a wrapper is a subclass)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: tensor types that always hold a storage of their own and read their bytes there (a wrapper, a DTensor, any
+#: type that reads or gathers its memory otherwise is a subclass)
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def identified(ptr: int, tensor: torch.Tensor, data_ptr: Callable[[torch.Tensor], int]) -> bool:
@@ -97,7 +98,7 @@ def identified(ptr: int, tensor: torch.Tensor, data_ptr: Callable[[torch.Tensor]
         return False
     if data_ptr is not torch.Tensor.data_ptr:  # the backend's own addresses: they are its memory's
         return True
-    if type(tensor) in _PLAIN:  # not a subclass, so no wrapper: its storage is its own (no storage object made)
+    if type(tensor) in PLAIN_TENSOR_TYPES:  # no wrapper: its storage is its own (no storage object made)
         return True
     try:
         return tensor.untyped_storage().data_ptr() != 0

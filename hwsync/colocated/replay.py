@@ -83,15 +83,8 @@ class SentPlan:
             return False, it
         except Exception as exc:  # noqa: BLE001 - the source's own error: raised where the sync reads its items
             return False, _raising(exc)
-        name, kind, ptr, shape, stride, dtype = self.tensors[0]
-        try:
-            given, tensor = first
-            same = (given == name and type(tensor) is kind and self.data_ptr(tensor) == ptr and tensor.shape == shape
-                    and tensor.dtype is dtype and not tensor.is_conj() and not tensor.is_neg()
-                    and (tensor.is_contiguous() if _contiguous(shape, stride) else tensor.stride() == stride))
-        except (TypeError, ValueError, AttributeError, RuntimeError):
-            same = False  # malformed: what is wrong, the fresh sync names
-        return same, chain([first], it)
+        # the match's own comparison, over a plan of the first tensor alone (strides compared if it is strided)
+        return _Columns(self.tensors[:1], self.data_ptr).same([first], 0), chain([first], it)
 
     def match(self, items: Iterable[tuple[str, torch.Tensor]]) -> tuple[bool, Iterator[tuple[str, torch.Tensor]]]:
         """Whether `items` are this plan's tensors as they were; and the items: all of them when they are, else

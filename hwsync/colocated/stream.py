@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
+from hwsync.backend.devices import PLAIN_TENSOR_TYPES
 from hwsync.backend.interfaces import SendBuffers
 from hwsync.colocated.doorbell import DESCRIPTOR_BYTES, Doorbell, spin_wait
 from hwsync.colocated.mapped import MappedSources
@@ -44,8 +45,6 @@ from hwsync.sync.spec import NamedTensors, TensorSpec, checked_items, dtype_name
 from hwsync.sync.stats import SyncStats
 from hwsync.timing import PACKING_CHECK_S
 
-#: tensor types packed from their own address (a subclass may hold its bytes elsewhere, or gather them)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 #: room kept in a descriptor for the frame's own fields besides the entries
 _FRAME_OVERHEAD = 1024
 #: a Refs batch is sent once it references this many bytes (receivers start copying early)...
@@ -157,7 +156,7 @@ class BucketStream:
                     self._post(step)
                     continue
                 if flat is None:
-                    if host_buffers and type(tensor) in _PLAIN and tensor.is_cpu and tensor.is_contiguous():
+                    if host_buffers and type(tensor) in PLAIN_TENSOR_TYPES and tensor.is_cpu and tensor.is_contiguous():
                         flat = tensor  # its address is all a memmove needs: no flat byte view made (issue 50)
                     else:
                         flat = as_bytes(tensor)  # only now: a DTensor gathers here, one at a time

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from hwsync.backend.devices import identified
+from hwsync.backend.devices import PLAIN_TENSOR_TYPES, identified
 from hwsync.backend.interfaces import Device
 from hwsync.backend.shm import SharedSegment
 from hwsync.protocol.layout import ALIGNMENT, SegmentSpec
@@ -63,10 +63,6 @@ def find_shared(tensor: torch.Tensor) -> tuple[SegmentSpec, int] | None:
     return SegmentIndex().find(tensor)
 
 
-#: the tensor types whose memory a segment can hold (a subclass may read its memory otherwise)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
 class SegmentIndex:
     """This process's live segments by address, taken once for many lookups (one sync's tensors): a binary search
     per tensor, not a scan of every segment (a large model lies in tens of them)."""
@@ -84,7 +80,7 @@ class SegmentIndex:
         the segments, contiguous, at an aligned offset; else None."""
         if not self._bases:
             return None
-        if type(tensor) not in _PLAIN or not tensor.is_cpu or not tensor.is_contiguous():
+        if type(tensor) not in PLAIN_TENSOR_TYPES or not tensor.is_cpu or not tensor.is_contiguous():
             return None
         if nbytes is None:
             nbytes = tensor.numel() * tensor.element_size()
